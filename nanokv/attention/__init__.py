@@ -1,0 +1,1 @@
+"""Attention glue between model layers and kernels: metadata, context, backend choice."""

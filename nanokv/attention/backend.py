@@ -1,0 +1,53 @@
+"""Attention backends: one interface, a torch reference (CPU) and Triton (GPU) implementation."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from nanokv.attention.metadata import AttentionMetadata
+from nanokv.kv.cache import LayerKVCache
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+                      slot_mapping: torch.Tensor) -> None: ...
+
+    def paged_attention(self, q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata,
+                        scale: float) -> torch.Tensor: ...
+
+
+class TorchBackend:
+    name = "torch"
+
+    def store_kvcache(self, k, v, cache, slot_mapping):
+        from nanokv.kernels import reference
+        reference.store_kvcache(k, v, cache, slot_mapping)
+
+    def paged_attention(self, q, cache, md, scale):
+        from nanokv.kernels import reference
+        return reference.paged_attention(q, cache, md, scale)
+
+
+_BACKEND: AttentionBackend = TorchBackend()
+
+
+def get_backend() -> AttentionBackend:
+    return _BACKEND
+
+
+def set_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
+    """Pick the backend: 'torch', 'triton', or 'auto' (triton on CUDA, torch on CPU)."""
+    global _BACKEND
+    dev = torch.device(device)
+    if name == "auto":
+        name = "triton" if dev.type == "cuda" else "torch"
+    if name == "triton":
+        from nanokv.kernels.triton_backend import TritonBackend
+        _BACKEND = TritonBackend()
+    else:
+        _BACKEND = TorchBackend()
+    return _BACKEND

@@ -1,0 +1,200 @@
+"""EngineConfig: the one typed, validated configuration object.
+
+Built once (``EngineConfig.from_kwargs(**kw)``); unknown keys are rejected with a suggestion and
+every value is range-checked here so the rest of the code can trust it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanokv.errors import ConfigError
+
+EVICTION_POLICIES = ("lru", "lru_k", "clock", "arc", "s3fifo", "sieve", "depth_lru", "adaptive")
+SPARSITY_POLICIES = ("streaming", "interval", "attention", "hybrid")
+HASH_ALGOS = ("sha256", "blake2b")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_BITS = (4, 8, 16)  # 16 = full precision (the model dtype) for that layer
+
+DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV on CPU unless told otherwise
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+@dataclass
+class EngineConfig:
+    # model
+    model: str | None = None  # GGUF file, HF folder, or None for the embedded SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # paged KV cache
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # overrides the memory-derived count (on any device)
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # CPU byte budget for KV (default 1 GiB)
+    # scheduler
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    enable_chunked_prefill: bool = True
+    # prefix cache
+    enable_prefix_caching: bool = True
+    eviction_policy: str = "clock"
+    lru_k: int = 2
+    prefix_caching_hash_algo: str = "sha256"
+    # compression
+    enable_compression: bool = False
+    quantization_bitwidth: Any = 8  # 8, 4, or {"default": 4, "layers": {"0": 8, "-1": 8}}
+    compression_sparsity: float = 0.0
+    sparsity_policy: str = "streaming"
+    # execution
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    # self-tuning (off until it proves itself)
+    adaptive: bool = False
+    adaptive_mode: str = "act"  # "act" or "recommend"
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, sorted(names), n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise ConfigError(key, f"unknown config key{hint} Allowed keys: {', '.join(sorted(names))}")
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    # ---- validation -------------------------------------------------------------------------
+    def validate(self) -> None:
+        def choice(name: str, allowed: tuple[str, ...]) -> None:
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(name, f"got {value!r}; allowed values: {', '.join(allowed)}")
+
+        def int_range(name: str, lo: int, hi: int | None = None, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(name, f"must be an integer, got {value!r}")
+            if value < lo or (hi is not None and value > hi):
+                bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
+                raise ConfigError(name, f"got {value}; must be {bound}")
+
+        choice("dtype", DTYPES)
+        choice("device", DEVICES)
+        choice("eviction_policy", EVICTION_POLICIES)
+        choice("sparsity_policy", SPARSITY_POLICIES)
+        choice("prefix_caching_hash_algo", HASH_ALGOS)
+        choice("attention_backend", ATTENTION_BACKENDS)
+        choice("adaptive_mode", ("act", "recommend"))
+        if not isinstance(self.block_size, int) or not _power_of_two(self.block_size) or not (
+            8 <= self.block_size <= 256
+        ):
+            raise ConfigError("block_size", f"got {self.block_size!r}; allowed: a power of two from 8 to 256")
+        int_range("num_gpu_blocks", 1, allow_none=True)
+        int_range("kv_cache_memory_bytes", 1, allow_none=True)
+        int_range("max_num_seqs", 1, 65536)
+        int_range("max_num_batched_tokens", 1)
+        int_range("max_model_len", 1, allow_none=True)
+        int_range("tensor_parallel_size", 1, 64)
+        int_range("seed", 0)
+        int_range("lru_k", 2, 3)
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not (
+            0.0 < float(self.gpu_memory_utilization) <= 1.0
+        ):
+            raise ConfigError(
+                "gpu_memory_utilization", f"got {self.gpu_memory_utilization!r}; must be in (0, 1]"
+            )
+        s = self.compression_sparsity
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not (0.0 <= float(s) < 1.0):
+            raise ConfigError("compression_sparsity", f"got {s!r}; must be a number in [0, 1)")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_compression",
+                     "enforce_eager", "adaptive"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
+        self.quantization_bitwidth = parse_bitwidth(self.quantization_bitwidth)
+
+    # ---- derived ----------------------------------------------------------------------------
+    def layer_bits(self, num_layers: int) -> list[int]:
+        """The per-layer KV bit plan (16 = full precision), fixed at start-up."""
+        if not self.enable_compression:
+            return [16] * num_layers
+        spec = self.quantization_bitwidth
+        bits = [int(spec["default"])] * num_layers
+        for key, b in spec["layers"].items():
+            idx = int(key)
+            if not -num_layers <= idx < num_layers:
+                raise ConfigError(
+                    "quantization_bitwidth",
+                    f"layer {key} out of range for a model with {num_layers} layers "
+                    f"(allowed: {-num_layers}..{num_layers - 1})",
+                )
+            bits[idx] = int(b)
+        return bits
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("extra")
+        return d
+
+
+def parse_bitwidth(value: Any) -> dict[str, Any]:
+    """Normalise `quantization_bitwidth` to {"default": b, "layers": {"i": b}}.
+
+    Accepts 8, 4, "8", a dict, or a JSON string of a dict (from the command line).
+    """
+    allowed = ", ".join(str(b) for b in KV_BITS)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError("quantization_bitwidth", f"invalid JSON: {e}") from None
+        elif text.lstrip("-").isdigit():
+            value = int(text)
+    if isinstance(value, bool):
+        raise ConfigError("quantization_bitwidth", f"got {value!r}; allowed: {allowed} or a per-layer dict")
+    if isinstance(value, int):
+        if value not in KV_BITS:
+            raise ConfigError("quantization_bitwidth", f"got {value}; allowed bit widths: {allowed}")
+        return {"default": value, "layers": {}}
+    if isinstance(value, dict):
+        unknown = set(value) - {"default", "layers"}
+        if unknown:
+            raise ConfigError(
+                "quantization_bitwidth", f"unknown keys {sorted(unknown)}; allowed: 'default', 'layers'"
+            )
+        default = parse_bitwidth(value.get("default", 8))["default"]
+        layers_in = value.get("layers", {}) or {}
+        if not isinstance(layers_in, dict):
+            raise ConfigError("quantization_bitwidth.layers", "must map layer index to bit width")
+        layers: dict[str, int] = {}
+        for k, b in layers_in.items():
+            try:
+                int(k)
+            except (TypeError, ValueError):
+                raise ConfigError(
+                    "quantization_bitwidth.layers", f"layer key {k!r} is not an integer index"
+                ) from None
+            if isinstance(b, bool) or b not in KV_BITS:
+                raise ConfigError(
+                    "quantization_bitwidth.layers", f"layer {k}: got {b!r}; allowed bit widths: {allowed}"
+                )
+            layers[str(int(k))] = int(b)
+        return {"default": default, "layers": layers}
+    raise ConfigError("quantization_bitwidth", f"got {value!r}; allowed: {allowed} or a per-layer dict")

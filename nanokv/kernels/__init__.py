@@ -1,0 +1,1 @@
+"""Attention kernels: Triton implementations and torch references with the same contract."""

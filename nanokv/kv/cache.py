@@ -1,0 +1,87 @@
+"""Paged KV cache tensors for one layer, in one of three formats.
+
+Layout (the contract every kernel and the torch reference share). N blocks, H kv heads on this
+rank, bs = block_size, D = head_dim. A block id means the same thing in every layer and format.
+
+  bits=16  k, v: [N, H, bs, D] model dtype
+  bits=8   k, v: int8  [N, H, bs, D]      k_scale, v_scale: float16 [N, H, bs]  (symmetric, per token-head)
+  bits=4   k, v: uint8 [N, H, bs, D // 2] (dim d in the low nibble, d + D/2 in the high nibble)
+           k_scale, v_scale, k_zero, v_zero: float16 [N, H, bs]                 (asymmetric, per token-head)
+
+[H, bs, D] per block keeps one (block, head) tile contiguous, so a decode program reads bs*D
+consecutive elements per block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LayerKVCache:
+    bits: int
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    k_zero: torch.Tensor | None = None
+    v_zero: torch.Tensor | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.k.shape[0])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.k.shape[2])
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits < 16
+
+
+def bytes_per_block(bits: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one block of K and V takes in one layer, scales and zero points included."""
+    n = num_kv_heads * block_size
+    if bits == 16:
+        return 2 * n * head_dim * torch.empty((), dtype=dtype).element_size()
+    if bits == 8:
+        return 2 * (n * head_dim + 2 * n)
+    if bits == 4:
+        return 2 * (n * head_dim // 2 + 4 * n)
+    raise ValueError(f"unsupported KV bit width {bits}")
+
+
+def allocate_layer_cache(
+    bits: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+    dtype: torch.dtype, device: torch.device | str,
+) -> LayerKVCache:
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    meta = (num_blocks, num_kv_heads, block_size)
+    if bits == 16:
+        return LayerKVCache(16, torch.zeros(shape, dtype=dtype, device=device),
+                            torch.zeros(shape, dtype=dtype, device=device))
+    if bits == 8:
+        return LayerKVCache(
+            8, torch.zeros(shape, dtype=torch.int8, device=device), torch.zeros(shape, dtype=torch.int8, device=device),
+            k_scale=torch.zeros(meta, dtype=torch.float16, device=device),
+            v_scale=torch.zeros(meta, dtype=torch.float16, device=device),
+        )
+    if bits == 4:
+        if head_dim % 2:
+            raise ValueError("int4 KV needs an even head_dim")
+        half = (num_blocks, num_kv_heads, block_size, head_dim // 2)
+        return LayerKVCache(
+            4, torch.zeros(half, dtype=torch.uint8, device=device), torch.zeros(half, dtype=torch.uint8, device=device),
+            k_scale=torch.zeros(meta, dtype=torch.float16, device=device),
+            v_scale=torch.zeros(meta, dtype=torch.float16, device=device),
+            k_zero=torch.zeros(meta, dtype=torch.float16, device=device),
+            v_zero=torch.zeros(meta, dtype=torch.float16, device=device),
+        )
+    raise ValueError(f"unsupported KV bit width {bits}")
