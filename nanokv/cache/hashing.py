@@ -1,0 +1,81 @@
+"""Chained block hashes: hash(block i) = H(hash(block i-1) || extra keys || token ids of block i).
+
+Chaining makes a block hash name the whole prefix up to and including that block, so equal hashes
+at position i imply identical first i+1 blocks and a prefix lookup is a walk of dict probes.
+The tenant salt (``cache_salt``) is folded into the root, so two salts never produce a common
+hash and can never share a block (no cross-tenant timing side channel).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from nanokv.errors import NanoKVError
+
+HASH_ALGOS = ("sha256", "blake2b")
+_ROOT_TAG = b"nanokv-prefix-root-v1"
+
+
+def _new(algo: str) -> Any:  # hashlib's object types differ per algorithm; both have update/digest
+    if algo == "sha256":
+        return hashlib.sha256()
+    if algo == "blake2b":
+        return hashlib.blake2b(digest_size=32)  # same width as sha256 so keys look alike
+    raise NanoKVError("hash_algo", f"got {algo!r}; allowed values: {', '.join(HASH_ALGOS)}")
+
+
+def root_hash(cache_salt: str | None = None, algo: str = "sha256") -> bytes:
+    """Parent hash of block 0. Different salts give different roots, hence disjoint chains."""
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise NanoKVError("cache_salt", f"must be a string or null, got {type(cache_salt).__name__}")
+    h = _new(algo)
+    h.update(_ROOT_TAG)
+    if cache_salt is not None:
+        # A length prefix keeps salt "" distinct from no salt and avoids concatenation ambiguity.
+        raw = cache_salt.encode("utf-8")
+        h.update(b"\x01" + struct.pack("<Q", len(raw)) + raw)
+    return h.digest()
+
+
+def block_hash(
+    parent: bytes, token_ids: Sequence[int], extra_keys: bytes = b"", algo: str = "sha256"
+) -> bytes:
+    """Hash of one block given its parent's hash, optional extra keys (e.g. LoRA / image ids)."""
+    h = _new(algo)
+    h.update(parent)
+    h.update(struct.pack("<I", len(extra_keys)))
+    h.update(extra_keys)
+    try:
+        h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    except struct.error as exc:  # non-int or out-of-range token ids come from user input
+        raise NanoKVError("token_ids", f"token ids must be integers in int64 range ({exc})") from exc
+    return h.digest()
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    algo: str = "sha256",
+    *,
+    parent: bytes | None = None,
+    start_block: int = 0,
+    max_blocks: int | None = None,
+) -> list[bytes]:
+    """Hashes of the full blocks of ``token_ids`` from ``start_block`` on (incremental use:
+    pass the hash of block ``start_block - 1`` as ``parent``)."""
+    if parent is None:
+        if start_block != 0:
+            raise ValueError("parent hash is required when start_block > 0")
+        parent = root_hash(cache_salt, algo)
+    n_full = len(token_ids) // block_size
+    if max_blocks is not None:
+        n_full = min(n_full, max_blocks)
+    out: list[bytes] = []
+    for i in range(start_block, n_full):
+        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size], algo=algo)
+        out.append(parent)
+    return out

@@ -1,0 +1,59 @@
+"""The eviction-policy contract shared by the engine and the simulator.
+
+Evictable blocks are blocks with refcount 0 that still hold a cached hash. The block pool tells a
+policy four things and asks one:
+
+* ``on_evictable(b, key, depth, tail)`` - block ``b`` (hash ``key``, logical position ``depth`` in
+  its sequence) became evictable: first time after its KV was computed, or again after being
+  unpinned. ``tail`` is how many cached blocks of the releasing sequence follow it (0 = the
+  deepest one; -1 = unknown). Blocks of one sequence arrive tail first.
+* ``on_hit(b)`` - the cached content of ``b`` was requested again (prefix hit, or recomputed by a
+  sequence that could not reach it). ``b`` may be evictable or pinned.
+* ``on_remove(b, forget=False)`` - ``b`` left the evictable set because a sequence pinned it
+  (``forget=False``: it will come back through ``on_evictable``) or its hash was dropped
+  (``forget=True``: the policy must drop every trace of the block id, ghosts may stay).
+* ``victim()`` - choose a currently evictable block, forget it (history keyed by ``key`` may be
+  kept, bounded), and return its id. Only called when ``len(policy) > 0``.
+
+Policies may keep a pinned block in place inside their queues (lazy pinning) as long as
+``victim()`` never returns it; that is what keeps FIFO-like policies faithful ("hits don't move").
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+from typing import ClassVar
+
+
+class EvictionPolicy(ABC):
+    name: ClassVar[str] = "base"
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+
+    @abstractmethod
+    def on_evictable(self, block_id: int, key: Hashable, depth: int, tail: int = -1) -> None: ...
+
+    @abstractmethod
+    def on_hit(self, block_id: int) -> None: ...
+
+    @abstractmethod
+    def on_remove(self, block_id: int, forget: bool = False) -> None: ...
+
+    @abstractmethod
+    def victim(self) -> int: ...
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of evictable blocks (pinned ones excluded)."""
+
+    @abstractmethod
+    def snapshot(self) -> list[tuple[int, bool]]:
+        """Evictable blocks coldest first, each with "was reused" - used to carry state across a
+        runtime policy switch (``KVCacheManager.set_policy``). O(n), only called on a switch."""
+
+    def set_clock(self, now: int) -> None:  # noqa: B027 - optional hook, only Belady uses it
+        """Simulator hook: the index of the request being replayed (offline policies only)."""

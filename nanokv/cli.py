@@ -1,0 +1,127 @@
+"""`nanokv` command line: generate | serve | bench | simulate | eval."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from nanokv.errors import NanoKVError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine config flags shared by the subcommands (names map 1:1 to EngineConfig keys)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
+    g.add_argument("--dtype", default=None)
+    g.add_argument("--device", default=None)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--num-gpu-blocks", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--eviction-policy", default=None)
+    g.add_argument("--enable-compression", action="store_true", default=None)
+    g.add_argument("--quantization-bitwidth", default=None, help="8, 4, or a JSON per-layer plan")
+    g.add_argument("--compression-sparsity", type=float, default=None)
+    g.add_argument("--sparsity-policy", default=None)
+    g.add_argument("--enforce-eager", action="store_true", default=None)
+    g.add_argument("--tensor-parallel-size", type=int, default=None)
+    g.add_argument("--attention-backend", default=None)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    g.add_argument("--adaptive", action="store_true", default=None)
+
+
+ENGINE_KEYS = ("model", "dtype", "device", "block_size", "num_gpu_blocks", "gpu_memory_utilization",
+               "max_num_seqs", "max_num_batched_tokens", "max_model_len", "eviction_policy",
+               "enable_compression", "quantization_bitwidth", "compression_sparsity", "sparsity_policy",
+               "enforce_eager", "tensor_parallel_size", "attention_backend", "enable_prefix_caching", "adaptive")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ENGINE_KEYS if getattr(args, k, None) is not None}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from nanokv.engine.llm import LLM
+    from nanokv.sampling import SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    prompts = args.prompt
+    if args.raw:
+        outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    else:
+        ids = [llm.engine.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        outs = llm.generate(ids, params, use_tqdm=len(prompts) > 1)
+    if args.json:
+        print(json.dumps([{
+            "prompt": p, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+            "error": o.error, "num_cached_tokens": o.num_cached_tokens,
+            "ttft_s": (o.metrics.first_token_time - o.metrics.arrival_time) if o.metrics.first_token_time else None,
+            "e2e_s": (o.metrics.finish_time - o.metrics.arrival_time) if o.metrics.finish_time else None,
+        } for p, o in zip(prompts, outs)], indent=2))
+    else:
+        for o in outs:
+            print(o.text if o.error is None else f"error: {o.error}")
+    return 0 if all(o.error is None for o in outs) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nanokv", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate a reply with the chat template")
+    g.add_argument("prompt", nargs="+")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    g.add_argument("--json", action="store_true")
+    add_engine_args(g)
+
+    b = sub.add_parser("bench", help="throughput benchmarks (prints numbers, writes JSON)")
+    from nanokv.bench.cli import add_bench_args
+    add_bench_args(b)
+    add_engine_args(b)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    try:
+        from nanokv.server.cli import add_serve_args
+        add_serve_args(s)
+    except ImportError:  # pragma: no cover - server extras missing
+        pass
+
+    sim = sub.add_parser("simulate", help="replay a trace through the cache manager", add_help=False)
+    sim.add_argument("rest", nargs=argparse.REMAINDER)
+    ev = sub.add_parser("eval", help="quality of KV compression settings", add_help=False)
+    ev.add_argument("rest", nargs=argparse.REMAINDER)
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # simulate/eval own their flags: hand them the raw arguments
+    if argv and argv[0] == "simulate":
+        from nanokv.cache.simulate import main as sim_main
+        return int(sim_main(argv[1:]) or 0)
+    if argv and argv[0] == "eval":
+        from nanokv.eval.cli import main as eval_main
+        return int(eval_main(argv[1:]) or 0)
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "generate":
+            return cmd_generate(args)
+        if args.cmd == "bench":
+            from nanokv.bench.cli import run_bench
+            return run_bench(args, engine_kwargs(args))
+        if args.cmd == "serve":
+            from nanokv.server.cli import serve_main
+            return int(serve_main(args) or 0)
+    except NanoKVError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The control plane: LLM (offline API), Engine (step API), Scheduler, Sequence."""

@@ -1,0 +1,244 @@
+"""Engine: the step-level API (add_request / step / abort) that LLM and the server drive."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanokv.cache.manager import KVCacheManager
+from nanokv.config import EngineConfig
+from nanokv.engine.detokenizer import check_stop_strings, detokenize_step
+from nanokv.engine.scheduler import Scheduler
+from nanokv.engine.sequence import RequestMetrics, Sequence
+from nanokv.errors import RequestError
+from nanokv.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
+from nanokv.runner.sampler import Sampler
+from nanokv.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    logprobs: list[dict[str, Any]] | None
+    metrics: RequestMetrics
+    error: str | None = None
+    stop_reason: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any):
+        from nanokv.model.loader import load_model, load_tokenizer, random_model
+
+        self.config = cfg = config if config is not None else EngineConfig.from_kwargs(**kwargs)
+        torch.manual_seed(cfg.seed)
+        self.device = resolve_device(cfg)
+        self.dtype = resolve_dtype(cfg, self.device)
+        if cfg.model is not None and cfg.model.startswith("random:"):
+            self.model, self.model_config = random_model(cfg.model[len("random:"):], self.dtype, self.device,
+                                                         seed=cfg.seed)
+            self.tokenizer = None
+        else:
+            self.model, self.model_config = load_model(cfg.model, self.dtype, self.device)
+            self.tokenizer = load_tokenizer(cfg.model)
+        self.model_name = cfg.model or "SmolLM2-135M-Instruct"
+        mc = self.model_config
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.runner = ModelRunner(cfg, self.model, mc, self.device, self.dtype)
+        self.cache_manager = KVCacheManager(
+            self.runner.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+            eviction_policy=cfg.eviction_policy, lru_k=cfg.lru_k, hash_algo=cfg.prefix_caching_hash_algo,
+        )
+        self.scheduler = Scheduler(self.cache_manager, max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   enable_chunked_prefill=cfg.enable_chunked_prefill)
+        self.sampler = Sampler(self.device)
+        eos = set(mc.eos_token_ids or [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = eos
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0}
+        self._batch_sizes: list[int] = []
+        self._last_batch_size = 0
+
+    # ---- requests -----------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("messages", "this model has no tokenizer; send token ids")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages", "must be a non-empty list of {role, content} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+                raise RequestError(f"messages[{i}].content", "must be a string")
+            if m.get("role") not in ("system", "user", "assistant"):
+                raise RequestError(f"messages[{i}].role", "allowed roles: system, user, assistant")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt", "this model has no tokenizer; send token ids")
+            if not prompt:
+                raise RequestError("prompt", "must not be empty")
+            return list(self.tokenizer(prompt)["input_ids"])
+        if not isinstance(prompt, list) or not prompt:
+            raise RequestError("prompt", "must be a non-empty string or a non-empty list of token ids")
+        V = self.model_config.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
+                raise RequestError("prompt", f"token id {t!r} out of range; allowed: integers in [0, {V})")
+        return list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        params = params if params is not None else SamplingParams()
+        if request_id in self._seqs:
+            raise RequestError("request_id", f"{request_id!r} is already in use")
+        ids = self._tokenize(prompt)
+        n, L = len(ids), self.max_model_len
+        if n >= L:
+            raise RequestError("prompt", f"prompt has {n} tokens; the context is {L} tokens "
+                                         f"(max_model_len), so at most {L - 1} are allowed")
+        max_tokens = params.max_tokens if params.max_tokens is not None else L - n
+        if n + max_tokens > L:
+            raise RequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the "
+                                             f"context of {L} tokens; allowed: at most {L - n}")
+        bs = self.config.block_size
+        need = (n + max_tokens + bs - 1) // bs
+        if need > self.cache_manager.num_blocks:
+            raise RequestError("max_tokens", f"prompt + max_tokens needs {need} KV blocks but the whole cache "
+                                             f"has {self.cache_manager.num_blocks}; lower max_tokens")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError("cache_salt", "must be a string")
+        seq = Sequence(next(self._ids), request_id, ids, params, max_tokens, cache_salt=cache_salt)
+        if arrival_time is not None:
+            seq.metrics.arrival_time = arrival_time
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        self._counters["prompt_tokens"] += n
+
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return
+        self.scheduler.abort(seq)
+        self.sampler.forget(seq.seq_id)
+        seq.finish_reason = "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sched = out.scheduled
+        items = [(s.seq.token_ids, s.seq.num_computed_tokens, s.num_new_tokens, s.block_table, i < len(out.prefills))
+                 for i, s in enumerate(sched)]
+        rows = [i for i, s in enumerate(sched) if s.samples]
+        now = time.monotonic()
+        for s in sched:
+            if s.seq.metrics.first_scheduled_time is None:
+                s.seq.metrics.first_scheduled_time = now
+        logits = self.runner.execute(items, rows)
+        self.scheduler.update(out)
+        self._counters["computed_tokens"] += out.num_tokens
+        self._last_batch_size = len(sched)
+        self._batch_sizes.append(len(sched))
+        if len(self._batch_sizes) > 10000:
+            del self._batch_sizes[:5000]
+        outputs: list[RequestOutput] = []
+        if rows:
+            seqs = [sched[r].seq for r in rows]
+            res = self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
+            for seq, tok, lp in zip(seqs, res.token_ids, res.logprobs):
+                outputs.append(self._on_token(seq, tok, lp))
+        return outputs
+
+    def _on_token(self, seq: Sequence, tok: int, lp: tuple[float, dict[int, float]] | None) -> RequestOutput:
+        now = time.monotonic()
+        seq.append_token(tok)
+        self._counters["generation_tokens"] += 1
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        if lp is not None:
+            seq.logprobs.append({"token_id": tok, "logprob": lp[0], "top": lp[1]})
+        p = seq.params
+        reason = None
+        before = len(seq.text)
+        delta_len = 0
+        if self.tokenizer is not None:
+            delta_len = len(detokenize_step(self.tokenizer, seq))
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            reason = "stop"
+        elif tok in p.stop_token_ids:
+            reason, seq.stop_reason = "stop", tok
+        elif check_stop_strings(seq, delta_len):
+            reason = "stop"
+        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason = reason
+            seq.metrics.finish_time = now
+            self.scheduler.finish(seq)
+            self.sampler.forget(seq.seq_id)
+            self._seqs.pop(seq.request_id, None)
+        new_tokens = seq.output_token_ids[seq.sent_tokens:]
+        seq.sent_tokens = seq.num_output_tokens
+        delta_text = seq.text[min(before, len(seq.text)):] if reason is None else seq.text[seq.sent_text_len:]
+        seq.sent_text_len = len(seq.text)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids), new_token_ids=new_tokens, text=seq.text,
+            delta_text=delta_text, finished=reason is not None, finish_reason=reason,
+            num_cached_tokens=seq.num_cached_tokens, logprobs=list(seq.logprobs) if p.logprobs is not None else None,
+            metrics=seq.metrics, stop_reason=seq.stop_reason,
+        )
+
+    # ---- observability ------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        cs = self.cache_manager.stats
+        batch_sizes, self._batch_sizes = self._batch_sizes, []
+        return {
+            "kv_cache_usage": self.cache_manager.usage(),
+            "num_running": self.num_running(),
+            "num_waiting": self.num_waiting(),
+            "prefix_queries_tokens": cs.prefix_queries_tokens,
+            "prefix_hits_tokens": cs.prefix_hits_tokens,
+            "evictions_by_policy": dict(cs.evictions_by_policy),
+            "eviction_policy": self.config.eviction_policy,
+            "recomputed_tokens": cs.recomputed_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+            "last_batch_size": self._last_batch_size,
+            "batch_sizes": batch_sizes,
+            "compression_error": {},
+            "adaptations": {},
+            **self._counters,
+        }

@@ -1,0 +1,1 @@
+"""Quality of KV compression: perplexity / KL / top-1 / passkey through the paged cache (`nanokv eval`)."""

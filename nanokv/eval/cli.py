@@ -1,0 +1,160 @@
+"""`nanokv eval`: quality of a KV compression setting against the full-precision cache.
+
+    nanokv eval --quantization-bitwidth 4 [--layer-bits '{"0": 8, "-1": 8}'] [--rotation auto|on|off]
+                [--tokens 8192 --context 2048 --chunk 64] [--passkey-lengths 512,1024,2048]
+                [--corpus FILE] [--model PATH] [--json OUT]
+    nanokv eval --setting int8 --setting int4 ...      (named presets, all in one lockstep run)
+
+Prints a table last (bytes/token vs bf16, PPL, dPPL %, KL mean / p99.9, top-1, passkey) and
+writes everything (including per-layer compression error and passkey samples) to --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from nanokv.config import SPARSITY_POLICIES
+from nanokv.errors import NanoKVError
+from nanokv.eval import corpus, settings
+from nanokv.eval.passkey import MAX_NEW
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nanokv eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--corpus", default=None, help="UTF-8 text file (default: a held-out Shakespeare play)")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens scored for perplexity (0: skip)")
+    p.add_argument("--context", type=int, default=2048, help="window length in tokens")
+    p.add_argument("--chunk", type=int, default=64, help="tokens fed per step (each reads the cache)")
+    p.add_argument("--quantization-bitwidth", default="8", help="8, 4 (or 16: the reference vs itself)")
+    p.add_argument("--layer-bits", default=None, help='per-layer plan, e.g. \'{"0": 8, "-1": 8}\'')
+    p.add_argument("--rotation", default="auto", help="Hadamard key rotation: auto (format default), on, off")
+    p.add_argument("--setting", action="append", default=[],
+                   help=f"named preset, repeatable: {', '.join(settings.PRESETS)}")
+    p.add_argument("--compression-sparsity", type=float, default=0.0)
+    p.add_argument("--sparsity-policy", default="streaming")
+    p.add_argument("--passkey-lengths", default="512,1024,2048",
+                   help="comma list of prompt lengths ('' = skip)")
+    p.add_argument("--passkey-trials", type=int, default=10, help="prompts per length")
+    p.add_argument("--json", default=None, help="write the full result here")
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (1 is fastest on a shared box: more threads spin-wait)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _check(args: argparse.Namespace) -> list[int]:
+    for name, lo in (("tokens", 0), ("context", 2), ("chunk", 1), ("passkey_trials", 1)):
+        v = getattr(args, name)
+        if v < lo:
+            raise NanoKVError(name, f"got {v}; must be >= {lo}")
+    if args.chunk > args.context:
+        raise NanoKVError("chunk", f"got {args.chunk}; must be <= --context ({args.context})")
+    if args.sparsity_policy not in SPARSITY_POLICIES:
+        raise NanoKVError("sparsity_policy",
+                          f"got {args.sparsity_policy!r}; allowed: {', '.join(SPARSITY_POLICIES)}")
+    if not 0.0 <= args.compression_sparsity < 1.0:
+        raise NanoKVError("compression_sparsity", f"got {args.compression_sparsity}; must be in [0, 1)")
+    if args.compression_sparsity > 0.0:
+        raise NanoKVError("compression_sparsity", "sparsity is not supported by the engine yet (a later "
+                                                  "issue adds it); only 0 is accepted for now")
+    try:
+        lengths = [int(x) for x in args.passkey_lengths.split(",") if x.strip()]
+    except ValueError:
+        raise NanoKVError("passkey_lengths",
+                          f"got {args.passkey_lengths!r}; want e.g. 512,1024,2048") from None
+    if any(L < 64 for L in lengths):
+        raise NanoKVError("passkey_lengths", "each length must be >= 64 tokens")
+    return lengths
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from nanokv.eval.passkey import run_passkey
+    from nanokv.eval.perplexity import run_perplexity
+    from nanokv.eval.runners import build
+
+    lengths = _check(args)
+    if args.threads < 1:
+        raise NanoKVError("threads", f"got {args.threads}; must be >= 1")
+    import torch
+    torch.set_num_threads(args.threads)
+    chosen = [settings.preset(n) for n in args.setting] or [
+        settings.from_args(args.quantization_bitwidth, args.layer_bits, args.rotation)]
+    path, text = corpus.read_corpus(args.corpus) if args.tokens else (None, "")
+    longest = max([args.context if args.tokens else 0] + [L + MAX_NEW for L in lengths])
+    bs = args.block_size
+    t0 = time.monotonic()
+    bench = build(chosen, args.model, num_blocks=-(-longest // bs) + 2, block_size=bs,
+                  max_model_len=longest, extra={"seed": args.seed})
+    mc = bench.engine.model_config
+    if longest > mc.max_position_embeddings:
+        raise NanoKVError("context", f"{longest} tokens exceed the model's {mc.max_position_embeddings}")
+    windows: list[list[int]] = []
+    if args.tokens:
+        if bench.engine.tokenizer is None:
+            raise NanoKVError("model", "this model has no tokenizer; perplexity needs one")
+        toks = list(bench.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+        windows = corpus.make_windows(toks, args.tokens, args.context)
+    bar = tqdm(total=args.tokens + len(lengths) * args.passkey_trials, unit="tok", disable=args.no_progress,
+               desc="eval", file=sys.stderr)
+    comps = run_perplexity(bench, windows, args.chunk, bar.update) if windows else {}
+    pk = run_passkey(bench, lengths, args.passkey_trials, args.seed, bar.update) if lengths else {}
+    bar.close()
+
+    L, H, D = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
+    bf16 = settings.bytes_per_token(settings.PRESETS["fp"], L, H, D, bs)
+    fp_pk = pk.get("fp", {})
+    ref = next(iter(comps.values())).summary() if comps else {}
+    rows: list[dict[str, Any]] = [{
+        "name": "fp (reference)", "bytes_per_token": bf16, "pct_of_bf16": 100.0,
+        "perplexity": {"ppl": ref["ref_ppl"], "delta_ppl_pct": 0.0, "kl_mean": 0.0, "kl_p999": 0.0,
+                       "top1_agreement": 1.0, "tokens": ref["tokens"]} if ref else None,
+        "passkey": fp_pk or None,
+    }]
+    for s in chosen:
+        bpt = settings.bytes_per_token(s, L, H, D, bs)
+        acc = pk.get(s.name, {})
+        rows.append({
+            "name": s.name, "setting": s.describe(),
+            "layer_bits": [c.bits for c in bench.runners[s.name].kv_caches],
+            "rotated_layers": [i for i, c in enumerate(bench.runners[s.name].kv_caches) if c.rotate],
+            "bytes_per_token": bpt, "pct_of_bf16": 100.0 * bpt / bf16,
+            "perplexity": comps[s.name].summary() if s.name in comps else None,
+            "passkey": acc or None,
+            "passkey_relative_to_fp": {k: (a / fp_pk[k] if fp_pk.get(k) else None)
+                                       for k, a in acc.items()} or None,
+            "compression_error": {str(k): v for k, v in bench.monitors[s.name].snapshot_kv().items()},
+        })
+    return {
+        "model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)", "corpus": str(path) if path else None,
+        "tokens": args.tokens, "context": args.context, "chunk": args.chunk, "block_size": bs,
+        "passkey_lengths": lengths, "passkey_trials": args.passkey_trials if lengths else 0,
+        "command": "nanokv eval " + " ".join(argv),
+        "settings": rows, "passkey_samples": pk.get("samples", []), "elapsed_s": time.monotonic() - t0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    try:
+        result = run(args, argv)
+    except NanoKVError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from nanokv.eval.report import table
+
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    print(table(result))
+    return 0

@@ -1,0 +1,175 @@
+"""Paged decode attention (one query token per sequence), GQA-aware, split-K flash-decoding.
+
+Grid (num_decodes, num_kv_heads, num_splits). One program owns every query head of one KV head
+group, so each K/V tile is read from memory once for the whole group: the group's G query rows
+are padded to BLOCK_G >= 16 rows so the two small products run on the tensor cores.
+
+Split-K: a sequence's tiles are divided among `num_splits` programs *inside* the kernel (from its
+seq_len), so the grid depends only on host-known sizes: no host syncs, CUDA-graph safe. With
+num_splits > 1 each program writes a normalized partial output plus its (max, sum) in base 2, and
+`_reduce_kernel` merges them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanokv.kernels.triton_kvtile import (
+    compute_dtype,
+    use_asm,
+    kv_meta_args,
+    next_pow2,
+    online_softmax_step,
+    pv_accumulate,
+    qk_scores,
+    tile_rows,
+)
+from nanokv.kv.cache import LayerKVCache
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, bt_ptr, seq_lens_ptr,
+    out_ptr, part_o_ptr, part_ml_ptr,
+    qk_scale, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kn, stride_kh, stride_ks, stride_sn, stride_sh, stride_bt,
+    D: tl.constexpr, DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
+    CDT: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # this split's token range [lo, hi), whole tiles, derived on device from seq_len
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_DH)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < G
+    d_mask = offs_d < DH
+    heads = kvh * G + offs_g
+    q_rows = q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    qm = g_mask[:, None] & d_mask[None, :]
+    q_lo = tl.load(q_rows, mask=qm, other=0.0).to(CDT)  # [BLOCK_G, BLOCK_DH]
+    q_hi = tl.load(q_rows + DH, mask=qm, other=0.0).to(CDT)
+    q_sum = tl.sum(q_lo.to(tl.float32), axis=1) + tl.sum(q_hi.to(tl.float32), axis=1)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc_lo = tl.zeros([BLOCK_G, BLOCK_DH], tl.float32)
+    acc_hi = tl.zeros([BLOCK_G, BLOCK_DH], tl.float32)
+    bt_row = bt_ptr + seq * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + offs_n
+        valid, rows, phys = tile_rows(bt_row, tok, hi, kvh, stride_kn, stride_kh, stride_ks, BS)
+        srows = phys * stride_sn + kvh * stride_sh + tok % BS
+        s = qk_scores(q_lo, q_hi, q_sum, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
+                      DH, BITS, ASM)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        p, m_i, l_i, acc_lo, acc_hi = online_softmax_step(s, m_i, l_i, acc_lo, acc_hi)
+        acc_lo, acc_hi = pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid,
+                                       offs_d, d_mask, DH, BITS, CDT, ASM)
+
+    inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)  # acc is 0 where l is: an all-hole context gives 0, not NaN
+    o_lo = acc_lo * inv_l[:, None]
+    o_hi = acc_hi * inv_l[:, None]
+    if SPLIT:
+        # part_o: [num_decodes, Hq, num_splits, D] fp32; part_ml: [2, num_decodes, Hq, num_splits]
+        Hq = tl.num_programs(1) * G
+        prow = (seq * Hq + heads) * num_splits + split  # [BLOCK_G]
+        po = part_o_ptr + prow[:, None].to(tl.int64) * D + offs_d[None, :]
+        tl.store(po, o_lo, mask=qm)
+        tl.store(po + DH, o_hi, mask=qm)
+        n_part = tl.num_programs(0) * Hq * num_splits
+        tl.store(part_ml_ptr + prow, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + n_part + prow, l_i, mask=g_mask)
+    else:
+        o_rows = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_rows, o_lo.to(out_ptr.dtype.element_ty), mask=qm)
+        tl.store(o_rows + DH, o_hi.to(out_ptr.dtype.element_ty), mask=qm)
+
+
+@triton.jit
+def _reduce_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_splits, stride_ot, stride_oh,
+                   D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (num_decodes, Hq): merge the splits' partial outputs with their softmax weights."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    Hq = tl.num_programs(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    prow = (seq * Hq + head) * num_splits + offs_s
+    n_part = tl.num_programs(0) * Hq * num_splits
+    m = tl.load(part_ml_ptr + prow, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + n_part + prow, mask=s_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = l * tl.exp2(m - m_safe)  # [BLOCK_S]; empty splits have l = 0
+    w_sum = tl.sum(w, axis=0)
+    w = w / tl.where(w_sum > 0, w_sum, 1.0)
+    o = tl.load(part_o_ptr + prow[:, None].to(tl.int64) * D + offs_d[None, :],
+                mask=s_mask[:, None] & (offs_d[None, :] < D), other=0.0)
+    res = tl.sum(o * w[:, None], axis=0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
+             mask=offs_d < D)
+
+
+_SCRATCH: dict[torch.device, torch.Tensor] = {}
+
+
+def _scratch(device: torch.device, numel: int) -> torch.Tensor:
+    """A cached fp32 buffer: after the first (warm-up) step no allocation happens here, so the
+    decode path stays capturable in a CUDA graph."""
+    buf = _SCRATCH.get(device)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 1 << 16), dtype=torch.float32, device=device)
+        _SCRATCH[device] = buf
+    return buf[:numel]
+
+
+def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64,
+                 num_warps: int = 4, num_stages: int = 2, asm: bool | None = None,
+                 ) -> torch.Tensor:
+    """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
+    seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place."""
+    B, Hq, D = q.shape
+    H = cache.num_kv_heads
+    if B == 0:
+        return out
+    assert Hq % H == 0 and D % 2 == 0 and q.stride(-1) == 1 and out.stride(-1) == 1
+    G = Hq // H
+    ks, vs, kz, vz = kv_meta_args(cache)
+    split = num_splits > 1
+    if split:
+        buf = _scratch(q.device, B * Hq * num_splits * (D + 2))
+        part_o, part_ml = buf[:B * Hq * num_splits * D], buf[B * Hq * num_splits * D:]
+    else:
+        part_o = part_ml = out  # unused
+    _decode_kernel[(B, H, num_splits)](
+        q, cache.k, cache.v, ks, vs, kz, vz, block_tables, seq_lens, out, part_o, part_ml,
+        scale * LOG2E, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
+        ks.stride(0) if cache.quantized else 0, ks.stride(1) if cache.quantized else 0,
+        block_tables.stride(0),
+        D=D, DH=D // 2, G=G, BS=cache.block_size, CDT=compute_dtype(q.dtype, cache.bits),
+        ASM=use_asm(q.device) if asm is None else asm,
+        BITS=cache.bits if cache.quantized else 16,
+        BLOCK_G=max(16, next_pow2(G)), BLOCK_DH=max(16, next_pow2(D // 2)), BLOCK_N=block_n, SPLIT=split,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _reduce_kernel[(B, Hq)](part_o, part_ml, out, num_splits, out.stride(0), out.stride(1),
+                                D=D, BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(D), num_warps=4)
+    return out

@@ -1,0 +1,118 @@
+"""store_kvcache: write each new token's K/V rows into its cache slot, quantizing on the way in.
+
+Grid (T,): one program per token handles all its KV heads as an [H, D/2] x 2 tile. Slot -1 means
+"don't store" (padding, or a token whose KV is already cached). Quantization matches
+nanokv.kv.quant bit for bit: IEEE division (div_rn, not the fast approximate one), fp16 rounding
+of scale and zero, and round-half-to-even like torch.round. One deliberate difference: a row whose
+scale rounds to 0 in fp16 (an all-zero row) stores codes 0 instead of NaN casts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanokv.kernels.triton_kvtile import kv_meta_args, next_pow2
+from nanokv.kv.cache import LayerKVCache
+
+
+@triton.jit
+def _round_half_even(y):
+    """torch.round semantics, exact for any float32 (floor and y - floor(y) are exact)."""
+    f = tl.floor(y)
+    frac = y - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    return tl.where(up, f + 1.0, f)
+
+
+@triton.jit
+def _rne_clip(y, lo, hi):
+    return tl.minimum(tl.maximum(_round_half_even(y), lo), hi)
+
+
+@triton.jit
+def _store_rows(x_ptr, stride_xt, stride_xh, c_ptr, s_ptr, z_ptr, t, crow, srow, offs_h, h_ok, offs_d, m2,
+                DH: tl.constexpr, BITS: tl.constexpr):
+    """Quantize/store the [H, D] rows of token t. crow: [BLOCK_H] code-row offsets; srow: scale offsets."""
+    xr = x_ptr + t.to(tl.int64) * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
+    x_lo = tl.load(xr, mask=m2, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_DH], dims [0, D/2)
+    x_hi = tl.load(xr + DH, mask=m2, other=0.0).to(tl.float32)  # dims [D/2, D)
+    cr = c_ptr + crow[:, None] + offs_d[None, :]
+    if BITS == 8:
+        amax = tl.maximum(tl.max(tl.abs(x_lo), axis=1), tl.max(tl.abs(x_hi), axis=1))
+        scale = tl.div_rn(tl.maximum(amax, 1e-8), 127.0).to(tl.float16)
+        sf = scale.to(tl.float32)[:, None]
+        ok = sf > 0
+        sf = tl.where(ok, sf, 1.0)
+        c_lo = tl.where(ok, _rne_clip(tl.div_rn(x_lo, sf), -127.0, 127.0), 0.0)
+        c_hi = tl.where(ok, _rne_clip(tl.div_rn(x_hi, sf), -127.0, 127.0), 0.0)
+        tl.store(cr, c_lo.to(tl.int8), mask=m2)
+        tl.store(cr + DH, c_hi.to(tl.int8), mask=m2)
+        tl.store(s_ptr + srow, scale, mask=h_ok)
+    elif BITS == 4:
+        big = float("inf")
+        lo = tl.minimum(tl.min(tl.where(m2, x_lo, big), axis=1), tl.min(tl.where(m2, x_hi, big), axis=1))
+        hi = tl.maximum(tl.max(tl.where(m2, x_lo, -big), axis=1), tl.max(tl.where(m2, x_hi, -big), axis=1))
+        lo = tl.where(h_ok, lo, 0.0)  # padding heads / skipped slots: keep the math finite
+        hi = tl.where(h_ok, hi, 0.0)
+        scale = tl.div_rn(tl.maximum(hi - lo, 1e-8), 15.0).to(tl.float16)
+        zero = lo.to(tl.float16)
+        sf = scale.to(tl.float32)[:, None]
+        zf = zero.to(tl.float32)[:, None]
+        ok = sf > 0
+        sf = tl.where(ok, sf, 1.0)
+        q_lo = tl.where(ok, _rne_clip(tl.div_rn(x_lo - zf, sf), 0.0, 15.0), 0.0)
+        q_hi = tl.where(ok, _rne_clip(tl.div_rn(x_hi - zf, sf), 0.0, 15.0), 0.0)
+        packed = q_lo.to(tl.uint8) | (q_hi.to(tl.uint8) << 4)  # dim d low nibble, d + D/2 high
+        tl.store(cr, packed, mask=m2)
+        tl.store(s_ptr + srow, scale, mask=h_ok)
+        tl.store(z_ptr + srow, zero, mask=h_ok)
+    else:
+        tl.store(cr, x_lo.to(c_ptr.dtype.element_ty), mask=m2)
+        tl.store(cr + DH, x_hi.to(c_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _store_kernel(
+    k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cn, stride_ch, stride_cs, stride_sn, stride_sh,
+    H, DH: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    keep = slot >= 0
+    blk = tl.where(keep, slot // BS, 0)
+    off = tl.where(keep, slot % BS, 0)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_DH)
+    h_ok = offs_h < tl.where(keep, H, 0)  # [BLOCK_H]; all False for slot -1
+    m2 = h_ok[:, None] & (offs_d[None, :] < DH)
+    crow = blk * stride_cn + offs_h * stride_ch + off * stride_cs  # [BLOCK_H] int64
+    srow = blk * stride_sn + offs_h * stride_sh + off
+    _store_rows(k_ptr, stride_kt, stride_kh, kc_ptr, ks_ptr, kz_ptr, t, crow, srow, offs_h, h_ok, offs_d, m2,
+                DH, BITS)
+    _store_rows(v_ptr, stride_vt, stride_vh, vc_ptr, vs_ptr, vz_ptr, t, crow, srow, offs_h, h_ok, offs_d, m2,
+                DH, BITS)
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, H, D] (last dim contiguous); slot_mapping: [T] int64, -1 = skip."""
+    T, H, D = k.shape
+    if T == 0:
+        return
+    assert D % 2 == 0 and k.stride(-1) == 1 and v.stride(-1) == 1
+    assert cache.k.stride() == cache.v.stride()
+    ks, vs, kz, vz = kv_meta_args(cache)
+    bits = cache.bits if cache.quantized else 16
+    _store_kernel[(T,)](
+        k, v, slot_mapping, cache.k, cache.v, ks, vs, kz, vz,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
+        ks.stride(0) if cache.quantized else 0, ks.stride(1) if cache.quantized else 0,
+        H, DH=D // 2, BS=cache.block_size, BITS=bits,
+        BLOCK_H=next_pow2(H), BLOCK_DH=max(16, next_pow2(D // 2)), num_warps=4,
+    )

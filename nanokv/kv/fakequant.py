@@ -1,0 +1,96 @@
+"""Simulated ("fake") KV quantization, for choosing a format by measurement only.
+
+A FakeQuant attached to a 16-bit layer cache replaces K/V by dequant(quant(K/V)) under some
+candidate granularity just before they are stored, so the eval can score formats the kernels do
+not implement (per-channel keys, smaller groups, rotated values, full-precision sinks) through the
+very same paged path. The math of the token-wise modes mirrors nanokv.kv.quant exactly (fp16 scale
+and zero, same rounding), so FakeQuant(bits=4) scores the same as the real int4 cache; a test
+checks that. Never used in serving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanokv.kv.rotation import rotation_matrix
+
+
+def _safe(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale == 0, torch.ones_like(scale), scale)  # as nanokv.kv.quant._safe_scale
+
+
+def fq_lastdim(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Quantize-dequantize x along its last dim like nanokv.kv.quant: int8 symmetric, int4 asymmetric."""
+    xf = x.float()
+    if bits == 8:
+        scale = _safe((xf.abs().amax(dim=-1, keepdim=True) / 127.0).half().float())
+        return torch.round(xf / scale).clamp_(-127, 127) * scale
+    if bits == 4:
+        lo, hi = xf.amin(dim=-1, keepdim=True), xf.amax(dim=-1, keepdim=True)
+        scale = _safe(((hi - lo) / 15.0).half().float())
+        zero = lo.half().float()
+        return torch.round((xf - zero) / scale).clamp_(0, 15) * scale + zero
+    raise ValueError(f"fake quantization supports 8 and 4 bits, got {bits}")
+
+
+def fq_groups(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """x [..., D] -> fake-quantized per group of `group` consecutive dims (0 = the whole row)."""
+    D = x.shape[-1]
+    if group in (0, D):
+        return fq_lastdim(x, bits)
+    if D % group:
+        raise ValueError(f"group {group} does not divide head_dim {D}")
+    return fq_lastdim(x.reshape(*x.shape[:-1], D // group, group), bits).reshape(x.shape)
+
+
+@dataclass
+class FakeQuant:
+    k_bits: int = 4
+    v_bits: int = 4
+    group: int = 0  # token-wise group along head_dim (0 = head_dim)
+    k_per_channel: bool = False  # keys: one scale/zero per (page, head, channel) over the page's tokens
+    rotate_v: bool = False  # values quantized in the rotated basis (exact: the output is rotated back)
+    sink_tokens: int = 0  # positions below this stay full precision (attention sinks)
+
+    def apply(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+              seq_index: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [T, H, D]; positions, seq_index [T] (token position, sequence in the step) -> k~, v~."""
+        dtype = k.dtype
+        kq = self._keys(k.float(), positions, seq_index, block_size)
+        vf = v.float()
+        if self.rotate_v:
+            r = rotation_matrix(v.shape[-1], torch.float32, v.device)
+            vq = fq_groups(vf @ r, self.v_bits, self.group) @ r.T
+        else:
+            vq = fq_groups(vf, self.v_bits, self.group)
+        if self.sink_tokens > 0:
+            sink = (positions < self.sink_tokens)[:, None, None]  # [T, 1, 1]
+            kq = torch.where(sink, k.float(), kq)
+            vq = torch.where(sink, vf, vq)
+        return kq.to(dtype), vq.to(dtype)
+
+    def _keys(self, k: torch.Tensor, positions: torch.Tensor, seq_index: torch.Tensor,
+              block_size: int) -> torch.Tensor:
+        if not self.k_per_channel:
+            return fq_groups(k, self.k_bits, self.group)
+        # KIVI on pages: tokens of one (sequence, page) share a scale per channel. The eval feeds
+        # block-aligned chunks, so each page is complete within one step (a real cache would keep
+        # the open tail page in full precision until it fills, which is only better).
+        out = torch.empty_like(k)
+        page = seq_index.long() * (1 << 40) + torch.div(positions.long(), block_size, rounding_mode="floor")
+        for g in torch.unique(page):
+            rows = (page == g).nonzero().squeeze(1)
+            grp = k[rows].permute(1, 2, 0)  # [H, D, n]: quantize along the page's tokens
+            out[rows] = fq_lastdim(grp, self.k_bits).permute(2, 0, 1)
+        return out
+
+    def bits_per_value(self, head_dim: int, block_size: int) -> float:
+        """Average stored bits per K/V element, fp16 scales/zeros included (sinks not counted)."""
+        def token_bits(bits: int) -> float:
+            g = self.group or head_dim
+            return bits + (16 if bits == 8 else 32) / g
+        k = (self.k_bits + (16 if self.k_bits == 8 else 32) / block_size) if self.k_per_channel \
+            else token_bits(self.k_bits)
+        return (k + token_bits(self.v_bits)) / 2

@@ -1,0 +1,75 @@
+"""The KV layer's one hook into the model: `before_store`, called by the attention layer on q/k/v
+right before the backend stores K/V, on every backend (torch reference and Triton alike).
+
+In order:
+  1. test hook: scaled key channels in one layer (`key_outliers`), with the query channels scaled
+     inversely so that full-precision scores are unchanged and only quantization feels them;
+  2. the layer format's rotation of q and k (nanokv.kv.rotation), when the cache has `rotate`;
+  3. measurement only: a FakeQuant simulating another format on a 16-bit cache;
+  4. the compression monitor's sampled error of exactly the rows about to be stored.
+Layers without any of these pay one attribute check each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.rotation import maybe_rotate
+
+# layer -> (channels, factor): test hook state, process-wide (see key_outliers)
+_OUTLIERS: dict[int, tuple[tuple[int, ...], float]] = {}
+
+
+def set_key_outliers(layer: int, factor: float = 30.0, channels: Sequence[int] = (0, 1)) -> None:
+    """Test hook: make `layer` produce outlier keys (k[..., c] *= factor, q[..., c] /= factor)."""
+    _OUTLIERS[layer] = (tuple(int(c) for c in channels), float(factor))
+
+
+def clear_key_outliers() -> None:
+    _OUTLIERS.clear()
+
+
+@contextmanager
+def key_outliers(layer: int, factor: float = 30.0, channels: Sequence[int] = (0, 1)) -> Iterator[None]:
+    set_key_outliers(layer, factor, channels)
+    try:
+        yield
+    finally:
+        _OUTLIERS.pop(layer, None)
+
+
+def _step_positions(md: Any, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token positions [T] and sequence index [T] of this step's packed tokens (from host metadata)."""
+    pos: list[int] = []
+    seq: list[int] = []
+    qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
+    for i in range(len(lens)):
+        n = qsl[i + 1] - qsl[i]
+        pos.extend(range(lens[i] - n, lens[i]))
+        seq.extend([i] * n)
+    if len(pos) != T:
+        raise RuntimeError(f"metadata covers {len(pos)} tokens, the step has {T}")
+    return torch.tensor(pos, device=device), torch.tensor(seq, device=device)
+
+
+def before_store(layer: int, cache: LayerKVCache, md: Any, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k and v [T, Hk, D] (post-RoPE) -> (q, k, v) to hand to store + attention."""
+    if _OUTLIERS and layer in _OUTLIERS:
+        channels, factor = _OUTLIERS[layer]
+        k, q = k.clone(), q.clone()
+        k[..., list(channels)] *= factor
+        q[..., list(channels)] /= factor
+    if cache.rotate:
+        q, k = maybe_rotate(q, k, cache.bits, rotate=True)
+    if cache.fake_quant is not None:
+        pos, seq = _step_positions(md, k.shape[0], k.device)
+        k, v = cache.fake_quant.apply(k, v, pos, seq, cache.block_size)
+    if cache.monitor is not None:
+        cache.monitor.maybe_record(layer, cache.bits, k, v, cache.k.dtype if cache.bits >= 16 else k.dtype)
+    return q, k, v

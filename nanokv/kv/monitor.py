@@ -1,0 +1,98 @@
+"""Running per-layer compression error of the KV store: ||x - dequant(quant(x))|| / ||x||.
+
+One CompressionMonitor per engine, attached to that engine's layer caches (`attach`). The store
+hook (nanokv.kv.hooks.before_store) calls `maybe_record` with the exact K/V rows about to be
+stored; every `every`-th call per layer it quantizes up to `rows` sampled rows with the reference
+quantizer of that layer's format and folds the error into an exponentially weighted average.
+Cost: one small quant/dequant per layer every `every` steps, nothing on the other steps.
+
+The figure per layer is the relative error of the sampled rows taken together,
+sqrt(sum ||x - x~||^2 / sum ||x||^2), for K and V separately; `snapshot()` reports the worse of the
+two (keys are usually the sensitive side), `snapshot_kv()` both.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from nanokv.kv import quant
+
+
+def roundtrip(x: torch.Tensor, bits: int, store_dtype: torch.dtype) -> torch.Tensor:
+    """x [..., D] -> what the store keeps of it, dequantized, float32 (the reference formats)."""
+    if bits >= 16:
+        return x.to(store_dtype).float()
+    if bits == 8:
+        c, s = quant.quantize_int8(x)
+        return quant.dequantize_int8(c, s, torch.float32)
+    if bits == 4:
+        c, s, z = quant.quantize_int4(x)
+        return quant.dequantize_int4(c, s, z, torch.float32)
+    raise ValueError(f"unsupported KV bit width {bits}")
+
+
+def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    """Aggregate relative L2 error of rows x [..., D] vs their reconstruction x_hat."""
+    xf = x.float()
+    den = float(xf.pow(2).sum())
+    return (float((xf - x_hat.float()).pow(2).sum()) / den) ** 0.5 if den > 0 else 0.0
+
+
+class CompressionMonitor:
+    def __init__(self, every: int = 8, rows: int = 64, alpha: float = 0.2, seed: int = 0):
+        if every < 1 or rows < 1 or not 0.0 < alpha <= 1.0:
+            raise ValueError("CompressionMonitor needs every >= 1, rows >= 1, 0 < alpha <= 1")
+        self.every = every  # sample one store call in `every`, per layer
+        self.rows = rows  # (token, head) rows per sample
+        self.alpha = alpha  # EWMA weight of the newest sample
+        self._gen = torch.Generator().manual_seed(seed)
+        self._calls: dict[int, int] = {}
+        self._k: dict[int, float] = {}
+        self._v: dict[int, float] = {}
+        self._lock = threading.Lock()  # stats() may be read from the server thread
+
+    def attach(self, kv_caches: list) -> CompressionMonitor:
+        """Make every LayerKVCache in `kv_caches` report to this monitor. Returns self."""
+        for c in kv_caches:
+            c.monitor = self
+        return self
+
+    def maybe_record(self, layer: int, bits: int, k: torch.Tensor, v: torch.Tensor,
+                     store_dtype: torch.dtype = torch.float32) -> None:
+        """Called on every store; records one call in `every` (the first call of a layer included)."""
+        n = self._calls.get(layer, 0)
+        self._calls[layer] = n + 1
+        if n % self.every == 0:
+            self.record(layer, bits, k, v, store_dtype)
+
+    def record(self, layer: int, bits: int, k: torch.Tensor, v: torch.Tensor,
+               store_dtype: torch.dtype = torch.float32) -> None:
+        """k, v [T, H, D] as handed to the store -> update the layer's running K and V errors."""
+        D = k.shape[-1]
+        kr, vr = k.reshape(-1, D), v.reshape(-1, D)  # [T*H, D] rows: the quantization unit
+        if kr.shape[0] > self.rows:
+            idx = torch.randperm(kr.shape[0], generator=self._gen)[: self.rows].to(kr.device)
+            kr, vr = kr[idx], vr[idx]
+        ek = relative_error(kr, roundtrip(kr, bits, store_dtype))
+        ev = relative_error(vr, roundtrip(vr, bits, store_dtype))
+        with self._lock:
+            for store, e in ((self._k, ek), (self._v, ev)):
+                old = store.get(layer)
+                store[layer] = e if old is None else (1 - self.alpha) * old + self.alpha * e
+
+    def snapshot(self) -> dict[int, float]:
+        """{layer: running relative error, the worse of K and V} for the layers seen so far."""
+        with self._lock:
+            return {i: max(self._k[i], self._v[i]) for i in sorted(self._k)}
+
+    def snapshot_kv(self) -> dict[int, dict[str, float]]:
+        with self._lock:
+            return {i: {"k": self._k[i], "v": self._v[i]} for i in sorted(self._k)}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._calls.clear()
+            self._k.clear()
+            self._v.clear()

@@ -1,0 +1,50 @@
+"""Attention over the paged KV cache: the one place a layer meets AttentionMetadata.
+
+The layer never sees sequences or blocks: it reads the per-step context (metadata + one
+LayerKVCache per layer), stores this step's K/V by slot_mapping and attends through the backend,
+so prefill chunks, prefix hits and decodes all take the same path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanokv.attention.backend import get_backend
+from nanokv.attention.metadata import get_context
+from nanokv.kv.hooks import before_store
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int):
+        super().__init__()
+        self.num_heads = num_heads  # on this rank
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq*D], k and v [T, Hk*D] (already rotated) -> attention output [T, Hq*D]."""
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        ctx = get_context()
+        md = ctx.metadata
+        if md is None:
+            # profiling / warm-up: the tokens are one causal sequence and nothing is cached
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+            ).transpose(0, 1)
+        else:
+            cache = ctx.kv_caches[self.layer_idx]
+            # KV compression (owned by nanokv.kv): Hadamard-rotate q/k when this layer's format
+            # says so, sample the compression error, test hooks. Before the store, on every backend.
+            q, k, v = before_store(self.layer_idx, cache, md, q, k, v)
+            backend = get_backend()
+            backend.store_kvcache(k, v, cache, md.slot_mapping)
+            o = backend.paged_attention(q, cache, md, self.scale)
+        return o.reshape(T, self.num_heads * self.head_dim)

@@ -1,0 +1,161 @@
+"""Tensor-parallel linear layers (weights [out, in], as torch and HF store them).
+
+Every Parameter carries `weight_loader(param, full_tensor, shard_id=None)`: the loader hands it
+the *full* checkpoint tensor and the layer copies out this rank's slice, so the same loading code
+serves tp 1 and tp N. Column-parallel layers split the output dim (no communication); row-parallel
+layers split the input dim and all-reduce their partial sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanokv.distributed import all_reduce, get_tp_rank, get_tp_size
+from nanokv.errors import NanoKVError
+
+WeightLoader = Callable[..., None]
+
+
+def _divide(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise NanoKVError("tensor_parallel_size", f"{tp} does not divide {what} ({n})")
+    return n // tp
+
+
+def _copy(param: nn.Parameter, src: torch.Tensor, name: str) -> None:
+    if param.shape != src.shape:
+        raise NanoKVError("weights", f"{name}: checkpoint shard has shape {tuple(src.shape)}, "
+                          f"model expects {tuple(param.shape)}")
+    param.data.copy_(src)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_local: int, out_local: int, bias: bool):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """Same full weight on every rank."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
+        _copy(param, full, "replicated linear")
+
+
+class ColumnParallelLinear(LinearBase):
+    """y[:, rank's slice] = x @ W[rank's rows].T; output stays sharded."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp = get_tp_size()
+        super().__init__(input_size, _divide(output_size, tp, "output features"), bias)
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
+        n = param.shape[0]
+        _copy(param, full.narrow(0, self.tp_rank * n, n), "column-parallel linear")
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate and up): [gate_r | up_r] per rank."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = list(output_sizes)
+        for n in self.output_sizes:
+            _divide(n, get_tp_size(), "merged output features")
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id must be an index into {self.output_sizes}, got {shard_id!r}")
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        dst = param.data.narrow(0, offset, size)
+        if full.shape[0] != self.output_sizes[shard_id] or full.shape[1:] != dst.shape[1:]:
+            raise NanoKVError("weights", f"merged linear shard {shard_id}: checkpoint shape "
+                              f"{tuple(full.shape)} does not fit this model")
+        dst.copy_(full.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul; per rank the output is [q_r | k_r | v_r].
+
+    Query heads are split evenly. KV heads are split when tp divides them and replicated
+    otherwise (tp a multiple of num_kv_heads): rank r then holds kv head r // (tp / num_kv_heads),
+    exactly the head its query heads are grouped with.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False):
+        tp = get_tp_size()
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise NanoKVError("tensor_parallel_size", f"{tp} and num_key_value_heads {num_kv_heads} "
+                              "must divide one another")
+        self.head_dim = head_dim
+        kv_rows = num_kv_heads * head_dim
+        self.total_rows = {"q": num_heads * head_dim, "k": kv_rows, "v": kv_rows}  # full checkpoint rows
+        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)  # ranks sharing one kv head
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden_size, out, bias)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            size, start = self.kv_size, (self.tp_rank // self.kv_replicas) * self.kv_size
+        else:
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        dst = param.data.narrow(0, offset, size)
+        if full.shape[0] != self.total_rows[str(shard_id)] or full.shape[1:] != dst.shape[1:]:
+            raise NanoKVError("weights", f"qkv shard {shard_id}: checkpoint shape {tuple(full.shape)} "
+                              f"does not fit this model")
+        dst.copy_(full.narrow(0, start, size))
+
+
+class RowParallelLinear(LinearBase):
+    """y = all_reduce(x[:, rank's slice] @ W[:, rank's cols].T) + b; input arrives sharded."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp = get_tp_size()
+        super().__init__(_divide(input_size, tp, "input features"), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
+        if param.dim() == 1:  # bias: full on every rank, added once after the reduction
+            _copy(param, full, "row-parallel bias")
+            return
+        n = param.shape[1]
+        _copy(param, full.narrow(1, self.tp_rank * n, n), "row-parallel linear")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            y = all_reduce(y)
+        return y if self.bias is None else y + self.bias

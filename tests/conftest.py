@@ -1,0 +1,61 @@
+"""Shared fixtures: the embedded model through nanokv and through HF transformers (fp32, CPU)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in one paragraph.",
+    "List three prime numbers and explain why they are prime.",
+    "Translate 'good morning' into Spanish and German.",
+    "Who wrote Romeo and Juliet?",
+]
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nanokv.model.loader import embedded_model_path
+
+    path = embedded_model_path()
+    m = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                             dtype=torch.float32)
+    m.eval()
+    return m
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """One shared engine on the embedded model; tests must leave it with no live requests."""
+    from nanokv.engine.llm import LLM
+
+    return LLM(num_gpu_blocks=2048, block_size=16, max_num_batched_tokens=2048)
+
+
+@pytest.fixture(scope="session")
+def chat_ids(llm):
+    return [llm.engine.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    import torch
+
+    # EOS disabled rather than banned (min_new_tokens would mask it): the same as ignore_eos
+    gc = copy.deepcopy(model.generation_config)
+    gc.eos_token_id = [-1]  # no real token has id -1
+    gc.pad_token_id = 0
+    gc.max_new_tokens, gc.do_sample = n, False
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             generation_config=gc)
+    assert out.shape[1] == len(ids) + n
+    return out[0, len(ids):].tolist()

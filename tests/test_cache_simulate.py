@@ -1,0 +1,93 @@
+"""Trace replay: reproduces the reference hit ratios on the Mooncake trace; the CLI works."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nanokv.cache.replay import ideal, keys_of, replay
+from nanokv.cache.simulate import main, parse_capacities
+from nanokv.cache.traces import load_trace, read_mooncake
+from nanokv.errors import NanoKVError
+
+TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+CAPS = {1: 439, 5: 2196, 10: 4392, 25: 10981, 50: 21962}
+# docs/../notes/cache-policies.md §A3, computed with the reference replay model.
+EXPECTED = {
+    "lru": {1: 0.038, 5: 0.157, 10: 0.262, 25: 0.444, 50: 0.589},
+    "arc": {1: 0.042, 5: 0.163, 10: 0.266, 25: 0.460, 50: 0.603},
+}
+needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason="shared Mooncake trace not available")
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> tuple[list, list]:
+    reqs = read_mooncake(TRACE)
+    return reqs, keys_of(reqs)
+
+
+@needs_trace
+def test_trace_shape(mooncake: tuple[list, list]) -> None:
+    reqs, _ = mooncake
+    assert len(reqs) == 3993
+    assert sum(len(r.hash_ids) for r in reqs) == 121877
+    assert len({h for r in reqs for h in r.hash_ids}) == 43924
+    assert parse_capacities("1%,5%,10%,25%,50%", 43924) == sorted(CAPS.values())
+    b, t = ideal(reqs)
+    assert round(b, 3) == 0.640 and round(t, 3) == 0.651
+
+
+@needs_trace
+@pytest.mark.parametrize("policy", sorted(EXPECTED))
+def test_reproduces_reference_hit_ratios(policy: str, mooncake: tuple[list, list]) -> None:
+    reqs, keys = mooncake
+    for pct, cap in CAPS.items():
+        got = replay(reqs, policy, cap, keys=keys).block_hit_ratio
+        assert abs(got - EXPECTED[policy][pct]) <= 0.01, (policy, pct, got)
+
+
+@needs_trace
+def test_depth_lru_beats_lru_at_5_and_10_percent(mooncake: tuple[list, list]) -> None:
+    reqs, keys = mooncake
+    for pct in (5, 10):
+        lru = replay(reqs, "lru", CAPS[pct], keys=keys)
+        ours = replay(reqs, "depth_lru", CAPS[pct], keys=keys)
+        assert ours.block_hits > lru.block_hits and ours.token_hits > lru.token_hits, pct
+
+
+def test_cli_on_synthetic_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = main(["--trace", "synthetic:shared_prompt", "--policies", "lru,depth_lru,belady",
+               "--capacity", "5%,25%,100", "--json", str(out), "--plot", str(png), "--jobs", "1",
+               "--no-progress"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["unique_blocks"] == 64 * 16 + 64 * 4 and len(doc["results"]) == 9
+    by = {(r["policy"], r["capacity"]): r for r in doc["results"]}
+    for cap in doc["capacities"]:  # the offline bound is never beaten
+        assert by[("belady", cap)]["block_hits"] >= by[("lru", cap)]["block_hits"]
+    assert png.stat().st_size > 0
+    assert "ideal" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [["--capacity", "0%"], ["--capacity", "x"], ["--policies", "mru"],
+                                  ["--trace", "synthetic:nope"], ["--trace", "/no/such/file"],
+                                  ["--block-size-tokens", "0"]])
+def test_cli_rejects_bad_input(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--trace", "synthetic:shared_prompt", "--no-progress", "--jobs", "1"] + args
+    assert main(argv) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_synthetic_generators_chain_prefixes() -> None:
+    for name in ("shared_prompt", "multi_turn", "rag", "phase_change"):
+        reqs = load_trace(f"synthetic:{name}", 256)
+        first_seen: dict[int, tuple[int, ...]] = {}
+        for r in reqs:
+            assert len(r.hash_ids) == -(-r.input_length // 256)
+            for i, h in enumerate(r.hash_ids):  # equal id at i <=> equal first i+1 ids
+                assert first_seen.setdefault(h, tuple(r.hash_ids[: i + 1])) == tuple(r.hash_ids[: i + 1])
+    with pytest.raises(NanoKVError):
+        load_trace("synthetic:unknown")
