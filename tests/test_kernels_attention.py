@@ -76,8 +76,8 @@ def check(cache: LayerKVCache, md: AttentionMetadata, q: torch.Tensor, cfg: Trit
 
 
 def small_cfg(splits: int = 1, block_n: int = 16) -> TritonConfig:
-    return TritonConfig(decode_block_n=block_n, decode_splits=splits, prefill_block_m=16,
-                        prefill_block_n=block_n)
+    return TritonConfig(decode_block_n=block_n, quant_block_n=block_n, decode_splits=splits,
+                        prefill_block_m=16, prefill_block_n=block_n)
 
 
 @pytest.mark.parametrize("bits,dtype", FORMATS)
@@ -135,3 +135,14 @@ def test_noncontiguous_query_and_all_hole_context() -> None:
     md.block_tables[0] = -1
     out = TritonBackend(small_cfg(splits=2)).paged_attention(q, cache, md, 0.2)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("min_tokens", [1, 0])
+def test_fresh_prompts_sdpa_route(dtype: torch.dtype, min_tokens: int) -> None:
+    """Batches of fresh prompts (no cached prefix) may go to torch SDPA: same function either way."""
+    cache, md, q = build_batch(16, dtype, 8, 2, 2, 32, [(0, 21), (0, 9), (0, 40)], [], holes=False)
+    cfg = small_cfg()
+    cfg.sdpa_prefill_min_tokens = min_tokens
+    assert TritonBackend(cfg)._fresh_prompts(cache, md) == (min_tokens > 0)
+    check(cache, md, q, cfg)

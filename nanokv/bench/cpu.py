@@ -1,9 +1,10 @@
 """CPU benchmark: a fixed seeded batch on the embedded model, nanokv vs HF transformers `generate`.
 
-Workload (seed 0): N prompts of random token ids, lengths uniform in [64, 256]; output lengths
-uniform in [32, 128]; greedy, EOS ignored. Throughput = requested output tokens / wall time.
-HF runs the same prompts as one left-padded batch with `max_new_tokens` = the longest request
-(static batching: it cannot retire rows early), which is how `generate` serves a batch.
+Workload (seed 0): N = 64 requests of random token ids, prompt lengths uniform in [32, 512],
+output lengths uniform in [16, 256]; greedy, EOS ignored; at most 16 in flight. Throughput =
+requested output tokens / wall time. nanokv runs them with continuous batching (max_num_seqs 16).
+HF `generate` serves the same requests, in arrival order, as left-padded static batches of 16, each
+run to its longest request: it cannot retire a finished row or admit a new one mid-batch.
 """
 
 from __future__ import annotations
@@ -14,12 +15,16 @@ import time
 from typing import Any
 
 import torch
+from tqdm import tqdm
+
+
+BATCH = 16
 
 
 def make_workload(num_seqs: int, seed: int = 0, vocab: int = 49152) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(64, 256))] for _ in range(num_seqs)]
-    outs = [rng.randint(32, 128) for _ in range(num_seqs)]
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(32, 512))] for _ in range(num_seqs)]
+    outs = [rng.randint(16, 256) for _ in range(num_seqs)]
     return prompts, outs
 
 
@@ -27,7 +32,7 @@ def run_nanokv(engine_kw: dict[str, Any], prompts, outs) -> tuple[float, list[li
     from nanokv.engine.llm import LLM
     from nanokv.sampling import SamplingParams
 
-    kw = {"device": "cpu", **engine_kw}
+    kw = {"device": "cpu", "max_num_seqs": BATCH, "max_num_batched_tokens": 512, **engine_kw}
     llm = LLM(**kw)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
@@ -48,26 +53,31 @@ def run_hf(prompts, outs) -> tuple[float, list[list[int]]]:
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                  dtype=torch.float32)
     model.eval()
-    L = max(len(p) for p in prompts)
     pad = 0
-    ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
-    M = max(outs)
+    gc = copy.deepcopy(model.generation_config)
+    gc.eos_token_id = [-1]  # no token has id -1: every row runs to max_new_tokens, as ignore_eos
+    gc.pad_token_id = pad
+    gc.do_sample = False
+    results: list[list[int]] = []
     with torch.inference_mode():
-        model.generate(ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, do_sample=False)
+        gc.max_new_tokens = 4
+        model.generate(torch.tensor([prompts[0][:16]]), generation_config=gc)  # warm-up
         t = time.perf_counter()
-        gc = copy.deepcopy(model.generation_config)
-        gc.eos_token_id = [-1]  # no token has id -1: every row runs to max_new_tokens, as ignore_eos
-        gc.pad_token_id = pad
-        gc.max_new_tokens, gc.do_sample = M, False
-        gen = model.generate(ids, attention_mask=mask, generation_config=gc)
+        for b in tqdm(range(0, len(prompts), BATCH), desc="hf generate", unit="batch"):
+            ps, os_ = prompts[b:b + BATCH], outs[b:b + BATCH]
+            L = max(len(p) for p in ps)
+            ids = torch.tensor([[pad] * (L - len(p)) + p for p in ps])
+            mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ps])
+            gc.max_new_tokens = max(os_)
+            gen = model.generate(ids, attention_mask=mask, generation_config=gc)
+            results.extend(gen[i, L:L + n].tolist() for i, n in enumerate(os_))
         dt = time.perf_counter() - t
-    return dt, [gen[i, L:L + n].tolist() for i, n in enumerate(outs)]
+    return dt, results
 
 
 def run_cpu_bench(engine_kw: dict[str, Any], compare: bool = True, quick: bool = False,
                   num_seqs: int | None = None) -> dict[str, Any]:
-    n = num_seqs or (4 if quick else 16)
+    n = num_seqs or (4 if quick else 64)
     prompts, outs = make_workload(n)
     total = sum(outs)
     t_nano, toks_nano = run_nanokv(engine_kw, prompts, outs)

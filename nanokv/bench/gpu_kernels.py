@@ -26,9 +26,16 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nanokv.attention.metadata import AttentionMetadata  # noqa: E402
-from nanokv.kernels import reference, triton_decode, triton_store  # noqa: E402
-from nanokv.kernels.triton_backend import TritonBackend, TritonConfig, choose_splits, sm_count  # noqa: E402
-from nanokv.kv.cache import LayerKVCache, allocate_layer_cache  # noqa: E402
+from nanokv.kernels import triton_decode  # noqa: E402
+from nanokv.kernels.triton_backend import (  # noqa: E402
+    TritonBackend,
+    TritonConfig,
+    choose_splits,
+    decode_tiles,
+    sm_count,
+)
+from nanokv.kernels.triton_selfcheck import Shapes, check_all, check_variants, make_batch  # noqa: E402
+from nanokv.kv.cache import LayerKVCache  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
 DT = torch.float16 if SMOKE else torch.bfloat16  # the interpreter mishandles bf16 dots
@@ -36,128 +43,8 @@ H, G, D = (2, 2, 32) if SMOKE else (8, 2, 128)  # Qwen3-0.6B: 16 q heads, 8 kv h
 SCALE = D ** -0.5
 RESULTS: dict = {"checks": [], "bench": [], "sweep": [], "errors": []}
 SDPA_MS: dict[tuple[int, int], float] = {}  # (B, ctx) -> dense SDPA decode ms
+SH = Shapes(DEV, DT, H, G, D, SMOKE, RESULTS["checks"])
 T0 = time.time()
-
-
-def make_batch(bits: int, bs: int, q_lens: list[int], seq_lens: list[int], num_prefills: int,
-               holes: float = 0.0, store: bool = True) -> tuple[LayerKVCache, AttentionMetadata]:
-    """Scattered block tables; blocks wholly before a sequence's first query token are dropped with
-    probability `holes`. store: K/V written by the Triton store, else random codes (timing only)."""
-    nbs = [-(-L // bs) for L in seq_lens]
-    N = sum(nbs) + 1
-    cache = allocate_layer_cache(bits, N, H, bs, D, DT, DEV)
-    perm = torch.randperm(N, device=DEV)
-    tables = torch.full((len(seq_lens), max(nbs)), -1, dtype=torch.int32, device=DEV)
-    slots, at = [], 0
-    for i, (ql, L) in enumerate(zip(q_lens, seq_lens)):
-        ids = perm[at:at + nbs[i]]
-        at += nbs[i]
-        tables[i, :nbs[i]] = ids.int()
-        pos = torch.arange(L - ql, L, device=DEV)
-        slots.append(ids[pos // bs] * bs + pos % bs)
-        nctx = (L - ql) // bs
-        if holes and nctx:
-            tables[i, :nctx][torch.rand(nctx, device=DEV) < holes] = -1
-    if store:
-        for part in torch.arange(N * bs, device=DEV).split(1 << 16):
-            kv = torch.randn(2, part.numel(), H, D, device=DEV, dtype=DT)
-            triton_store.store_kvcache(kv[0], kv[1], cache, part)
-    else:
-        lo, hi = {16: (0, 0), 8: (-127, 128), 4: (0, 256)}[bits]
-        for t in (cache.k, cache.v):
-            t.copy_(torch.randn(t.shape, device=DEV).to(t.dtype) if bits == 16
-                    else torch.randint_like(t, lo, hi))
-        for t in (cache.k_scale, cache.v_scale, cache.k_zero, cache.v_zero):
-            if t is not None:
-                t.uniform_(0.005, 0.02)
-    qsl = [0]
-    for ql in q_lens:
-        qsl.append(qsl[-1] + ql)
-    npt = qsl[num_prefills]
-    md = AttentionMetadata(
-        slot_mapping=torch.cat(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEV),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV), block_tables=tables,
-        num_prefills=num_prefills, num_prefill_tokens=npt, num_decode_tokens=qsl[-1] - npt,
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_start_loc_cpu=qsl,
-        seq_lens_cpu=list(seq_lens))
-    return cache, md
-
-
-def record_check(name: str, err: float, tol: float, extra: str = "") -> None:
-    ok = err == err and err < tol
-    RESULTS["checks"].append({"check": name, "rel_err": err, "tol": tol, "ok": ok, "extra": extra})
-    print(f"check {name:28s} rel_err={err:.2e} tol={tol:.0e} {'ok' if ok else 'FAIL'} {extra}", flush=True)
-
-
-def check_store(bits: int) -> None:
-    """Triton vs reference store on identically poisoned caches: codes within 1, scales bit-equal."""
-    T, bs = (50, 16) if SMOKE else (8192, 16)
-    a, b = (allocate_layer_cache(bits, T // bs + 8, H, bs, D, DT, DEV) for _ in range(2))
-    names = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
-    pairs = [(getattr(a, n), getattr(b, n)) for n in names if getattr(a, n) is not None]
-    for x, y in pairs:  # untouched slots must stay poisoned
-        x.copy_(torch.full_like(x, float("nan")) if x.is_floating_point() else torch.randint_like(x, 0, 100))
-        y.copy_(x)
-    slots = torch.randperm(a.num_blocks * bs, device=DEV)[:T]
-    slots[::9] = -1
-    qkv = torch.randn(T, 3 * H, D, device=DEV, dtype=DT) * 3
-    reference.store_kvcache(qkv[:, H:2 * H], qkv[:, 2 * H:], a, slots)
-    triton_store.store_kvcache(qkv[:, H:2 * H], qkv[:, 2 * H:], b, slots)
-    worst, mism = 0, 0
-    for x, y in pairs:
-        if x.is_floating_point():  # bit patterns, NaN poison included
-            mism += int((x.view(torch.int16) != y.view(torch.int16)).sum())
-            worst = max(worst, 99 if bool((x.view(torch.int16) != y.view(torch.int16)).any()) else 0)
-        else:
-            xs, ys = ((torch.cat([t & 15, t >> 4], -1) if bits == 4 else t).int() for t in (x, y))
-            worst = max(worst, int((xs - ys).abs().max()))
-            mism += int((xs != ys).sum())
-    record_check(f"store bits={bits}", float(worst > 1), 0.5, f"mismatches={mism} max_diff={worst}")
-
-
-def check_attention(bits: int, kind: str) -> None:
-    if kind == "decode":
-        B = 3 if SMOKE else 64
-        q_lens, P = [1] * B, 0
-        seq_lens = torch.randint(1, (70 if SMOKE else 4096) + 1, (B,)).tolist()
-    elif kind == "prefill":  # fresh prompt, prefix hits, chunks starting off the block grid
-        q_lens, seq_lens, P = [9, 5, 1], [9, 30, 41], 3
-        if not SMOKE:
-            q_lens, seq_lens, P = [777, 500, 1, 2000], [777, 1500, 2048, 2300], 4
-    else:
-        q_lens, seq_lens, P = [9, 5, 1, 1], [9, 30, 41, 66], 2
-        if not SMOKE:
-            q_lens, seq_lens = [300, 700] + [1] * 62, [300, 1900] + torch.randint(1, 4097, (62,)).tolist()
-    cache, md = make_batch(bits, 16, q_lens, seq_lens, P, holes=0.2)
-    q = torch.randn(sum(q_lens), H * G, D, device=DEV, dtype=DT)
-    out = torch.full_like(q, float("nan"))
-    TritonBackend().paged_attention(q, cache, md, SCALE, out=out)
-    ref = reference.paged_attention(q.double(), cache, md, SCALE)
-    nans = int(out.isnan().sum())
-    err = float((out.double() - ref).norm() / ref.norm())
-    record_check(f"{kind} bits={bits}", err if nans == 0 else float("nan"), 1e-2, f"nan={nans}")
-
-
-def check_graph_replay() -> None:
-    """Capture a decode step, then change lengths and block tables on the device: replays follow."""
-    if DEV.type != "cuda":
-        return
-    B, ctx = 32, 2048
-    cache, md = make_batch(16, 16, [1] * B, [ctx] * B, 0, store=False)
-    q = torch.randn(B, H * G, D, device=DEV, dtype=DT)
-    out, be, g = torch.empty_like(q), TritonBackend(), torch.cuda.CUDAGraph()
-    be.paged_attention(q, cache, md, SCALE, out=out)
-    with torch.cuda.graph(g):
-        be.paged_attention(q, cache, md, SCALE, out=out)
-    new_lens = torch.randint(1, ctx + 1, (B,))
-    md.seq_lens.copy_(new_lens)
-    md.seq_lens_cpu = new_lens.tolist()
-    md.block_tables[:, 3] = -1
-    out.fill_(float("nan"))
-    g.replay()
-    ref = reference.paged_attention(q.double(), cache, md, SCALE)
-    err = float((out.double() - ref).norm() / ref.norm())
-    record_check("decode cuda-graph replay", err if not out.isnan().any() else float("nan"), 1e-2)
 
 
 def timed(fn: Callable[[int], object]) -> float:
@@ -171,6 +58,7 @@ def timed(fn: Callable[[int], object]) -> float:
         fn(i)
     torch.cuda.synchronize()
     reps, graph = 20, torch.cuda.CUDAGraph()
+    run_graph = True
     try:
         with torch.cuda.graph(graph):
             for i in range(reps):
@@ -178,10 +66,10 @@ def timed(fn: Callable[[int], object]) -> float:
     except Exception as e:  # not capturable: time plain launches (launch gaps included)
         RESULTS["errors"].append(f"graph capture failed, timing eagerly: {type(e).__name__}: {e}"[:300])
         torch.cuda.synchronize()
-        graph = None
+        run_graph = False
 
     def run() -> None:
-        if graph is not None:
+        if run_graph:
             graph.replay()
         else:
             for i in range(reps):
@@ -222,15 +110,23 @@ def decode_fn(cache: LayerKVCache, md: AttentionMetadata, cfg: TritonConfig) -> 
     qs = [torch.randn(B, H * G, D, device=DEV, dtype=DT) for _ in range(4)]
     out = torch.empty_like(qs[0])
     splits = choose_splits(cfg, B, H, md.max_seq_len, sm_count(DEV))
+    bn, warps, stages = decode_tiles(cfg, cache.quantized)
     return lambda i: triton_decode.paged_decode(
         qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE, num_splits=splits,
-        block_n=cfg.decode_block_n, num_warps=cfg.decode_warps, num_stages=cfg.decode_stages)
+        block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm, words=cfg.words)
 
 
 def bench_copy() -> None:
+    """Copy bandwidth (bytes read + written): in a graph (a memcpy node) and as eager kernels."""
     src = torch.randn((1 << 20) if SMOKE else (1 << 30), device=DEV)
     dst = torch.empty_like(src)
-    bench_row("device copy (read + write)", timed(lambda i: dst.copy_(src)), 2 * src.numel() * 4)
+    bench_row("device copy (read + write), graph", timed(lambda i: dst.copy_(src)), 2 * src.numel() * 4)
+    if DEV.type == "cuda":
+        import triton.testing
+        ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+        bench_row("device copy (read + write), do_bench", ms, 2 * src.numel() * 4)
+        ms = triton.testing.do_bench(lambda: torch.mul(src, 1.0, out=dst), return_mode="median")
+        bench_row("device elementwise x*1 (read + write), do_bench", ms, 2 * src.numel() * 4)
 
 
 def bench_decode() -> None:
@@ -238,12 +134,14 @@ def bench_decode() -> None:
     for B, ctx in decode_shapes():
         kd, vd = (torch.randn(B, H, ctx, D, device=DEV, dtype=DT) for _ in range(2))
         qs = [torch.randn(B, H * G, 1, D, device=DEV, dtype=DT) for _ in range(4)]
-        ms = timed(lambda i, kd=kd, vd=vd, qs=qs: F.scaled_dot_product_attention(qs[i % 4], kd, vd,
-                                                                                 enable_gqa=True))
+
+        def sdpa(i: int, kd: torch.Tensor = kd, vd: torch.Tensor = vd, qs: list[torch.Tensor] = qs) -> object:
+            return F.scaled_dot_product_attention(qs[i % 4], kd, vd, enable_gqa=True)
+        ms = timed(sdpa)
         SDPA_MS[(B, ctx)] = bench_row(f"sdpa dense decode B={B} ctx={ctx}", ms, kv_bytes(16, B * ctx))["ms"]
         del kd, vd
         for bits in (16, 8, 4):
-            cache, md = make_batch(bits, 16, [1] * B, [ctx] * B, 0, store=False)
+            cache, md = make_batch(SH, bits, 16, [1] * B, [ctx] * B, 0, store=False)
             splits = choose_splits(TritonConfig(), B, H, ctx, sm_count(DEV))
             ms = timed(decode_fn(cache, md, TritonConfig()))
             row = bench_row(f"triton decode bits={bits} B={B} ctx={ctx}", ms, kv_bytes(bits, B * ctx),
@@ -251,7 +149,7 @@ def bench_decode() -> None:
             row["vs_sdpa"] = SDPA_MS[(B, ctx)] / row["ms"]
     B, ctx = decode_shapes()[0]
     for bs in (8, 32) if SMOKE else (8, 32, 64, 256):  # any power-of-2 block size, same tiles
-        cache, md = make_batch(16, bs, [1] * B, [ctx] * B, 0, store=False)
+        cache, md = make_batch(SH, 16, bs, [1] * B, [ctx] * B, 0, store=False)
         ms = timed(decode_fn(cache, md, TritonConfig()))
         row = bench_row(f"triton decode bits=16 B={B} ctx={ctx} bs={bs}", ms, kv_bytes(16, B * ctx))
         row["vs_sdpa"] = SDPA_MS[(B, ctx)] / row["ms"]
@@ -263,49 +161,61 @@ def bench_prefill() -> None:
     kd, qd = torch.randn(P, H, L, D, device=DEV, dtype=DT), torch.randn(P, H * G, L, D, device=DEV, dtype=DT)
     ms = timed(lambda i: F.scaled_dot_product_attention(qd, kd, kd, is_causal=True, enable_gqa=True))
     bench_row(f"sdpa causal prefill {P}x{L}", ms, flops=4 * P * H * G * D * L * (L + 1) / 2)
-    configs = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 3),
-               (128, 128, 8, 2)][:1 if SMOKE else None]
+    configs = [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
+               (64, 64, 4, 3)][:1 if SMOKE else None]
     for bits in (16, 8, 4):
         for cached in (0, L // 2):
-            cache, md = make_batch(bits, 16, [L - cached] * P, [L] * P, P, store=False)
+            cache, md = make_batch(SH, bits, 16, [L - cached] * P, [L] * P, P, store=False)
             q = torch.randn(md.num_prefill_tokens, H * G, D, device=DEV, dtype=DT)
             out = torch.empty_like(q)
             fl = 4 * P * H * G * D * sum(cached + j + 1 for j in range(L - cached))
             for bm, bn, w, st in configs if bits == 16 else configs[:1]:
                 be = TritonBackend(TritonConfig(prefill_block_m=bm, prefill_block_n=bn, prefill_warps=w,
-                                                prefill_stages=st))
+                                                prefill_stages=st, sdpa_prefill_min_tokens=0))
+
+                def step(i: int, be: TritonBackend = be, q: torch.Tensor = q, c: LayerKVCache = cache,
+                         md: AttentionMetadata = md, o: torch.Tensor = out) -> object:
+                    return be.paged_attention(q, c, md, SCALE, out=o)
                 try:
-                    ms = timed(lambda i, be=be, q=q, c=cache, md=md, o=out:
-                               be.paged_attention(q, c, md, SCALE, out=o))
+                    ms = timed(step)
                 except Exception as e:
                     RESULTS["errors"].append(f"prefill {bm},{bn},{w},{st}: {type(e).__name__}: {e}"[:300])
                     continue
                 bench_row(f"triton prefill bits={bits} {P}x{L} cached={cached} cfg={bm},{bn},{w},{st}", ms,
                           flops=fl)
+            if bits == 16 and cached == 0:  # the backend's route for fresh prompts: gather + SDPA
+                be = TritonBackend()
+                ms = timed(lambda i: be.paged_attention(q, cache, md, SCALE, out=out))  # noqa: B023
+                bench_row(f"backend prefill (fresh -> sdpa route) {P}x{L}", ms, flops=fl)
 
 
 def sweep(budget_s: float) -> None:
-    """bf16 decode: tile size x warps x pipeline depth x split count, until the time budget runs out."""
-    grid = [(bn, w, st) for bn in (64, 128, 32) for w in (4, 8) for st in (2, 3, 1)]
+    """Decode tile size x warps x pipeline depth x splits (x inline PTX for int8/int4), per shape."""
+    bf16 = [(64, 4, 2, 1), (64, 8, 2, 1), (64, 4, 3, 1), (128, 4, 2, 1), (64, 8, 2, 2), (64, 4, 2, 2)]
+    quant = [(64, 4, 2, 1), (64, 8, 2, 1), (128, 4, 2, 1), (128, 8, 2, 1), (128, 8, 3, 1), (256, 8, 2, 1),
+             (64, 4, 3, 1), (32, 4, 2, 1), (64, 8, 2, 2), (128, 8, 2, 2)]
     for B, ctx in decode_shapes():
-        cache, md = make_batch(16, 16, [1] * B, [ctx] * B, 0, store=False)
-        for bn, w, st in grid[:1] if SMOKE else grid:
-            for splits in (1, 2) if SMOKE else (1, 2, 4, 8):
+        for bits in (16, 8, 4):
+            cache, md = make_batch(SH, bits, 16, [1] * B, [ctx] * B, 0, store=False)
+            grid = [(c, None) for c in bf16] if bits == 16 else [(c, a) for c in quant for a in (True, False)]
+            for (bn, w, st, splits), asm in grid[:2] if SMOKE else grid:
                 if time.time() - T0 > budget_s:
-                    RESULTS["errors"].append(f"sweep cut at B={B} {bn},{w},{st},{splits}: time budget")
+                    RESULTS["errors"].append(f"sweep cut at B={B} bits={bits}: time budget")
                     return
+                cfg = TritonConfig(decode_block_n=bn, decode_warps=w, decode_stages=st, quant_block_n=bn,
+                                   quant_warps=w, quant_stages=st, decode_splits=splits, asm=asm)
                 try:
-                    ms = timed(decode_fn(cache, md, TritonConfig(decode_block_n=bn, decode_warps=w,
-                                                                 decode_stages=st, decode_splits=splits)))
+                    ms = timed(decode_fn(cache, md, cfg))
                 except Exception as e:  # a config that fails to compile (shared memory) is skipped
-                    RESULTS["errors"].append(f"sweep {bn},{w},{st},{splits}: {type(e).__name__}: {e}"[:300])
+                    RESULTS["errors"].append(f"sweep {bits},{bn},{w},{st},{splits}: {type(e).__name__}: {e}"
+                                             [:300])
                     continue
-                gbs = kv_bytes(16, B * ctx) / ms / 1e6
-                RESULTS["sweep"].append({"B": B, "ctx": ctx, "block_n": bn, "warps": w, "stages": st,
-                                         "splits": splits, "us": ms * 1e3, "GB/s": gbs,
-                                         "vs_sdpa": SDPA_MS[(B, ctx)] / ms})
-                print(f"sweep B={B} ctx={ctx} bn={bn} w={w} st={st} splits={splits}: {ms * 1e3:.1f} us "
-                      f"{gbs:.0f} GB/s {SDPA_MS[(B, ctx)] / ms:.2f}x sdpa", flush=True)
+                gbs = kv_bytes(bits, B * ctx) / ms / 1e6
+                row = {"B": B, "ctx": ctx, "bits": bits, "block_n": bn, "warps": w, "stages": st,
+                       "splits": splits, "asm": asm, "us": ms * 1e3, "GB/s": gbs,
+                       "vs_sdpa": SDPA_MS[(B, ctx)] / ms}
+                RESULTS["sweep"].append(row)
+                print("sweep", json.dumps(row), flush=True)
 
 
 def summary() -> None:
@@ -317,10 +227,14 @@ def summary() -> None:
         vs = f" {r['vs_sdpa']:.2f}x sdpa" if "vs_sdpa" in r else ""
         print(f"{r['name']:60s} {r['ms'] * 1e3:9.1f} us {rate}{vs}")
     for B, ctx in SDPA_MS:
-        rows = [r for r in RESULTS["sweep"] if (r["B"], r["ctx"]) == (B, ctx)]
-        for r in sorted(rows, key=lambda r: -r["GB/s"])[:3]:
-            print(f"sweep top B={B} ctx={ctx}: bn={r['block_n']} w={r['warps']} st={r['stages']} "
-                  f"splits={r['splits']} {r['us']:.1f} us {r['GB/s']:.0f} GB/s {r['vs_sdpa']:.2f}x sdpa")
+        for bits in (16, 8, 4):
+            key = (B, ctx, bits)
+            rows = [r for r in RESULTS["sweep"] if (r["B"], r["ctx"], r["bits"]) == key]
+            for r in sorted(rows, key=lambda r: -r["GB/s"])[:3]:
+                print(f"sweep top B={B} ctx={ctx} bits={bits}: bn={r['block_n']} w={r['warps']} "
+                      f"st={r['stages']} splits={r['splits']} asm={r['asm']} {r['us']:.1f} us "
+                      f"{r['GB/s']:.0f} GB/s "
+                      f"{r['vs_sdpa']:.2f}x sdpa")
     for e in RESULTS["errors"]:
         print("error:", e[:300])
     print(f"total {time.time() - T0:.0f}s")
@@ -340,9 +254,9 @@ def main() -> None:
     if DEV.type == "cuda":
         p = torch.cuda.get_device_properties(DEV)
         RESULTS["device"].update(name=p.name, sms=p.multi_processor_count)
-    steps = [lambda: [check_store(b) for b in (16, 8, 4)],
-             lambda: [check_attention(b, k) for k in ("decode", "prefill", "mixed") for b in (16, 8, 4)],
-             check_graph_replay, bench_copy, bench_decode, bench_prefill, lambda: sweep(args.budget)]
+    steps: list[Callable[[], None]] = [
+        lambda: check_all(SH), lambda: check_variants(SH), bench_copy, bench_decode, bench_prefill,
+        lambda: sweep(args.budget)]
     for step in steps:
         try:
             step()

@@ -49,17 +49,24 @@ class Engine:
         torch.manual_seed(cfg.seed)
         self.device = resolve_device(cfg)
         self.dtype = resolve_dtype(cfg, self.device)
+        tp = cfg.tensor_parallel_size  # this process is TP rank 0: it loads rank 0's shard
         if cfg.model is not None and cfg.model.startswith("random:"):
             self.model, self.model_config = random_model(cfg.model[len("random:"):], self.dtype, self.device,
-                                                         seed=cfg.seed)
+                                                         seed=cfg.seed, tp_size=tp)
             self.tokenizer = None
         else:
-            self.model, self.model_config = load_model(cfg.model, self.dtype, self.device)
+            self.model, self.model_config = load_model(cfg.model, self.dtype, self.device, tp_size=tp)
             self.tokenizer = load_tokenizer(cfg.model)
         self.model_name = cfg.model or "SmolLM2-135M-Instruct"
         mc = self.model_config
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.runner = ModelRunner(cfg, self.model, mc, self.device, self.dtype)
+        if tp > 1:
+            from nanokv.runner.tp_runner import TPModelRunner  # starts the workers (ranks 1..tp-1)
+
+            self.runner = TPModelRunner(cfg, self.model, mc, self.device, self.dtype)
+        else:
+            self.runner = ModelRunner(cfg, self.model, mc, self.device, self.dtype)
+        self.runner.capture_cudagraphs(self.max_model_len)
         self.cache_manager = KVCacheManager(
             self.runner.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
             eviction_policy=cfg.eviction_policy, lru_k=cfg.lru_k, hash_algo=cfg.prefix_caching_hash_algo,
@@ -221,6 +228,20 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens, logprobs=list(seq.logprobs) if p.logprobs is not None else None,
             metrics=seq.metrics, stop_reason=seq.stop_reason,
         )
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Release what outlives a step: the tensor-parallel worker processes (no-op at tp 1).
+        Idempotent; TP workers are also stopped at interpreter exit."""
+        stop = getattr(getattr(self, "runner", None), "shutdown", None)
+        if stop is not None:
+            stop()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser (e.g. at interpreter exit)
+            pass
 
     # ---- observability ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -56,11 +56,11 @@ _MIXED = {"default": 4, "layers": {"0": 8, "-1": 8}}
 
 PRESETS: dict[str, Setting] = {
     "fp": Setting("fp", None),
-    "int8": Setting("int8", parse_bitwidth(8), rotate=False),
-    "int8-rot": Setting("int8-rot", parse_bitwidth(8), rotate=True),
-    "int4": Setting("int4", parse_bitwidth(4)),
+    "fp-self": Setting("fp-self", parse_bitwidth(16)),  # a second full-precision cache: must score 0
+    "int8": Setting("int8", parse_bitwidth(8)),  # the format default: keys rotated
+    "int8-plain": Setting("int8-plain", parse_bitwidth(8), rotate=False),
+    "int4": Setting("int4", parse_bitwidth(4)),  # the format default: keys rotated
     "int4-plain": Setting("int4-plain", parse_bitwidth(4), rotate=False),
-    "int4-rot": Setting("int4-rot", parse_bitwidth(4), rotate=True),
     "int4-mixed": Setting("int4-mixed", parse_bitwidth(_MIXED)),
     "int4-plain-mixed": Setting("int4-plain-mixed", parse_bitwidth(_MIXED), rotate=False),
     # simulated formats (fake quantization on a full-precision cache), to choose a granularity
@@ -75,6 +75,17 @@ PRESETS: dict[str, Setting] = {
     "sim-int4-rot-rotv": Setting("sim-int4-rot-rotv", None, rotate=True,
                                  fake_quant=FakeQuant(4, 4, rotate_v=True)),
     "sim-k8v4": Setting("sim-k8v4", None, rotate=False, fake_quant=FakeQuant(8, 4)),
+    "sim-int8-rot-rotv": Setting("sim-int8-rot-rotv", None, rotate=True,
+                                 fake_quant=FakeQuant(8, 8, rotate_v=True)),
+    "sim-int4-rot-rotv-sink": Setting("sim-int4-rot-rotv-sink", None, rotate=True,
+                                      fake_quant=FakeQuant(4, 4, rotate_v=True, sink_tokens=16)),
+    "sim-int4-kchan-rotv": Setting("sim-int4-kchan-rotv", None, rotate=False,
+                                   fake_quant=FakeQuant(4, 4, k_per_channel=True, rotate_v=True)),
+    "sim-k3chan-v4-rotv": Setting("sim-k3chan-v4-rotv", None, rotate=False,
+                                  fake_quant=FakeQuant(3, 4, k_per_channel=True, rotate_v=True)),
+    "sim-int4-kchan-rotv-sink": Setting("sim-int4-kchan-rotv-sink", None, rotate=False,
+                                        fake_quant=FakeQuant(4, 4, k_per_channel=True, rotate_v=True,
+                                                             sink_tokens=16)),
 }
 
 
@@ -102,7 +113,7 @@ def from_args(bitwidth: Any, layer_bits: str | None, rotation: str) -> Setting:
     if rotation != "auto":
         name += f"-rot{rotation}"
     if plan["default"] == 16 and not plan["layers"]:
-        return Setting("fp-self", None, rotate=rotate)  # type: ignore[arg-type]
+        name = "fp-self"
     return Setting(name, plan, rotate=rotate)  # type: ignore[arg-type]
 
 

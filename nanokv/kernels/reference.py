@@ -47,7 +47,8 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
         raise ValueError(f"unsupported KV bit width {cache.bits}")
 
 
-def gather_kv(cache: LayerKVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(cache: LayerKVCache, block_ids: torch.Tensor,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """block_ids: [..., nb] (holes = -1 read block 0; callers mask them) -> K, V [..., nb, H, bs, D]."""
     ids = block_ids.clamp_min(0).long()
     if cache.bits == 16:
@@ -70,7 +71,8 @@ def _key_valid(block_ids: torch.Tensor, bs: int, seq_len: torch.Tensor) -> torch
     return valid & not_hole
 
 
-def paged_attention(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
     T, Hq, D = q.shape
     H = cache.num_kv_heads
     bs = cache.block_size

@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from nanokv.kernels.triton_dequant import use_asm, use_words
 from nanokv.kernels.triton_kvtile import (
     compute_dtype,
-    use_asm,
     kv_meta_args,
     next_pow2,
     online_softmax_step,
@@ -39,7 +39,7 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kn, stride_kh, stride_ks, stride_sn, stride_sh, stride_bt,
     D: tl.constexpr, DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
-    CDT: tl.constexpr, ASM: tl.constexpr,
+    CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -73,11 +73,11 @@ def _decode_kernel(
         valid, rows, phys = tile_rows(bt_row, tok, hi, kvh, stride_kn, stride_kh, stride_ks, BS)
         srows = phys * stride_sn + kvh * stride_sh + tok % BS
         s = qk_scores(q_lo, q_hi, q_sum, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
-                      DH, BITS, ASM)
+                      DH, BITS, ASM, WORDS)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         p, m_i, l_i, acc_lo, acc_hi = online_softmax_step(s, m_i, l_i, acc_lo, acc_hi)
         acc_lo, acc_hi = pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid,
-                                       offs_d, d_mask, DH, BITS, CDT, ASM)
+                                       offs_d, d_mask, DH, BITS, CDT, ASM, WORDS)
 
     inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)  # acc is 0 where l is: an all-hole context gives 0, not NaN
     o_lo = acc_lo * inv_l[:, None]
@@ -140,7 +140,7 @@ def _scratch(device: torch.device, numel: int) -> torch.Tensor:
 def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 2, asm: bool | None = None,
-                 ) -> torch.Tensor:
+                 words: bool | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place."""
     B, Hq, D = q.shape
@@ -150,6 +150,9 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     assert Hq % H == 0 and D % 2 == 0 and q.stride(-1) == 1 and out.stride(-1) == 1
     G = Hq // H
     ks, vs, kz, vz = kv_meta_args(cache)
+    cdt = compute_dtype(q.dtype, cache.bits)
+    words = use_words(cache.quantized, cdt, D) if words is None else words
+    k, v = (cache.k.view(torch.int32), cache.v.view(torch.int32)) if words else (cache.k, cache.v)
     split = num_splits > 1
     if split:
         buf = _scratch(q.device, B * Hq * num_splits * (D + 2))
@@ -157,14 +160,14 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     else:
         part_o = part_ml = out  # unused
     _decode_kernel[(B, H, num_splits)](
-        q, cache.k, cache.v, ks, vs, kz, vz, block_tables, seq_lens, out, part_o, part_ml,
+        q, k, v, ks, vs, kz, vz, block_tables, seq_lens, out, part_o, part_ml,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
         ks.stride(0) if cache.quantized else 0, ks.stride(1) if cache.quantized else 0,
         block_tables.stride(0),
-        D=D, DH=D // 2, G=G, BS=cache.block_size, CDT=compute_dtype(q.dtype, cache.bits),
-        ASM=use_asm(q.device) if asm is None else asm,
+        D=D, DH=D // 2, G=G, BS=cache.block_size, CDT=cdt, ASM=use_asm(q.device) if asm is None else asm,
+        WORDS=words,
         BITS=cache.bits if cache.quantized else 16,
         BLOCK_G=max(16, next_pow2(G)), BLOCK_DH=max(16, next_pow2(D // 2)), BLOCK_N=block_n, SPLIT=split,
         num_warps=num_warps, num_stages=num_stages,

@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from nanokv.kernels.triton_dequant import use_asm, use_words
 from nanokv.kernels.triton_kvtile import (
     compute_dtype,
-    use_asm,
     kv_meta_args,
     next_pow2,
     online_softmax_step,
@@ -38,7 +38,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kn, stride_kh, stride_ks, stride_sn, stride_sh, stride_bt,
     D: tl.constexpr, DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
-    CDT: tl.constexpr, ASM: tl.constexpr,
+    CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr,
     BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # TOKENS = BLOCK_M // G query tokens per tile (rows beyond TOKENS * G idle)
@@ -77,12 +77,12 @@ def _prefill_kernel(
         valid, rows, phys = tile_rows(bt_row, tok, kv_end, kvh, stride_kn, stride_kh, stride_ks, BS)
         srows = phys * stride_sn + kvh * stride_sh + tok % BS
         s = qk_scores(q_lo, q_hi, q_sum, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
-                      DH, BITS, ASM)
+                      DH, BITS, ASM, WORDS)
         keep = valid[None, :] & (tok[None, :] <= q_pos[:, None])
         s = tl.where(keep, s * qk_scale, float("-inf"))
         p, m_i, l_i, acc_lo, acc_hi = online_softmax_step(s, m_i, l_i, acc_lo, acc_hi)
         acc_lo, acc_hi = pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid,
-                                       offs_d, d_mask, DH, BITS, CDT, ASM)
+                                       offs_d, d_mask, DH, BITS, CDT, ASM, WORDS)
 
     inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)  # acc is 0 where l is
     o_rows = out_ptr + (q_start + t_local)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh
@@ -93,7 +93,7 @@ def _prefill_kernel(
 def paged_prefill(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, max_query_len: int, out: torch.Tensor, scale: float,
                   block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                  asm: bool | None = None) -> torch.Tensor:
+                  asm: bool | None = None, words: bool | None = None) -> torch.Tensor:
     """q: [Tp, Hq, D] prefill tokens, packed; block_tables: [P, max_blocks] int32 (-1 holes);
     seq_lens: [P] int32; query_start_loc: [P + 1] int32 (starts at 0); out: [Tp, Hq, D] in place."""
     P = int(seq_lens.shape[0])
@@ -106,16 +106,19 @@ def paged_prefill(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tens
     block_m = max(block_m, next_pow2(G), 16)  # at least one token per tile
     tokens = block_m // G
     ks, vs, kz, vz = kv_meta_args(cache)
+    cdt = compute_dtype(q.dtype, cache.bits)
+    words = use_words(cache.quantized, cdt, D) if words is None else words
+    k, v = (cache.k.view(torch.int32), cache.v.view(torch.int32)) if words else (cache.k, cache.v)
     grid = (triton.cdiv(max_query_len, tokens), P, H)
     _prefill_kernel[grid](
-        q, cache.k, cache.v, ks, vs, kz, vz, block_tables, seq_lens, query_start_loc, out,
+        q, k, v, ks, vs, kz, vz, block_tables, seq_lens, query_start_loc, out,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
         ks.stride(0) if cache.quantized else 0, ks.stride(1) if cache.quantized else 0,
         block_tables.stride(0),
-        D=D, DH=D // 2, G=G, BS=cache.block_size, CDT=compute_dtype(q.dtype, cache.bits),
-        ASM=use_asm(q.device) if asm is None else asm,
+        D=D, DH=D // 2, G=G, BS=cache.block_size, CDT=cdt, ASM=use_asm(q.device) if asm is None else asm,
+        WORDS=words,
         BITS=cache.bits if cache.quantized else 16,
         BLOCK_M=block_m, TOKENS=tokens, BLOCK_DH=max(16, next_pow2(D // 2)), BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages,

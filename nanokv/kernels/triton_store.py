@@ -3,8 +3,7 @@
 Grid (T,): one program per token handles all its KV heads as an [H, D/2] x 2 tile. Slot -1 means
 "don't store" (padding, or a token whose KV is already cached). Quantization matches
 nanokv.kv.quant bit for bit: IEEE division (div_rn, not the fast approximate one), fp16 rounding
-of scale and zero, and round-half-to-even like torch.round. One deliberate difference: a row whose
-scale rounds to 0 in fp16 (an all-zero row) stores codes 0 instead of NaN casts.
+of scale and zero, round-half-to-even like torch.round, and scales that underflow to 0 stored as 1.
 """
 
 from __future__ import annotations
@@ -28,6 +27,13 @@ def _round_half_even(y):
 
 
 @triton.jit
+def _safe_scale(scale):
+    """fp16 scales that underflowed to 0 (constant or all-zero rows) become 1.0, as in kv.quant:
+    codes 0, and the row decodes to 0 (int8) or to its constant (int4)."""
+    return tl.where(scale == 0.0, 1.0, scale).to(tl.float16)
+
+
+@triton.jit
 def _rne_clip(y, lo, hi):
     return tl.minimum(tl.maximum(_round_half_even(y), lo), hi)
 
@@ -42,12 +48,10 @@ def _store_rows(x_ptr, stride_xt, stride_xh, c_ptr, s_ptr, z_ptr, t, crow, srow,
     cr = c_ptr + crow[:, None] + offs_d[None, :]
     if BITS == 8:
         amax = tl.maximum(tl.max(tl.abs(x_lo), axis=1), tl.max(tl.abs(x_hi), axis=1))
-        scale = tl.div_rn(tl.maximum(amax, 1e-8), 127.0).to(tl.float16)
+        scale = _safe_scale(tl.div_rn(amax, 127.0).to(tl.float16))
         sf = scale.to(tl.float32)[:, None]
-        ok = sf > 0
-        sf = tl.where(ok, sf, 1.0)
-        c_lo = tl.where(ok, _rne_clip(tl.div_rn(x_lo, sf), -127.0, 127.0), 0.0)
-        c_hi = tl.where(ok, _rne_clip(tl.div_rn(x_hi, sf), -127.0, 127.0), 0.0)
+        c_lo = _rne_clip(tl.div_rn(x_lo, sf), -127.0, 127.0)
+        c_hi = _rne_clip(tl.div_rn(x_hi, sf), -127.0, 127.0)
         tl.store(cr, c_lo.to(tl.int8), mask=m2)
         tl.store(cr + DH, c_hi.to(tl.int8), mask=m2)
         tl.store(s_ptr + srow, scale, mask=h_ok)
@@ -57,14 +61,12 @@ def _store_rows(x_ptr, stride_xt, stride_xh, c_ptr, s_ptr, z_ptr, t, crow, srow,
         hi = tl.maximum(tl.max(tl.where(m2, x_lo, -big), axis=1), tl.max(tl.where(m2, x_hi, -big), axis=1))
         lo = tl.where(h_ok, lo, 0.0)  # padding heads / skipped slots: keep the math finite
         hi = tl.where(h_ok, hi, 0.0)
-        scale = tl.div_rn(tl.maximum(hi - lo, 1e-8), 15.0).to(tl.float16)
+        scale = _safe_scale(tl.div_rn(hi - lo, 15.0).to(tl.float16))
         zero = lo.to(tl.float16)
         sf = scale.to(tl.float32)[:, None]
         zf = zero.to(tl.float32)[:, None]
-        ok = sf > 0
-        sf = tl.where(ok, sf, 1.0)
-        q_lo = tl.where(ok, _rne_clip(tl.div_rn(x_lo - zf, sf), 0.0, 15.0), 0.0)
-        q_hi = tl.where(ok, _rne_clip(tl.div_rn(x_hi - zf, sf), 0.0, 15.0), 0.0)
+        q_lo = _rne_clip(tl.div_rn(x_lo - zf, sf), 0.0, 15.0)
+        q_hi = _rne_clip(tl.div_rn(x_hi - zf, sf), 0.0, 15.0)
         packed = q_lo.to(tl.uint8) | (q_hi.to(tl.uint8) << 4)  # dim d low nibble, d + D/2 high
         tl.store(cr, packed, mask=m2)
         tl.store(s_ptr + srow, scale, mask=h_ok)

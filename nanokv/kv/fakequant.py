@@ -22,17 +22,19 @@ def _safe(scale: torch.Tensor) -> torch.Tensor:
 
 
 def fq_lastdim(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Quantize-dequantize x along its last dim like nanokv.kv.quant: int8 symmetric, int4 asymmetric."""
+    """Quantize-dequantize x along its last dim like nanokv.kv.quant: int8 symmetric, int4 (and, for
+    simulation only, int3/int2) asymmetric with float16 scale and zero."""
     xf = x.float()
     if bits == 8:
         scale = _safe((xf.abs().amax(dim=-1, keepdim=True) / 127.0).half().float())
         return torch.round(xf / scale).clamp_(-127, 127) * scale
-    if bits == 4:
+    if bits in (2, 3, 4):
+        top = float(2**bits - 1)
         lo, hi = xf.amin(dim=-1, keepdim=True), xf.amax(dim=-1, keepdim=True)
-        scale = _safe(((hi - lo) / 15.0).half().float())
+        scale = _safe(((hi - lo) / top).half().float())
         zero = lo.half().float()
-        return torch.round((xf - zero) / scale).clamp_(0, 15) * scale + zero
-    raise ValueError(f"fake quantization supports 8 and 4 bits, got {bits}")
+        return torch.round((xf - zero) / scale).clamp_(0, top) * scale + zero
+    raise ValueError(f"fake quantization supports 8, 4, 3 and 2 bits, got {bits}")
 
 
 def fq_groups(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:

@@ -57,6 +57,12 @@ def _step_positions(md: Any, T: int, device: torch.device) -> tuple[torch.Tensor
     return torch.tensor(pos, device=device), torch.tensor(seq, device=device)
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured: the monitor syncs, so it only samples eager steps
+    (prefills and any decode step run outside a graph)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def before_store(layer: int, cache: LayerKVCache, md: Any, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k and v [T, Hk, D] (post-RoPE) -> (q, k, v) to hand to store + attention."""
@@ -70,6 +76,6 @@ def before_store(layer: int, cache: LayerKVCache, md: Any, q: torch.Tensor, k: t
     if cache.fake_quant is not None:
         pos, seq = _step_positions(md, k.shape[0], k.device)
         k, v = cache.fake_quant.apply(k, v, pos, seq, cache.block_size)
-    if cache.monitor is not None:
+    if cache.monitor is not None and not _capturing(k):
         cache.monitor.maybe_record(layer, cache.bits, k, v, cache.k.dtype if cache.bits >= 16 else k.dtype)
     return q, k, v

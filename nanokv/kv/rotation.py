@@ -21,7 +21,7 @@ import torch
 
 # Bit widths whose keys are stored rotated (measured: see docs/quality.md). 16-bit layers are
 # never rotated: they gain nothing and it would cost a matmul per token.
-DEFAULT_ROTATE_BITS: frozenset[int] = frozenset({4})
+DEFAULT_ROTATE_BITS: frozenset[int] = frozenset({8, 4})
 _SEED = 0x5EED
 
 _CACHE: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}

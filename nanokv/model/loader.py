@@ -146,18 +146,26 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def iter_random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02,
+def iter_random_weights(cfg: ModelConfig, seed: int = 0, std: float | None = None,
                         device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """Full float32 HF-named weights one at a time: N(0, std) matrices and biases, norms at 1."""
-    g = torch.Generator(device=device).manual_seed(seed)
+    """Full float32 HF-named weights one at a time, norms at 1.
+
+    std=None: projections N(0, 1/fan_in), embeddings N(0, 0.02). With N(0, 0.02) everywhere a
+    shallow tied-embedding model only echoes its last input token (the residual stream is that
+    token's embedding), which makes greedy comparisons meaningless; unit-gain projections make the
+    layers' context-dependent outputs dominate the stream. Drawn on the CPU so every device gets the same weights.
+    """
+    g = torch.Generator(device="cpu").manual_seed(seed)
     for name, shape in hf_shapes(cfg).items():
         if name.endswith("norm.weight"):
-            yield name, torch.ones(shape, device=device)
+            w = torch.ones(shape)
         else:
-            yield name, torch.randn(shape, generator=g, device=device) * std
+            s = std if std is not None else (0.02 if "embed" in name or len(shape) == 1 else shape[-1] ** -0.5)
+            w = torch.randn(shape, generator=g) * s
+        yield name, w.to(device)
 
 
-def random_state_dict(cfg: ModelConfig, seed: int = 0, std: float = 0.02,
+def random_state_dict(cfg: ModelConfig, seed: int = 0, std: float | None = 0.02,
                       device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """iter_random_weights as a dict (what save_hf_folder takes)."""
     return dict(iter_random_weights(cfg, seed, std, device))
@@ -167,7 +175,7 @@ def random_model(preset_or_config: str | ModelConfig, dtype: torch.dtype | str =
                  device: torch.device | str = "cpu", seed: int = 0,
                  tp_rank: int = 0, tp_size: int = 1) -> tuple[LlamaForCausalLM, ModelConfig]:
     """A seeded random-weight model and its config (like load_model); every TP rank gets its shard
-    of the same full weights. Weights are drawn on `device`, so CPU and CUDA draws differ."""
+    of the same full weights, and every device the same values (drawn on the CPU)."""
     cfg = ModelConfig.preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
     model = build_model(cfg.validate(), dtype, device, tp_rank, tp_size)
     with torch.no_grad():

@@ -15,6 +15,7 @@ from nanokv.attention.backend import set_backend
 from nanokv.attention.metadata import AttentionMetadata, forward_context
 from nanokv.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block
+from nanokv.runner.cuda_graph import DecodeGraphs
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,17 @@ class ModelRunner:
                                  dtype, device)
             for b in self.layer_bits
         ]
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_cudagraphs(self, max_model_len: int) -> None:
+        """Capture decode graphs (CUDA only, unless enforce_eager)."""
+        if self.device.type != "cuda" or self.cfg.enforce_eager:
+            return
+        max_bs = min(self.cfg.max_num_seqs, 512)
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.mc.hidden_size, max_bs, max_blocks,
+                                   max_model_len, self.dtype, self.device)
+        self.graphs.capture()
 
     # ---- sizing -------------------------------------------------------------------------------
     def bytes_per_block_all_layers(self) -> int:
@@ -128,7 +140,10 @@ class ModelRunner:
         ([len(rows), V]) or, with all_logits, for every query token ([T, V])."""
         ids, pos, md = self.build_metadata(items)
         with forward_context(md, self.kv_caches):
-            hidden = self.model(ids, pos)
+            if self.graphs is not None and not all_logits and self.graphs.can_run(md):
+                hidden = self.graphs.run(ids, pos, md)
+            else:
+                hidden = self.model(ids, pos)
             if all_logits:
                 return self.model.compute_logits(hidden)
             rows = logits_rows if logits_rows is not None else list(range(len(items)))

@@ -15,6 +15,7 @@ from collections.abc import Callable, Hashable
 
 from nanokv.cache.policies._heap import LazyHeap
 from nanokv.cache.policies.base import EvictionPolicy
+from nanokv.errors import NanoKVError
 
 
 class BeladyPolicy(EvictionPolicy):
@@ -23,7 +24,7 @@ class BeladyPolicy(EvictionPolicy):
     def __init__(self, capacity: int, oracle: Callable[[Hashable], float] | None = None) -> None:
         super().__init__(capacity)
         if oracle is None:
-            raise ValueError("belady needs an oracle (future knowledge); it is a simulator-only policy")
+            raise NanoKVError("eviction_policy", "belady needs future knowledge (oracle=); simulator only")
         self._oracle = oracle
         self._heap = LazyHeap()
         self._key: dict[int, tuple[Hashable, int]] = {}

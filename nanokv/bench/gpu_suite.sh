@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call that checks and times everything the GPU issues measure.
+#   bash nanokv/bench/gpu_suite.sh [parity] [kernels] [nanovllm] [longctx] [quant] [hf]
+# Results: $OUT/*.json and $OUT/suite.log; a summary table is printed last.
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+LOG="$OUT/suite.log"
+phases=${*:-parity kernels nanovllm longctx quant}
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee -a "$LOG"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
+BENCH="python3 -m nanokv.cli bench --max-num-batched-tokens 16384"
+run() {  # name, command...
+  local name=$1; shift
+  echo "=== $name: $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  "$@" >>"$LOG" 2>&1; local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - t0))s" | tee -a "$LOG"
+  grep -E "^\[|tok/s|floor|parity|speedup|Error|error" "$LOG" | tail -n 6
+}
+for ph in $phases; do
+  case $ph in
+    parity) run parity python3 -m nanokv.bench.gpu_parity --out "$OUT/parity.json" ;;
+    kernels) run kernels python3 -m nanokv.bench.gpu_kernels --out "$OUT" --budget 120 ;;
+    nanovllm) run nanovllm $BENCH --workload nanovllm --out "$OUT/nanovllm.json" ;;
+    longctx) run longctx_bf16 $BENCH --workload longctx --out "$OUT/longctx_bf16.json" ;;
+    quant)
+      run longctx_int8 $BENCH --workload longctx --enable-compression --quantization-bitwidth 8 \
+        --out "$OUT/longctx_int8.json"
+      run longctx_int4 $BENCH --workload longctx --enable-compression --quantization-bitwidth 4 \
+        --out "$OUT/longctx_int4.json" ;;
+    hf) run hf $BENCH --workload nanovllm --compare hf --num-seqs 64 --out "$OUT/nanovllm_hf64.json" ;;
+  esac
+done
+echo "===== summary" | tee -a "$LOG"
+grep -hE "^\[|achieved|HF|parity" "$LOG" | tail -n 30

@@ -1,0 +1,93 @@
+"""Key rotation (scores preserved, int4 error reduced) and the compression monitor + outlier test hook."""
+
+from __future__ import annotations
+
+import torch
+
+from nanokv.kv import hooks
+from nanokv.kv.cache import allocate_layer_cache
+from nanokv.kv.monitor import CompressionMonitor, relative_error, roundtrip
+from nanokv.kv.rotation import hadamard, maybe_rotate, rotation_matrix
+
+
+def test_rotation_is_orthonormal_and_preserves_scores():
+    for d in (16, 64, 128, 80):  # 80: not a power of two -> seeded random orthogonal
+        r = rotation_matrix(d, torch.float64)
+        assert torch.allclose(r @ r.T, torch.eye(d, dtype=torch.float64), atol=1e-12)
+    h = hadamard(8)
+    assert torch.equal(h @ h.T, 8 * torch.eye(8))
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, 9, 64, generator=g), torch.randn(5, 3, 64, generator=g)
+    qr, kr = maybe_rotate(q, k, 4)
+    s = torch.einsum("thd,shd->tsh", q[:, :3], k)
+    sr = torch.einsum("thd,shd->tsh", qr[:, :3], kr)
+    assert torch.allclose(s, sr, atol=1e-4)
+    q16, k16 = maybe_rotate(q, k, 16)
+    assert q16 is q and k16 is k  # full-precision layers are never rotated
+
+
+def test_rotation_shrinks_int4_error_of_outlier_keys():
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(512, 3, 64, generator=g)
+    k[..., 3] *= 20.0
+    plain = relative_error(k, roundtrip(k, 4, torch.float32))
+    _, kr = maybe_rotate(k[:, :1], k, 4, rotate=True)
+    rotated = relative_error(kr, roundtrip(kr, 4, torch.float32))
+    assert rotated < 0.6 * plain
+
+
+def _store(monitor: CompressionMonitor, layer: int, cache, k, v, q=None):
+    q = k.repeat(1, 3, 1) if q is None else q
+    return hooks.before_store(layer, cache, None, q, k, v)
+
+
+def test_monitor_reports_zero_for_full_precision_and_error_for_int4():
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(64, 3, 64, generator=g), torch.randn(64, 3, 64, generator=g)
+    mon = CompressionMonitor(every=1)
+    caches = [allocate_layer_cache(b, 4, 3, 16, 64, torch.float32, "cpu") for b in (16, 8, 4)]
+    mon.attach(caches)
+    for layer, c in enumerate(caches):
+        _store(mon, layer, c, k, v)
+    snap = mon.snapshot()
+    assert snap[0] == 0.0
+    assert 0.0 < snap[1] < 0.02 < snap[2] < 0.2
+    assert set(mon.snapshot_kv()[2]) == {"k", "v"}
+
+
+def test_monitor_samples_every_nth_call_only():
+    mon = CompressionMonitor(every=3, rows=4)
+    c = allocate_layer_cache(4, 4, 3, 16, 64, torch.float32, "cpu")
+    mon.attach([c])
+    calls = []
+    mon.record = lambda *a, **kw: calls.append(a[0])  # type: ignore[method-assign]
+    for _ in range(7):
+        _store(mon, 0, c, torch.randn(8, 3, 64), torch.randn(8, 3, 64))
+    assert len(calls) == 3  # calls 0, 3, 6
+
+
+def test_outlier_hook_raises_error_of_that_layer_and_rotation_absorbs_it():
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(64, 3, 64, generator=g), torch.randn(64, 3, 64, generator=g)
+    q = torch.randn(64, 9, 64, generator=g)
+
+    def run(rotate: bool, outliers: bool) -> dict[int, float]:
+        mon = CompressionMonitor(every=1)
+        caches = [allocate_layer_cache(4, 4, 3, 16, 64, torch.float32, "cpu", rotate=rotate)
+                  for _ in range(2)]
+        mon.attach(caches)
+        if outliers:
+            hooks.set_key_outliers(1, factor=30.0, channels=(0, 1))
+        try:
+            for layer, c in enumerate(caches):
+                q2, k2, _ = _store(mon, layer, c, k, v, q)
+                s = torch.einsum("thd,shd->tsh", q2[:, :3], k2)
+                assert torch.allclose(s, torch.einsum("thd,shd->tsh", q[:, :3], k), atol=1e-3)
+        finally:
+            hooks.clear_key_outliers()
+        return {i: e["k"] for i, e in mon.snapshot_kv().items()}
+
+    base, hit = run(False, False), run(False, True)
+    assert abs(hit[0] - base[0]) < 1e-9  # other layers untouched
+    assert hit[1] > 1.3 * base[1]  # the hooked layer's keys are harder to quantize
+    assert run(True, True)[1] < base[1]  # rotation spreads the outlier channels
