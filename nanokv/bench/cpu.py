@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-
 BATCH = 16
 
 

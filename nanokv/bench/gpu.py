@@ -136,6 +136,9 @@ def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = Fals
         "preemptions": eng.scheduler.num_preemptions, "kv_blocks": eng.cache_manager.num_blocks, **floor,
         "achieved_over_floor": floor["floor_seconds"] / dt,
     }
+    if eng._timing is not None:
+        out["step_timing"] = dict(eng._timing)
+        print(f"  step timing: {eng._timing}")
     print(f"[{workload}] {len(prompts)} seqs, {total} output tokens in {dt:.2f} s = {total / dt:,.0f} tok/s")
     print(f"  copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s")
     print(f"  roofline floor {floor['floor_seconds']:.2f} s ({floor['floor_output_tokens_per_s']:,.0f} tok/s);"

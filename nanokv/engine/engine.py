@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,10 @@ class Engine:
         self._ids = itertools.count()
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0}
         self._batch_sizes: list[int] = []
+        # NANOKV_STEP_TIMING=1: per-phase wall time of each step (syncs the GPU; for profiling only)
+        self._timing: dict[str, float] | None = (
+            dict.fromkeys(("steps", "schedule_s", "forward_s", "sample_postprocess_s"), 0.0)
+            if os.environ.get("NANOKV_STEP_TIMING") else None)
         self._last_batch_size = 0
 
     # ---- requests -----------------------------------------------------------------------------
@@ -163,6 +168,7 @@ class Engine:
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -174,7 +180,11 @@ class Engine:
         for s in sched:
             if s.seq.metrics.first_scheduled_time is None:
                 s.seq.metrics.first_scheduled_time = now
+        t1 = time.perf_counter()
         logits = self.runner.execute(items, rows)
+        if self._timing is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # only when timing: attribute device time to the forward
+        t2 = time.perf_counter()
         self.scheduler.update(out)
         self._counters["computed_tokens"] += out.num_tokens
         self._last_batch_size = len(sched)
@@ -187,6 +197,13 @@ class Engine:
             res = self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
             for seq, tok, lp in zip(seqs, res.token_ids, res.logprobs):
                 outputs.append(self._on_token(seq, tok, lp))
+        if self._timing is not None:
+            t3 = time.perf_counter()
+            tm = self._timing
+            tm["steps"] += 1
+            tm["schedule_s"] += t1 - t0
+            tm["forward_s"] += t2 - t1
+            tm["sample_postprocess_s"] += t3 - t2
         return outputs
 
     def _on_token(self, seq: Sequence, tok: int, lp: tuple[float, dict[int, float]] | None) -> RequestOutput:

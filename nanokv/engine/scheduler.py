@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nanokv.cache.manager import KVCacheManager
-from nanokv.engine.sequence import Sequence, SeqStatus
+from nanokv.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass

@@ -16,6 +16,7 @@ torchrun the env:// rendezvous torchrun prepared is used as is.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -138,8 +139,18 @@ def abort_groups() -> None:
         pass
 
 
-def destroy_groups() -> None:
-    if dist.is_initialized():
+def leave_groups(nccl: bool, runner: Any = None) -> None:
+    """Orderly exit from every group, once all ranks agreed to stop.
+
+    With NCCL, destroy_process_group and abort both wait forever while CUDA graphs that captured
+    its collectives are alive (seen on 2 x H200, torch 2.11): free the runner's graphs first."""
+    if nccl:
+        if getattr(runner, "graphs", None) is not None:
+            runner.graphs = None
+            gc.collect()
+            torch.cuda.synchronize()
+        abort_groups()
+    elif dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - peers may already be gone

@@ -37,9 +37,9 @@ from nanokv.runner.tp_comm import (
     abort_groups,
     broadcast_int,
     broadcast_object,
-    destroy_groups,
     host_store,
     init_groups,
+    leave_groups,
     make_data_group,
     torchrun_env,
 )
@@ -59,12 +59,13 @@ class TPModelRunner:
         self._closed = False
         self._error: str | None = None  # the error every call after a failure repeats
         self.local: ModelRunner | None = None
+        self._nccl = device.type == "cuda"
         env = torchrun_env()
         _check_launch(cfg, model, device, env)
         self._atexit = _atexit_hook(weakref.ref(self))  # weak: the hook must not keep us alive
         atexit.register(self._atexit)
         # NCCL collectives do not notice a dead peer (gloo ones fail at once): abort them
-        on_failure = abort_groups if device.type == "cuda" else (lambda: None)
+        on_failure = abort_groups if self._nccl else (lambda: None)
         try:
             store = None
             if env is None:
@@ -175,7 +176,7 @@ class TPModelRunner:
         if self._workers is not None:
             self._workers.stop(grace_s=5.0 if graceful else 0.0)
         if graceful:
-            destroy_groups()
+            leave_groups(self._nccl, self.local)
         else:
             abort_groups()
         init_tensor_parallel(0, 1)

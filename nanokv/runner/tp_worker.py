@@ -27,9 +27,9 @@ from nanokv.runner.model_runner import ModelRunner, resolve_device, resolve_dtyp
 from nanokv.runner.tp_comm import (
     broadcast_int,
     broadcast_object,
-    destroy_groups,
     init_groups,
     join_store,
+    leave_groups,
     make_data_group,
     torchrun_env,
 )
@@ -93,7 +93,7 @@ def serve(rank: int, world: int, local_rank: int, store: dist.TCPStore | None) -
         else:
             method, args, kwargs = msg
             getattr(runner, method)(*args, **kwargs)
-    destroy_groups()
+    leave_groups(device.type == "cuda", runner)
 
 
 def spawn_main(index: int, world: int, addr: str, port: int, parent_pid: int) -> None:
