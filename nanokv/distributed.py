@@ -5,6 +5,7 @@ Layers read `get_tp_rank()` / `get_tp_size()` when they are built (to size their
 process path never touches torch.distributed. A TP worker calls `init_tensor_parallel(rank, size)`
 after `torch.distributed.init_process_group`; `tp_state(rank, size)` sets the state temporarily,
 which lets a single process build one rank's shards (to load or inspect them) without a group.
+`head_ranges` decides which attention heads a rank holds (uneven splits included).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class TPState:
 
 
 _STATE = TPState()
+HeadRange = tuple[int, int]  # (first head, number of heads)
 
 
 def _check(rank: int, size: int) -> None:
@@ -72,6 +74,43 @@ def _require_group() -> None:
             f"tensor parallel size is {_STATE.size} but torch.distributed is not initialised; "
             "call torch.distributed.init_process_group and init_tensor_parallel first"
         )
+
+
+def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, count) of run `index` when n items are cut into `parts` contiguous runs, the first
+    n % parts runs one longer: split_range(3, 2, 0) == (0, 2), split_range(3, 2, 1) == (2, 1)."""
+    base, extra = divmod(n, parts)
+    return index * base + min(index, extra), base + (index < extra)
+
+
+def head_ranges(num_heads: int, num_kv_heads: int, tp_size: int, rank: int) -> tuple[HeadRange, HeadRange]:
+    """((first query head, count), (first kv head, count)) that TP `rank` of `tp_size` holds.
+
+    Heads are dealt out by GQA group, so every rank's query heads use only its own kv heads:
+      * tp <= kv heads: each rank takes a contiguous run of kv heads with all their query heads
+        (SmolLM2, 9 q / 3 kv at tp 2: rank 0 kv 0-1 + q 0-5, rank 1 kv 2 + q 6-8);
+      * tp > kv heads: the ranks are dealt out over the kv heads, each kv head is replicated on its
+        ranks and they split its query heads (9 q / 3 kv at tp 4: rank 0 q 0-1, rank 1 q 2, both
+        with kv 0; rank 2 q 3-5 + kv 1; rank 3 q 6-8 + kv 2).
+    Earlier ranks never hold fewer heads than later ones, so rank 0's cache is the largest.
+    Impossible only when tp > num_heads (a rank would hold no query head).
+    """
+    _check(rank, tp_size)
+    if num_heads % num_kv_heads:
+        raise NanoKVError("num_key_value_heads", f"{num_kv_heads} does not divide num_attention_heads {num_heads}")
+    if tp_size > num_heads:
+        raise NanoKVError("tensor_parallel_size", f"{tp_size} is more than num_attention_heads {num_heads}: "
+                          "some rank would hold no attention head")
+    group = num_heads // num_kv_heads
+    if tp_size <= num_kv_heads:
+        kv0, nkv = split_range(num_kv_heads, tp_size, rank)
+        return (kv0 * group, nkv * group), (kv0, nkv)
+    for kv in range(num_kv_heads):
+        r0, nranks = split_range(tp_size, num_kv_heads, kv)
+        if rank < r0 + nranks:
+            q0, nq = split_range(group, nranks, rank - r0)  # nranks <= group since tp <= num_heads
+            return (kv * group + q0, nq), (kv, 1)
+    raise AssertionError("unreachable")
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,10 @@ class SeqStep:
 
 
 def make_caches(model_config, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
-                device: str = "cpu", bits: int | list[int] = 16, tp_size: int = 1) -> list[LayerKVCache]:
+                device: str = "cpu", bits: int | list[int] = 16, tp_size: int = 1,
+                tp_rank: int = 0) -> list[LayerKVCache]:
     """One LayerKVCache per layer (bits: one width for all layers or a per-layer list)."""
-    _, kv_heads = model_config.heads_per_rank(tp_size)
+    _, kv_heads = model_config.heads_per_rank(tp_size, tp_rank)
     n = model_config.num_hidden_layers
     plan = [bits] * n if isinstance(bits, int) else list(bits)
     return [allocate_layer_cache(b, num_blocks, kv_heads, block_size, model_config.head_dim, dtype, device)
@@ -78,7 +79,7 @@ class PagedRunner:
         self.device = device
         dtype = next(model.parameters()).dtype
         self.caches = make_caches(model.config, num_blocks, block_size, dtype, device, bits,
-                                  tp_size=getattr(model, "tp_size", 1))
+                                  tp_size=getattr(model, "tp_size", 1), tp_rank=getattr(model, "tp_rank", 0))
         self.blocks = scrambled_blocks(num_blocks, num_blocks, seed)
 
     @torch.inference_mode()

@@ -100,11 +100,12 @@ def test_bad_dtype_and_preset():
 
 
 def test_tp_size_must_fit_heads():
-    cfg = ModelConfig.preset("tiny-qwen3")  # 6 q heads, 2 kv heads
-    with pytest.raises(NanoKVError, match="num_attention_heads"):
-        build_model(cfg, tp_size=4)
-    with pytest.raises(NanoKVError, match="num_key_value_heads"):
-        build_model(cfg, tp_rank=0, tp_size=3)
+    cfg = ModelConfig.preset("tiny-qwen3")  # 6 q heads, 2 kv heads, MLP width 160
+    build_model(cfg, tp_rank=1, tp_size=4)  # heads may split unevenly
+    with pytest.raises(NanoKVError, match="7 is more than num_attention_heads 6"):
+        build_model(cfg, tp_size=7)
+    with pytest.raises(NanoKVError, match="3 does not divide merged output features"):
+        build_model(cfg, tp_rank=0, tp_size=3)  # the heads would split, the MLP must split evenly
 
 
 def test_unsupported_rope_and_activation():

@@ -1,9 +1,10 @@
 """Tensor parallelism through the whole engine: tp > 1 gives the tp=1 result (CPU, gloo, fp32).
 
-SmolLM2-135M has 9 query heads over 3 KV heads, so tp=2 cannot split it (the model layer splits
-heads evenly) and is refused before any process starts; tp=3 (3 query heads + 1 KV head per rank)
-is its natural split. tiny-qwen3 (6 query / 2 KV heads, vocab 1003) runs at tp=2: 3 query heads per
-rank and a vocab the last rank pads.
+Heads are dealt out by GQA group. SmolLM2-135M (9 query heads over 3 KV heads) splits unevenly at
+tp=2 (rank 0: 2 KV + 6 query heads, rank 1: 1 + 3) and evenly at tp=3. tiny-qwen3 (6 query / 2 KV
+heads, vocab 1003) splits evenly at tp=2 and tiny-qwen3-kv3 (6 query / 3 KV heads, vocab 1001,
+untied head) unevenly; both have a vocab the last rank pads. tp larger than the query-head count
+is refused before any process starts.
 """
 
 from __future__ import annotations
@@ -48,13 +49,14 @@ def _tiny_prompts() -> list[list[int]]:
     return [shared, list(range(300, 317)), shared + [7, 8, 9, 10], list(range(900, 1000))]
 
 
-def test_tiny_qwen3_tp2_matches_tp1():
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-kv3"])
+def test_tiny_qwen3_tp2_matches_tp1(preset):
     prompts = _tiny_prompts()
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
     # near-uniform random-weight logits make seeded sampling compare the whole distribution
     sampled = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=s) for s in range(4)]
     # small batches force chunked prefill; the third prompt hits the first one's cached blocks
-    kw = dict(TINY, max_num_batched_tokens=24)
+    kw = dict(TINY, model=f"random:{preset}", max_num_batched_tokens=24)
     ref_llm = LLM(**kw)
     ref = ref_llm.generate(prompts, greedy, use_tqdm=False)
     ref_s = ref_llm.generate(prompts, sampled, use_tqdm=False)
@@ -69,8 +71,11 @@ def test_tiny_qwen3_tp2_matches_tp1():
         # what a warm-up / CUDA-graph capture needs: a runner method run on every rank at once
         again = tp.engine.runner.call_all("execute", items, None, True)
         assert tp.engine.cache_manager.stats.prefix_hits_tokens > 0
-        per_block = tp.engine.runner.bytes_per_block_all_layers()  # one of the 2 KV heads per rank
-        assert per_block * 2 == ref_llm.engine.runner.bytes_per_block_all_layers()
+        # rank 0's cache holds its KV heads only: 1 of 2 (even split) or 2 of 3 (uneven)
+        mc = ref_llm.engine.model_config
+        per_block = tp.engine.runner.bytes_per_block_all_layers()
+        assert per_block * mc.num_key_value_heads == (
+            ref_llm.engine.runner.bytes_per_block_all_layers() * mc.heads_per_rank(2, 0)[1])
         with pytest.raises(AttributeError, match="call_all"):
             tp.engine.runner._decide_num_blocks()  # might run the model on rank 0 only: refused
     finally:
@@ -81,7 +86,7 @@ def test_tiny_qwen3_tp2_matches_tp1():
     for o, r in zip(outs, ref):
         for a, b in zip(o.logprobs, r.logprobs):
             assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
-    assert got_all.shape == ref_all.shape == (60, 1003)
+    assert got_all.shape == ref_all.shape == (60, ref_llm.engine.model_config.vocab_size)
     assert (got_all - ref_all).abs().max().item() < 1e-4
     assert torch.equal(again, got_all)
 
@@ -98,9 +103,24 @@ def test_shutdown_is_idempotent_and_final():
         llm.engine.step()
 
 
-def test_smollm2_tp2_is_refused_before_any_process_starts():
-    with pytest.raises(NanoKVError, match="does not divide num_attention_heads 9"):
-        LLM(tensor_parallel_size=2)
+def test_tp_larger_than_heads_is_refused_before_any_process_starts():
+    with pytest.raises(NanoKVError, match="7 is more than num_attention_heads 6"):
+        LLM(**TINY, tensor_parallel_size=7)
+
+
+@pytest.mark.slow
+def test_smollm2_tp2_uneven_heads_matches_tp1(llm, chat_ids):
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ids = chat_ids[:2]
+    ref = [o.token_ids for o in llm.generate(ids, params, use_tqdm=False)]
+    tp = LLM(num_gpu_blocks=32, block_size=16, tensor_parallel_size=2)
+    try:
+        # rank 0 holds KV heads 0-1 (query heads 0-5): 2 of the 3 KV heads' cache per block
+        assert tp.engine.runner.num_kv_heads == 2
+        assert tp.engine.runner.bytes_per_block_all_layers() * 3 == llm.engine.runner.bytes_per_block_all_layers() * 2
+        assert [o.token_ids for o in tp.generate(ids, params, use_tqdm=False)] == ref
+    finally:
+        tp.engine.shutdown()
 
 
 @pytest.mark.slow

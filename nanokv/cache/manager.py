@@ -265,6 +265,26 @@ class KVCacheManager:
             seq.first_hole = min(seq.first_hole, i)
             self.pool.release(b)
 
+    def mark_lossy(self, seq_id: Hashable, logical_indices: Iterable[int]) -> list[int]:
+        """Sparsity (hybrid): the caller wants to rewrite these blocks lossily in place (INT8 -> INT4).
+        Only blocks this sequence holds alone qualify (a prefix-shared block is left as it is); each
+        one loses its cached hash, so it is never served as a prefix, and like a hole it stops later
+        blocks from being published. Returns the physical ids that may be rewritten."""
+        seq = self._seq(seq_id)
+        pool = self.pool
+        out: list[int] = []
+        for i in logical_indices:
+            b = seq.table[i] if isinstance(i, int) and 0 <= i < len(seq.table) else -1
+            if b < 0 or pool.ref[b] != 1:
+                continue
+            seq.first_hole = min(seq.first_hole, i)
+            h = pool.hash[b]
+            if h is not None:  # in use, so not in the evictable set: only the index knows it
+                del pool.index[h]
+                pool.hash[b] = None
+            out.append(b)
+        return out
+
     # ---- counters the scheduler reports --------------------------------------------------------
     def record_recompute(self, num_tokens: int) -> None:
         self.stats.recomputed_tokens += _check_int("num_tokens", num_tokens, 0)

@@ -25,7 +25,8 @@ from nanokv.errors import NanoKVError
 DEFAULT_POLICIES = ("lru", "lru_k", "clock", "arc", "s3fifo", "sieve", "depth_lru", "belady")
 DEFAULT_CAPACITIES = "1%,5%,10%,25%,50%"
 # Rough relative cost, to start the slow jobs first and keep both cores busy to the end.
-_COST = {"belady": 4, "lru_k": 3, "depth_lru": 2, "s3fifo": 2, "arc": 2}
+_COST = {"adaptive": 12, "belady": 4, "lru_k": 3, "depth_lru": 2, "s3fifo": 2, "arc": 2}
+ADAPTIVE = "adaptive"  # not a policy: the adaptive controller switching policies (nanokv/adaptive)
 
 
 def parse_capacities(spec: str, unique_blocks: int) -> list[int]:
@@ -53,8 +54,9 @@ def parse_capacities(spec: str, unique_blocks: int) -> list[int]:
 def parse_policies(spec: str) -> list[str]:
     names = [p.strip() for p in spec.split(",") if p.strip()]
     for p in names:
-        if p not in POLICY_NAMES:
-            raise NanoKVError("policies", f"unknown policy {p!r}; allowed: {', '.join(POLICY_NAMES)}")
+        if p not in POLICY_NAMES and p != ADAPTIVE:
+            allowed = ", ".join((*POLICY_NAMES, ADAPTIVE))
+            raise NanoKVError("policies", f"unknown policy {p!r}; allowed: {allowed}")
     if not names:
         raise NanoKVError("policies", "give at least one policy")
     return list(dict.fromkeys(names))
@@ -69,6 +71,10 @@ def _init(requests: list[TraceRequest], block_size: int, lru_k: int) -> None:
 
 def _job(job: tuple[str, int]) -> ReplayResult:
     policy, capacity = job
+    if policy == ADAPTIVE:  # the engine's controller, replayed (torch-free)
+        from nanokv.adaptive.replay import replay_adaptive
+        return replay_adaptive(_W["requests"], capacity, _W["block_size"], lru_k=_W["lru_k"],  # type: ignore[arg-type]
+                               keys=_W["keys"])[0]  # type: ignore[arg-type]
     return replay(_W["requests"], policy, capacity, _W["block_size"], lru_k=_W["lru_k"],  # type: ignore[arg-type]
                   keys=_W["keys"])  # type: ignore[arg-type]
 

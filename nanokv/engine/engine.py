@@ -17,6 +17,7 @@ from nanokv.engine.detokenizer import check_stop_strings, detokenize_step
 from nanokv.engine.scheduler import Scheduler
 from nanokv.engine.sequence import RequestMetrics, Sequence
 from nanokv.errors import RequestError
+from nanokv.kv.monitor import CompressionMonitor
 from nanokv.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from nanokv.runner.sampler import Sampler
 from nanokv.sampling import SamplingParams
@@ -68,13 +69,19 @@ class Engine:
         else:
             self.runner = ModelRunner(cfg, self.model, mc, self.device, self.dtype)
         self.runner.capture_cudagraphs(self.max_model_len)
+        # running K/V quantization error per layer (sampled on eager steps), read by stats()
+        self.compression_monitor = CompressionMonitor().attach(self.runner.kv_caches)
         self.cache_manager = KVCacheManager(
             self.runner.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
-            eviction_policy=cfg.eviction_policy, lru_k=cfg.lru_k, hash_algo=cfg.prefix_caching_hash_algo,
+            # "adaptive": start from the default policy; the controller switches when it pays
+            eviction_policy="clock" if cfg.eviction_policy == "adaptive" else cfg.eviction_policy,
+            lru_k=cfg.lru_k, hash_algo=cfg.prefix_caching_hash_algo,
         )
         self.scheduler = Scheduler(self.cache_manager, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    enable_chunked_prefill=cfg.enable_chunked_prefill)
+        from nanokv.sparsity.engine_hook import attach as attach_sparsity  # None unless compression_sparsity > 0
+        self.sparsity = attach_sparsity(cfg, self.cache_manager, self.runner)
         self.sampler = Sampler(self.device)
         eos = set(mc.eos_token_ids or [])
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -89,6 +96,10 @@ class Engine:
             dict.fromkeys(("steps", "schedule_s", "forward_s", "sample_postprocess_s"), 0.0)
             if os.environ.get("NANOKV_STEP_TIMING") else None)
         self._last_batch_size = 0
+        self.controller: Any = None  # nanokv.adaptive.AdaptiveController: self-tuning, off unless asked for
+        if cfg.adaptive or cfg.eviction_policy == "adaptive":
+            from nanokv.adaptive.engine_glue import build_controller
+            self.controller = build_controller(self)
 
     # ---- requests -----------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -186,6 +197,8 @@ class Engine:
             torch.cuda.synchronize(self.device)  # only when timing: attribute device time to the forward
         t2 = time.perf_counter()
         self.scheduler.update(out)
+        if self.sparsity is not None:  # block sparsity: drop / demote per policy (nanokv.sparsity)
+            self.sparsity.after_step(sched)
         self._counters["computed_tokens"] += out.num_tokens
         self._last_batch_size = len(sched)
         self._batch_sizes.append(len(sched))
@@ -197,6 +210,8 @@ class Engine:
             res = self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
             for seq, tok, lp in zip(seqs, res.token_ids, res.logprobs):
                 outputs.append(self._on_token(seq, tok, lp))
+        if self.controller is not None:
+            self.controller.on_step(out)
         if self._timing is not None:
             t3 = time.perf_counter()
             tm = self._timing
@@ -271,12 +286,12 @@ class Engine:
             "prefix_queries_tokens": cs.prefix_queries_tokens,
             "prefix_hits_tokens": cs.prefix_hits_tokens,
             "evictions_by_policy": dict(cs.evictions_by_policy),
-            "eviction_policy": self.config.eviction_policy,
+            "eviction_policy": self.cache_manager.policy_name,  # the live one (the controller may switch)
             "recomputed_tokens": cs.recomputed_tokens,
             "preemptions": self.scheduler.num_preemptions,
             "last_batch_size": self._last_batch_size,
             "batch_sizes": batch_sizes,
-            "compression_error": {},
-            "adaptations": {},
+            "compression_error": self.compression_monitor.snapshot(),
+            "adaptations": dict(self.controller.counts) if self.controller is not None else {},
             **self._counters,
         }

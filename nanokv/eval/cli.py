@@ -4,6 +4,8 @@
                 [--tokens 8192 --context 2048 --chunk 64] [--passkey-lengths 512,1024,2048]
                 [--corpus FILE] [--model PATH] [--json OUT]
     nanokv eval --setting int8 --setting int4 ...      (named presets, all in one lockstep run)
+    nanokv eval --compression-sparsity 0.25,0.5,0.75 --sparsity-policy streaming,attention,hybrid
+                (block sparsity on top of each setting: every (policy, s) pair, plus the dense setting)
 
 Prints a table last (bytes/token vs bf16, PPL, dPPL %, KL mean / p99.9, top-1, passkey) and
 writes everything (including per-layer compression error and passkey samples) to --json.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from typing import Any
@@ -21,6 +24,7 @@ from nanokv.config import SPARSITY_POLICIES
 from nanokv.errors import NanoKVError
 from nanokv.eval import corpus, settings
 from nanokv.eval.passkey import MAX_NEW
+from nanokv.sparsity.policies import SparsityParams
 
 
 def parser() -> argparse.ArgumentParser:
@@ -35,8 +39,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rotation", default="auto", help="Hadamard key rotation: auto (format default), on, off")
     p.add_argument("--setting", action="append", default=[],
                    help=f"named preset, repeatable: {', '.join(settings.PRESETS)}")
-    p.add_argument("--compression-sparsity", type=float, default=0.0)
-    p.add_argument("--sparsity-policy", default="streaming")
+    p.add_argument("--compression-sparsity", default="0",
+                   help="fraction of full blocks dropped (hybrid: dropped or demoted); a comma list runs each")
+    p.add_argument("--sparsity-policy", default="streaming",
+                   help=f"comma list of: {', '.join(SPARSITY_POLICIES)}")
+    p.add_argument("--sparsity-sinks", type=int, default=1, help="first blocks always kept")
+    p.add_argument("--sparsity-recent", type=int, default=4, help="last full blocks always kept")
+    p.add_argument("--sparsity-score", default="max", help="attention/hybrid score accumulation: max or sum")
     p.add_argument("--passkey-lengths", default="512,1024,2048",
                    help="comma list of prompt lengths ('' = skip)")
     p.add_argument("--passkey-trials", type=int, default=10, help="prompts per length")
@@ -57,14 +66,7 @@ def _check(args: argparse.Namespace) -> list[int]:
             raise NanoKVError(name, f"got {v}; must be >= {lo}")
     if args.chunk > args.context:
         raise NanoKVError("chunk", f"got {args.chunk}; must be <= --context ({args.context})")
-    if args.sparsity_policy not in SPARSITY_POLICIES:
-        raise NanoKVError("sparsity_policy",
-                          f"got {args.sparsity_policy!r}; allowed: {', '.join(SPARSITY_POLICIES)}")
-    if not 0.0 <= args.compression_sparsity < 1.0:
-        raise NanoKVError("compression_sparsity", f"got {args.compression_sparsity}; must be in [0, 1)")
-    if args.compression_sparsity > 0.0:
-        raise NanoKVError("compression_sparsity", "sparsity is not supported by the engine yet (a later "
-                                                  "issue adds it); only 0 is accepted for now")
+    sparsity_variants(args)  # validates the sparsity flags
     try:
         lengths = [int(x) for x in args.passkey_lengths.split(",") if x.strip()]
     except ValueError:
@@ -73,6 +75,27 @@ def _check(args: argparse.Namespace) -> list[int]:
     if any(L < 64 for L in lengths):
         raise NanoKVError("passkey_lengths", "each length must be >= 64 tokens")
     return lengths
+
+
+def sparsity_variants(args: argparse.Namespace) -> list[SparsityParams]:
+    """Every (policy, s > 0) pair the flags ask for, in flag order."""
+    policies = [x.strip() for x in args.sparsity_policy.split(",") if x.strip()]
+    for pol in policies:
+        if pol not in SPARSITY_POLICIES:
+            raise NanoKVError("sparsity_policy", f"got {pol!r}; allowed: {', '.join(SPARSITY_POLICIES)}")
+    try:
+        values = [float(x) for x in str(args.compression_sparsity).split(",") if x.strip()]
+    except ValueError:
+        raise NanoKVError("compression_sparsity",
+                          f"got {args.compression_sparsity!r}; want e.g. 0.5 or 0.25,0.5,0.75") from None
+    for v in values:
+        if not 0.0 <= v < 1.0:
+            raise NanoKVError("compression_sparsity", f"got {v}; must be in [0, 1)")
+    try:
+        return [SparsityParams(v, pol, args.sparsity_sinks, args.sparsity_recent, args.sparsity_score)
+                for pol in policies for v in values if v > 0.0]
+    except ValueError as e:
+        raise NanoKVError("sparsity", str(e)) from None
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -89,6 +112,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     chosen = [settings.preset(n) for n in args.setting] or [
         settings.from_args(args.quantization_bitwidth, args.layer_bits, args.rotation)]
+    chosen += [s.with_sparsity(v) for s in list(chosen) for v in sparsity_variants(args)]
     path, text = corpus.read_corpus(args.corpus) if args.tokens else (None, "")
     longest = max([args.context if args.tokens else 0] + [L + MAX_NEW for L in lengths])
     bs = args.block_size
@@ -107,7 +131,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     bar = tqdm(total=args.tokens + len(lengths) * args.passkey_trials, unit="tok", disable=args.no_progress,
                desc="eval", file=sys.stderr)
     comps = run_perplexity(bench, windows, args.chunk, bar.update) if windows else {}
-    pk = run_passkey(bench, lengths, args.passkey_trials, args.seed, bar.update) if lengths else {}
+    pk = run_passkey(bench, lengths, args.passkey_trials, args.seed, bar.update, args.chunk) if lengths else {}
     bar.close()
 
     L, H, D = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
@@ -118,7 +142,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "name": "fp (reference)", "bytes_per_token": bf16, "pct_of_bf16": 100.0,
         "perplexity": {"ppl": ref["ref_ppl"], "delta_ppl_pct": 0.0, "kl_mean": 0.0, "kl_p999": 0.0,
                        "top1_agreement": 1.0, "tokens": ref["tokens"]} if ref else None,
-        "passkey": fp_pk or None,
+        "passkey": fp_pk or None, **_peaks(bench, "fp", None),
     }]
     for s in chosen:
         bpt = settings.bytes_per_token(s, L, H, D, bs)
@@ -133,14 +157,29 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "passkey_relative_to_fp": {k: (a / fp_pk[k] if fp_pk.get(k) else None)
                                        for k, a in acc.items()} or None,
             "compression_error": {str(k): v for k, v in bench.monitors[s.name].snapshot_kv().items()},
+            **_peaks(bench, s.name, s.name.split(" ")[0] if s.sparsity is not None else None),
         })
     return {
         "model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)", "corpus": str(path) if path else None,
         "tokens": args.tokens, "context": args.context, "chunk": args.chunk, "block_size": bs,
         "passkey_lengths": lengths, "passkey_trials": args.passkey_trials if lengths else 0,
-        "command": "nanokv eval " + " ".join(argv),
+        "command": "nanokv eval " + shlex.join(argv),
         "settings": rows, "passkey_samples": pk.get("samples", []), "elapsed_s": time.monotonic() - t0,
     }
+
+
+def _peaks(bench: Any, name: str, dense: str | None) -> dict[str, Any]:
+    """Measured peak live KV of one sequence (nanokv.eval.sparse), per phase; for a sparse setting
+    also as a fraction of its dense setting's peak on the same sequences."""
+    out: dict[str, Any] = {
+        "peak_kv_bytes": {ph: d[name] for ph, d in bench.peak_bytes.items() if name in d} or None,
+        "peak_kv_blocks": {ph: d[name] for ph, d in bench.peak_blocks.items() if name in d} or None,
+    }
+    if dense is not None:
+        out["dense_setting"] = dense
+        out["peak_vs_dense"] = {ph: d[name] / d[dense] for ph, d in bench.peak_bytes.items()
+                                if name in d and d.get(dense)} or None
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,11 @@ through the paged cache of each setting (prefill stores the prompt's K/V in the 
 every decode step reads it back), and is right when its first 5-digit number is the key. Small
 models can be weak at this: the full-precision cache's accuracy is measured on the very same
 prompts and each setting is reported relative to it.
+
+A sparse setting prefills in chunks of `chunk` tokens and sparsifies its own view of the table
+after every chunk and every decode step (nanokv.eval.sparse), so the question and the answer read
+the sparse cache, as in serving with chunked prefill; dense settings prefill in one step. Peak
+live KV bytes per prompt go to bench.peak_bytes["passkey"].
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nanokv.eval.runners import Bench
+from nanokv.eval.sparse import SparseView
 
 INTRO = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the pass key.\n")
@@ -36,10 +42,16 @@ def build_prompt(tokenize: Callable[[str], list[int]], length: int, key: int, de
     return ids + question
 
 
-def greedy(runner: Any, ids: list[int], table: list[int], max_new: int, stop: set[int]) -> list[int]:
-    """Prefill `ids` into the runner's cache (one step), then decode greedily up to max_new tokens."""
+def greedy(runner: Any, ids: list[int], view: SparseView, max_new: int, stop: set[int],
+           chunk: int | None = None) -> list[int]:
+    """Prefill `ids` into the runner's cache (one step, or chunks of `chunk` tokens), then decode
+    greedily up to max_new tokens; every step reads view.table and ends with view.after_step."""
     seq = list(ids)
-    logits = runner.execute([(seq, 0, len(seq), table, True)])  # [1, V]: last prompt token
+    step = chunk or len(seq)
+    for start in range(0, len(seq), step):
+        n = min(step, len(seq) - start)
+        logits = runner.execute([(seq, start, n, view.table, True)])  # [1, V]: last token of the chunk
+        view.after_step(start + n)
     out: list[int] = []
     for _ in range(max_new):
         tok = int(logits[0].argmax())
@@ -47,7 +59,8 @@ def greedy(runner: Any, ids: list[int], table: list[int], max_new: int, stop: se
         if tok in stop or len(out) == max_new:
             break
         seq.append(tok)
-        logits = runner.execute([(seq, len(seq) - 1, 1, table, False)])
+        logits = runner.execute([(seq, len(seq) - 1, 1, view.table, False)])
+        view.after_step(len(seq))
     return out
 
 
@@ -57,7 +70,7 @@ def answer_key(text: str) -> int | None:
 
 
 def run_passkey(bench: Bench, lengths: list[int], trials: int, seed: int = 0,
-                progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+                progress: Callable[[int], None] | None = None, chunk: int = 64) -> dict[str, Any]:
     """-> {"fp": {length: accuracy}, setting: {length: accuracy}, ..., "samples": [...]}."""
     eng = bench.engine
     tok = eng.tokenizer
@@ -83,7 +96,12 @@ def run_passkey(bench: Bench, lengths: list[int], trials: int, seed: int = 0,
                 row: dict[str, Any] = {"length": L, "prompt_tokens": len(ids), "key": key,
                                        "depth": round(depth, 3)}
                 for name, runner in runners.items():
-                    text = tok.decode(greedy(runner, ids, table, MAX_NEW, eng.eos_token_ids))
+                    s = bench.settings.get(name)
+                    sp = s.sparsity if s is not None else None
+                    view = SparseView(sp, runner, table, bench.kv_bytes[name])
+                    text = tok.decode(greedy(runner, ids, view, MAX_NEW, eng.eos_token_ids,
+                                             chunk if sp is not None else None))
+                    bench.note_peak("passkey", name, view)
                     ok = answer_key(text) == key
                     hits[name][L] += int(ok)
                     row[name] = text.strip()

@@ -5,6 +5,10 @@ Each window of `context` tokens is fed in chunks of `chunk` tokens; a chunk's K/
 every chunk reads the compressed K/V of all earlier chunks, exactly like serving. The full-precision
 reference runs the same chunks on the same block table in the same loop, and each setting's logits
 are compared with it right away (no [tokens, vocab] logits are kept).
+
+Block sparsity: after each chunk every sparse setting drops / demotes blocks in its own view of the
+table (nanokv.eval.sparse), so the next chunk really reads the sparse cache. Every setting's peak
+live KV bytes and blocks per window go to bench.peak_bytes / peak_blocks["perplexity"].
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 from nanokv.eval.metrics import Comparison
 from nanokv.eval.runners import Bench
+from nanokv.eval.sparse import SparseView
 
 
 def run_perplexity(bench: Bench, windows: list[list[int]], chunk: int,
@@ -27,20 +32,28 @@ def run_perplexity(bench: Bench, windows: list[list[int]], chunk: int,
         table = eng.cache_manager.allocate(seq_id, len(toks))
         if table is None:
             raise RuntimeError(f"cache too small for a {len(toks)}-token window")
+        ref_view = SparseView(None, eng.runner, table, bench.kv_bytes["fp"])
+        views = {name: SparseView(bench.settings[name].sparsity, runner, table, bench.kv_bytes[name])
+                 for name, runner in bench.runners.items()}
         try:
             for start in range(0, len(toks), chunk):
                 n = min(chunk, len(toks) - start)
-                items = [(toks, start, n, table, True)]
-                ref = eng.runner.execute(items, all_logits=True)  # [n, V] float32
+                ref = eng.runner.execute([(toks, start, n, table, True)], all_logits=True)  # [n, V] float32
+                ref_view.after_step(start + n)
                 # position p predicts token p+1; the window's last token has no target
                 m = min(n, len(toks) - 1 - start)
                 targets = torch.tensor(toks[start + 1:start + 1 + m], dtype=torch.int64)
                 for name, runner in bench.runners.items():
-                    logits = runner.execute(items, all_logits=True)
+                    view = views[name]
+                    logits = runner.execute([(toks, start, n, view.table, True)], all_logits=True)
+                    view.after_step(start + n)
                     if m > 0:
                         comps[name].add(ref[:m], logits[:m], targets)
                 if progress is not None:
                     progress(max(m, 0))
         finally:
             eng.cache_manager.free(seq_id)
+        bench.note_peak("perplexity", "fp", ref_view)
+        for name, view in views.items():
+            bench.note_peak("perplexity", name, view)
     return comps

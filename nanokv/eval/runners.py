@@ -2,18 +2,21 @@
 
 The reference runner is the engine's own (full-precision cache). Each setting gets a ModelRunner
 with its own KV tensors built from its own EngineConfig, over the same model weights and the same
-number of blocks, so one block table from `eng.cache_manager` is valid for all of them.
+number of blocks, so one block table from `eng.cache_manager` is valid for all of them. A sparse
+setting reads that table through its own view with holes (nanokv.eval.sparse); its runner gets an
+attention probe when its policy ranks blocks by attention mass.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nanokv.config import EngineConfig
 from nanokv.eval.settings import Setting
 from nanokv.kv.monitor import CompressionMonitor
 from nanokv.kv.rotation import rotates
+from nanokv.sparsity.accounting import KVBytes
 
 
 @dataclass
@@ -21,6 +24,16 @@ class Bench:
     engine: Any  # nanokv.engine.engine.Engine (full-precision cache: the reference)
     runners: dict[str, Any]  # setting name -> ModelRunner
     monitors: dict[str, CompressionMonitor]
+    settings: dict[str, Setting] = field(default_factory=dict)
+    kv_bytes: dict[str, KVBytes] = field(default_factory=dict)  # "fp" = the reference, counted as bf16
+    # most live KV bytes / blocks one sequence held, per phase and setting ("fp" included), as
+    # measured by nanokv.eval.sparse.SparseView
+    peak_bytes: dict[str, dict[str, int]] = field(default_factory=lambda: {"perplexity": {}, "passkey": {}})
+    peak_blocks: dict[str, dict[str, int]] = field(default_factory=lambda: {"perplexity": {}, "passkey": {}})
+
+    def note_peak(self, phase: str, name: str, view: Any) -> None:
+        for store, value in ((self.peak_bytes, view.peak_bytes), (self.peak_blocks, view.peak_blocks)):
+            store[phase][name] = max(store[phase].get(name, 0), value)
 
 
 def build(settings: list[Setting], model: str | None, num_blocks: int, block_size: int,
@@ -33,6 +46,9 @@ def build(settings: list[Setting], model: str | None, num_blocks: int, block_siz
     eng = Engine(EngineConfig.from_kwargs(**base))
     runners: dict[str, Any] = {}
     monitors: dict[str, CompressionMonitor] = {}
+    mc = eng.model_config
+    shape = (mc.num_key_value_heads, block_size, mc.head_dim)
+    kv_bytes = {"fp": KVBytes([16] * mc.num_hidden_layers, *shape)}
     for s in settings:
         cfg = EngineConfig.from_kwargs(**base, **s.engine_kwargs())
         r = ModelRunner(cfg, eng.model, eng.model_config, eng.device, eng.dtype)
@@ -40,5 +56,10 @@ def build(settings: list[Setting], model: str | None, num_blocks: int, block_siz
             c.rotate = rotates(c.bits, s.rotate)
             c.fake_quant = s.fake_quant
         monitors[s.name] = CompressionMonitor(every=4).attach(r.kv_caches)
+        if s.sparsity is not None and s.sparsity.needs_scores:
+            from nanokv.sparsity.probe import AttentionProbe
+
+            r.attn_probe = AttentionProbe()
         runners[s.name] = r
-    return Bench(eng, runners, monitors)
+        kv_bytes[s.name] = KVBytes(r.layer_bits, *shape)
+    return Bench(eng, runners, monitors, {s.name: s for s in settings}, kv_bytes)

@@ -6,7 +6,7 @@ cache manager's block tables, so all settings see identical tokens, positions an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from nanokv.config import parse_bitwidth
 from nanokv.errors import NanoKVError
 from nanokv.kv.cache import bytes_per_block
 from nanokv.kv.fakequant import FakeQuant
+from nanokv.sparsity.policies import SparsityParams
 
 
 @dataclass
@@ -23,6 +24,11 @@ class Setting:
     bitwidth: dict[str, Any] | None  # parsed quantization_bitwidth; None = full precision
     rotate: bool | None = None  # None: the format default (nanokv.kv.rotation.DEFAULT_ROTATE_BITS)
     fake_quant: FakeQuant | None = None  # measurement only: simulate a format on a full-precision cache
+    sparsity: SparsityParams | None = None  # block sparsity on top of the format (nanokv.sparsity)
+
+    def with_sparsity(self, params: SparsityParams) -> Setting:
+        """The same format with block sparsity, named e.g. 'int8 attention@0.5'."""
+        return replace(self, name=f"{self.name} {params.policy}@{params.sparsity:g}", sparsity=params)
 
     def engine_kwargs(self) -> dict[str, Any]:
         if self.bitwidth is None:
@@ -31,7 +37,8 @@ class Setting:
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "quantization_bitwidth": self.bitwidth, "rotate": self.rotate,
-                "fake_quant": None if self.fake_quant is None else vars(self.fake_quant)}
+                "fake_quant": None if self.fake_quant is None else vars(self.fake_quant),
+                "sparsity": None if self.sparsity is None else vars(self.sparsity)}
 
 
 def plan_bits(bitwidth: dict[str, Any] | None, num_layers: int) -> list[int]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from nanokv.attention.metadata import AttentionMetadata
-from nanokv.kv import quant
+from nanokv.kv import demote, quant
 from nanokv.kv.cache import LayerKVCache
 
 
@@ -55,6 +55,8 @@ def gather_kv(cache: LayerKVCache, block_ids: torch.Tensor,
         return cache.k[ids].to(dtype), cache.v[ids].to(dtype)
     assert cache.k_scale is not None and cache.v_scale is not None
     if cache.bits == 8:
+        if cache.demoted is not None:  # hybrid sparsity: some blocks hold int4 in place
+            return demote.gather_mixed(cache, ids, dtype)
         return (quant.dequantize_int8(cache.k[ids], cache.k_scale[ids], dtype),
                 quant.dequantize_int8(cache.v[ids], cache.v_scale[ids], dtype))
     assert cache.k_zero is not None and cache.v_zero is not None

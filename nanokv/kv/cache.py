@@ -38,6 +38,8 @@ class LayerKVCache:
     rotate: bool = False  # keys (and queries) are Hadamard-rotated before store: part of the format
     monitor: Any = None  # nanokv.kv.monitor.CompressionMonitor sampling this layer's store error
     fake_quant: Any = None  # measurement only (nanokv.kv.fakequant): simulate a format on a 16-bit cache
+    demoted: torch.Tensor | None = None  # hybrid sparsity, int8 layers: [N] bool, block holds int4 (kv.demote)
+    probe: Any = None  # nanokv.adaptive.probe.ErrorProbe: called with (layer, q, k, v) on each store
 
     @property
     def num_blocks(self) -> int:

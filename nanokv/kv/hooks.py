@@ -6,7 +6,10 @@ In order:
      inversely so that full-precision scores are unchanged and only quantization feels them;
   2. the layer format's rotation of q and k (nanokv.kv.rotation), when the cache has `rotate`;
   3. measurement only: a FakeQuant simulating another format on a 16-bit cache;
-  4. the compression monitor's sampled error of exactly the rows about to be stored.
+  4. the compression monitor's sampled error of exactly the rows about to be stored;
+  5. the adaptive controller's error probe (nanokv.adaptive.probe), which also needs q;
+  6. sparsity: clear the INT4-demotion flag of blocks stored again (nanokv.kv.demote), and feed the
+     step's attention probe when the runner set one (md.extras["attn_probe"], nanokv.sparsity.probe).
 Layers without any of these pay one attribute check each.
 """
 
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 
 from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.demote import clear_on_store
 from nanokv.kv.rotation import maybe_rotate
 
 # layer -> (channels, factor): test hook state, process-wide (see key_outliers)
@@ -78,4 +82,11 @@ def before_store(layer: int, cache: LayerKVCache, md: Any, q: torch.Tensor, k: t
         k, v = cache.fake_quant.apply(k, v, pos, seq, cache.block_size)
     if cache.monitor is not None and not _capturing(k):
         cache.monitor.maybe_record(layer, cache.bits, k, v, cache.k.dtype if cache.bits >= 16 else k.dtype)
+    if cache.probe is not None and not _capturing(k):
+        cache.probe(layer, q, k, v)
+    if cache.demoted is not None:  # hybrid sparsity: a block stored again is a fresh int8 block
+        clear_on_store(cache, md.slot_mapping)
+    attn_probe = md.extras.get("attn_probe") if getattr(md, "extras", None) else None
+    if attn_probe is not None:  # sparsity (attention/hybrid): attention mass per block, nanokv.sparsity.probe
+        attn_probe.record(layer, cache, md, q, k)
     return q, k, v

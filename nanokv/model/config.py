@@ -11,6 +11,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanokv.distributed import HeadRange, head_ranges
 from nanokv.errors import NanoKVError
 
 # HF `architectures` entry -> our family name
@@ -77,16 +78,15 @@ class ModelConfig:
                               f"supported: {', '.join(ROPE_TYPES)}")
         return self
 
-    def heads_per_rank(self, tp_size: int) -> tuple[int, int]:
-        """(query heads, kv heads) one TP rank holds; KV heads are replicated when tp > kv heads."""
-        hq, hkv = self.num_attention_heads, self.num_key_value_heads
-        if hq % tp_size:
-            raise NanoKVError("tensor_parallel_size",
-                              f"{tp_size} does not divide num_attention_heads {hq}")
-        if hkv % tp_size and tp_size % hkv:
-            raise NanoKVError("tensor_parallel_size", f"{tp_size} and num_key_value_heads {hkv} must "
-                              "divide one another (kv heads are split or replicated whole)")
-        return hq // tp_size, max(1, hkv // tp_size)
+    def head_ranges(self, tp_size: int, rank: int) -> tuple[HeadRange, HeadRange]:
+        """((first q head, count), (first kv head, count)) TP `rank` holds; see distributed.head_ranges."""
+        return head_ranges(self.num_attention_heads, self.num_key_value_heads, tp_size, rank)
+
+    def heads_per_rank(self, tp_size: int, rank: int = 0) -> tuple[int, int]:
+        """(query heads, kv heads) TP `rank` holds; rank 0 holds the most (uneven splits give the
+        extra heads to the first ranks). Raises NanoKVError when tp_size cannot split the heads."""
+        (_, hq), (_, hkv) = self.head_ranges(tp_size, rank)
+        return hq, hkv
 
     # ---- HF config.json -------------------------------------------------------------------
     @classmethod
@@ -212,6 +212,14 @@ _PRESETS: dict[str, ModelConfig] = {
         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
         rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=1024,
         tie_word_embeddings=True, qk_norm=True, bos_token_id=1, eos_token_ids=[2],
+    ),
+    # tiny Qwen3 whose heads split unevenly: 6 q heads over 3 kv heads (tp 2: rank 0 holds kv heads
+    # 0-1 with q heads 0-3, rank 1 kv head 2 with q heads 4-5); untied head, vocab tp 2 must pad
+    "tiny-qwen3-kv3": ModelConfig(
+        architecture="qwen3", vocab_size=1001, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=1024,
+        tie_word_embeddings=False, qk_norm=True, bos_token_id=1, eos_token_ids=[2],
     ),
     # tiny Llama: one kv head (replicated on every rank at tp > 1), untied head, llama3 rope
     "tiny-llama": ModelConfig(

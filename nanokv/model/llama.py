@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from nanokv.distributed import get_tp_size
+from nanokv.distributed import get_tp_rank, get_tp_size
 from nanokv.errors import NanoKVError
 from nanokv.model.config import ModelConfig
 from nanokv.model.layers.activation import SiluAndMul
@@ -36,8 +36,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, D, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, bias=cfg.attention_bias)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * D, cfg.hidden_size,
-                                        bias=cfg.attention_out_bias)
+        # o_proj reads exactly this rank's query heads (an uneven slice when the heads split unevenly)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * D, cfg.hidden_size, bias=cfg.attention_out_bias,
+                                        input_range=(self.qkv_proj.q_start * D, self.q_size))
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, D, D**-0.5, layer_idx)
@@ -111,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, model_config: ModelConfig):
         super().__init__()
         self.config = model_config
-        self.tp_size = get_tp_size()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.model = LlamaModel(model_config)
         self.lm_head = ParallelLMHead(model_config.vocab_size, model_config.hidden_size)
         if model_config.tie_word_embeddings:

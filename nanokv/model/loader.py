@@ -94,14 +94,34 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype | str = "float32", device: 
     return model.eval()
 
 
+# Loaded models and tokenizers, reused by later engines in the same process (tests and benchmarks
+# build many engines on one model; weights are read-only, all per-engine state lives in the runner).
+_MODELS: dict[tuple, tuple[LlamaForCausalLM, ModelConfig]] = {}
+_TOKENIZERS: dict[tuple, Any] = {}
+_CACHE_SIZE = 2
+
+
+def _file_key(resolved: str) -> tuple:
+    try:
+        return (os.path.abspath(resolved), os.path.getmtime(resolved))
+    except OSError:
+        return (os.path.abspath(resolved), 0.0)
+
+
 def load_model(path: str | None, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
                tp_rank: int = 0, tp_size: int = 1) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a GGUF file, an HF folder (safetensors), or with `path=None` the embedded SmolLM2."""
     kind, resolved = resolve_model_path(path)
+    key = (_file_key(resolved), str(dtype), str(device), tp_rank, tp_size)
+    if key in _MODELS:
+        return _MODELS[key]
     cfg, weights = read_gguf(resolved) if kind == "gguf" else read_hf_folder(resolved)
     model = build_model(cfg, dtype, device, tp_rank, tp_size)
     with torch.no_grad():
         model.load_weights(weights)
+    if len(_MODELS) >= _CACHE_SIZE:
+        _MODELS.pop(next(iter(_MODELS)))
+    _MODELS[key] = (model, cfg)
     return model, cfg
 
 
@@ -110,13 +130,21 @@ def load_tokenizer(path: str | None) -> Any:
     from transformers import AutoTokenizer
 
     kind, resolved = resolve_model_path(path)
+    key = _file_key(resolved)
+    if key in _TOKENIZERS:
+        return _TOKENIZERS[key]
     try:
         if kind == "gguf":
             folder, name = os.path.split(os.path.abspath(resolved))
-            return AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        return AutoTokenizer.from_pretrained(resolved)
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        else:
+            tok = AutoTokenizer.from_pretrained(resolved)
     except (OSError, ValueError, KeyError) as e:
         raise NanoKVError("model", f"no usable tokenizer for {resolved}: {e}") from None
+    if len(_TOKENIZERS) >= _CACHE_SIZE:
+        _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+    _TOKENIZERS[key] = tok
+    return tok
 
 
 # ---- random weights (benchmarks, tests) ------------------------------------------------------
@@ -165,7 +193,7 @@ def iter_random_weights(cfg: ModelConfig, seed: int = 0, std: float | None = Non
         yield name, w.to(device)
 
 
-def random_state_dict(cfg: ModelConfig, seed: int = 0, std: float | None = 0.02,
+def random_state_dict(cfg: ModelConfig, seed: int = 0, std: float | None = None,
                       device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """iter_random_weights as a dict (what save_hf_folder takes)."""
     return dict(iter_random_weights(cfg, seed, std, device))

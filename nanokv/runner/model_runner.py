@@ -53,6 +53,7 @@ class ModelRunner:
             for b in self.layer_bits
         ]
         self.graphs: DecodeGraphs | None = None
+        self.attn_probe = None  # sparsity: nanokv.sparsity.probe.AttentionProbe, put into each step's metadata
 
     def capture_cudagraphs(self, max_model_len: int) -> None:
         """Capture decode graphs (CUDA only, unless enforce_eager)."""
@@ -129,6 +130,8 @@ class ModelRunner:
             query_start_loc_cpu=qsl_list,
             seq_lens_cpu=seq_lens,
         )
+        if self.attn_probe is not None:  # read by nanokv.kv.hooks.before_store in every layer
+            md.extras["attn_probe"] = self.attn_probe.begin(md)
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos = torch.from_numpy(positions).to(dev, non_blocking=True)
         return ids, pos, md

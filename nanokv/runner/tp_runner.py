@@ -77,9 +77,11 @@ class TPModelRunner:
             self._ctrl = init_groups(0, world, store)
             broadcast_object(cfg)
             init_tensor_parallel(0, world, make_data_group(device))
-            _, kv_heads = model_config.heads_per_rank(world)
+            _, kv_heads = model_config.heads_per_rank(world, 0)
             self.local = ModelRunner(cfg, model, model_config, device, dtype, num_kv_heads_local=kv_heads)
-            broadcast_int(self.local.num_blocks)  # rank 0 sized the cache; every rank allocates that
+            # rank 0 sized the cache; every rank allocates that many blocks (each over its own kv
+            # heads; rank 0 holds the most, so its count fits the others when heads split unevenly)
+            broadcast_int(self.local.num_blocks)
             dist.barrier()  # every worker has its shard and its cache
         except BaseException as e:
             raise self._fatal(e, "start-up") from e

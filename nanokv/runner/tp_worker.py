@@ -85,7 +85,7 @@ def serve(rank: int, world: int, local_rank: int, store: dist.TCPStore | None) -
     model, mc = load_shard(cfg, device, dtype, rank, world)
     # rank 0 sized the cache; every rank allocates exactly that many blocks so block ids agree
     cfg = dataclasses.replace(cfg, num_gpu_blocks=broadcast_int(0))
-    runner = ModelRunner(cfg, model, mc, device, dtype, num_kv_heads_local=mc.heads_per_rank(world)[1])
+    runner = ModelRunner(cfg, model, mc, device, dtype, num_kv_heads_local=mc.heads_per_rank(world, rank)[1])
     dist.barrier()
     while (msg := recv(ctrl)) is not None:
         if isinstance(msg, Step):

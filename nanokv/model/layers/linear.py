@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanokv.distributed import all_reduce, get_tp_rank, get_tp_size
+from nanokv.distributed import all_reduce, get_tp_rank, get_tp_size, head_ranges
 from nanokv.errors import NanoKVError
 
 WeightLoader = Callable[..., None]
@@ -97,23 +97,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul; per rank the output is [q_r | k_r | v_r].
 
-    Query heads are split evenly. KV heads are split when tp divides them and replicated
-    otherwise (tp a multiple of num_kv_heads): rank r then holds kv head r // (tp / num_kv_heads),
-    exactly the head its query heads are grouped with.
+    Heads are dealt out by GQA group (`distributed.head_ranges`), possibly unevenly: each rank
+    holds a contiguous run of query heads and the kv heads they attend with (replicated on
+    several ranks when tp > num_kv_heads). Rank 0 holds the most.
     """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False):
-        tp = get_tp_size()
-        if num_kv_heads % tp and tp % num_kv_heads:
-            raise NanoKVError("tensor_parallel_size", f"{tp} and num_key_value_heads {num_kv_heads} "
-                              "must divide one another")
         self.head_dim = head_dim
         kv_rows = num_kv_heads * head_dim
         self.total_rows = {"q": num_heads * head_dim, "k": kv_rows, "v": kv_rows}  # full checkpoint rows
-        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
-        self.num_kv_heads = max(1, num_kv_heads // tp)
-        self.kv_replicas = max(1, tp // num_kv_heads)  # ranks sharing one kv head
+        (self.q_start, self.num_heads), (self.kv_start, self.num_kv_heads) = head_ranges(
+            num_heads, num_kv_heads, get_tp_size(), get_tp_rank())  # first head and head count on this rank
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         LinearBase.__init__(self, hidden_size, out, bias)
 
@@ -127,10 +122,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
         if shard_id == "q":
-            offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
+            offset, size, start = 0, self.q_size, self.q_start * self.head_dim
         elif shard_id in ("k", "v"):
             offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
-            size, start = self.kv_size, (self.tp_rank // self.kv_replicas) * self.kv_size
+            size, start = self.kv_size, self.kv_start * self.head_dim
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         dst = param.data.narrow(0, offset, size)
@@ -141,18 +136,29 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """y = all_reduce(x[:, rank's slice] @ W[:, rank's cols].T) + b; input arrives sharded."""
+    """y = all_reduce(x[:, rank's slice] @ W[:, rank's cols].T) + b; input arrives sharded.
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    The input is split evenly unless `input_range` = (first feature, count) names this rank's
+    slice (o_proj after an uneven head split)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 input_range: tuple[int, int] | None = None):
         tp = get_tp_size()
-        super().__init__(_divide(input_size, tp, "input features"), output_size, bias)
+        if input_range is None:
+            n = _divide(input_size, tp, "input features")
+            input_range = (get_tp_rank() * n, n)
+        self.input_size, self.input_start = input_size, input_range[0]
+        super().__init__(input_range[1], output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
         if param.dim() == 1:  # bias: full on every rank, added once after the reduction
             _copy(param, full, "row-parallel bias")
             return
         n = param.shape[1]
-        _copy(param, full.narrow(1, self.tp_rank * n, n), "row-parallel linear")
+        if full.dim() != 2 or full.shape[1] != self.input_size:
+            raise NanoKVError("weights", f"row-parallel linear: checkpoint shape {tuple(full.shape)} "
+                              "does not fit this model")
+        _copy(param, full.narrow(1, self.input_start, n), "row-parallel linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)

@@ -1,0 +1,46 @@
+"""Build the controller an Engine runs (called from Engine.__init__ when adaptive is on).
+
+Which rules run:
+  * eviction policy - with prefix caching on, when ``adaptive`` is set or ``eviction_policy`` is
+    "adaptive" (then it is the only rule, starting from clock);
+  * max_num_seqs    - when ``adaptive`` is set;
+  * KV bit width    - when ``adaptive`` is set, some layer is compressed, and the runner is a
+    single-process ModelRunner (tensor-parallel workers hold their own shards: not supported yet).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from nanokv.adaptive.controller import AdaptiveController
+from nanokv.adaptive.settings import AdaptiveSettings
+
+log = logging.getLogger("nanokv.adaptive")
+
+
+def build_controller(engine: Any) -> AdaptiveController:
+    cfg = engine.config
+    full = bool(cfg.adaptive)
+    precision = None
+    runner = engine.runner
+    if full and any(b < 16 for b in getattr(runner, "layer_bits", [])):
+        if cfg.tensor_parallel_size > 1:
+            log.warning("adaptive: KV bit-width switching is not supported with tensor parallelism; "
+                        "the rule is off")
+        else:
+            from nanokv.adaptive.precision import PrecisionActuator  # torch: only when needed
+
+            def recapture() -> None:
+                if runner.graphs is not None:
+                    runner.graphs = None
+                    runner.capture_cudagraphs(engine.max_model_len)
+
+            precision = PrecisionActuator(runner, recapture)
+    ctl = AdaptiveController(AdaptiveSettings.from_config(cfg), cache=engine.cache_manager,
+                             scheduler=engine.scheduler, precision=precision, policy_rule=True,
+                             concurrency_rule=full)
+    rules = [r.kind for r in (ctl.policy_rule, ctl.concurrency_rule, ctl.precision_rule) if r is not None]
+    log.info("adaptive controller (%s mode, window %d steps): rules %s", cfg.adaptive_mode,
+             cfg.adaptive_window_steps, ", ".join(rules) or "none")
+    return ctl

@@ -1,0 +1,117 @@
+"""Block sparsity inside the engine: one call per step, after the scheduler published the step's
+blocks (Scheduler.update) and before sampling.
+
+For every sequence that ran this step it measures the blocks the sequence holds (live entries of
+its block table: the step's peak, new blocks included), folds the step's attention mass into the
+sequence's scores (attention / hybrid), then applies the policy's plan through the cache manager:
+dropped blocks go back to the pool (KVCacheManager.drop_blocks: -1 holes, nothing after the first
+hole is published), demoted blocks are unpublished and made private first
+(KVCacheManager.mark_lossy) and re-quantized INT8 -> INT4 in place in every int8 layer
+(nanokv.kv.demote). With s = 0 the engine gets no EngineSparsity at all.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Any
+
+from nanokv.errors import ConfigError
+from nanokv.sparsity.policies import SparsityParams
+from nanokv.sparsity.state import SequenceSparsity
+
+_KEEP_PEAKS = 4096  # per-request peaks remembered (most recent requests)
+
+
+class EngineSparsity:
+    def __init__(self, params: SparsityParams, cache_manager: Any, runner: Any) -> None:
+        self.params = params
+        self.cm = cache_manager
+        self.runner = runner
+        self.block_size = cache_manager.block_size
+        self._states: dict[Hashable, tuple[list[int], SequenceSparsity]] = {}
+        self.peak_blocks: OrderedDict[str, int] = OrderedDict()  # request id -> most blocks held at once
+        self.blocks_dropped = 0
+        self.blocks_demoted = 0  # block demotions (each covers every int8 layer)
+        self.demotions_refused = 0  # shared (prefix-hit) blocks left in INT8
+        self.probe = None
+        if params.needs_scores:
+            from nanokv.sparsity.probe import AttentionProbe
+
+            self.probe = AttentionProbe()
+            runner.attn_probe = self.probe
+        self.int8_layers: list[Any] = []
+        if params.demotes:
+            from nanokv.kv import demote
+
+            self.int8_layers = [c for c in runner.kv_caches if demote.enable(c)]
+
+    def _state(self, seq_id: Hashable) -> SequenceSparsity:
+        table = self.cm.block_table(seq_id)
+        entry = self._states.get(seq_id)
+        if entry is None or entry[0] is not table:  # new, or re-allocated after a preemption
+            entry = (table, SequenceSparsity(self.params, self.block_size))
+            self._states[seq_id] = entry
+        return entry[1]
+
+    def after_step(self, scheduled: list[Any]) -> None:
+        """scheduled: the step's ScheduledSeq list, in the runner's row order."""
+        masses = self.probe.take() if self.probe is not None else []
+        for row, item in enumerate(scheduled):
+            seq = item.seq
+            if not self.cm.has_seq(seq.seq_id):
+                continue
+            table = self.cm.block_table(seq.seq_id)
+            held = sum(1 for b in table if b >= 0)
+            rid = seq.request_id
+            self.peak_blocks[rid] = max(self.peak_blocks.pop(rid, 0), held)
+            st = self._state(seq.seq_id)
+            if row < len(masses) and masses[row] is not None:
+                mx, sm = masses[row]
+                st.observe((mx if self.params.score_mode == "max" else sm).tolist())
+            self._apply(seq.seq_id, st, seq.num_computed_tokens)
+        while len(self.peak_blocks) > _KEEP_PEAKS:
+            self.peak_blocks.popitem(last=False)
+        if len(self._states) > 2 * len(scheduled) + 64:  # forget finished sequences now and then
+            self._states = {k: v for k, v in self._states.items() if self.cm.has_seq(k)}
+
+    def _apply(self, seq_id: Hashable, st: SequenceSparsity, num_computed: int) -> None:
+        plan = st.plan(num_computed)
+        if not plan:
+            return
+        if plan.drop:
+            self.cm.drop_blocks(seq_id, plan.drop)
+            self.blocks_dropped += len(plan.drop)
+        done: list[int] = []
+        if plan.demote and self.int8_layers:
+            from nanokv.kv import demote
+
+            table = self.cm.block_table(seq_id)
+            phys = set(self.cm.mark_lossy(seq_id, plan.demote))
+            done = [i for i in plan.demote if table[i] in phys]
+            self.demotions_refused += len(plan.demote) - len(done)
+            for cache in self.int8_layers:
+                demote.demote(cache, [table[i] for i in done])
+            self.blocks_demoted += len(done)
+        st.commit(plan.drop, done)
+
+    def stats(self) -> dict[str, Any]:
+        return {"policy": self.params.policy, "sparsity": self.params.sparsity,
+                "blocks_dropped": self.blocks_dropped, "blocks_demoted": self.blocks_demoted,
+                "demotions_refused": self.demotions_refused,
+                "max_peak_blocks": max(self.peak_blocks.values(), default=0)}
+
+
+def attach(cfg: Any, cache_manager: Any, runner: Any) -> EngineSparsity | None:
+    """The engine's sparsity for this config, or None when compression_sparsity is 0."""
+    s = float(cfg.compression_sparsity)
+    if s <= 0.0:
+        return None
+    params = SparsityParams(s, cfg.sparsity_policy)
+    if params.needs_scores and cfg.tensor_parallel_size > 1:
+        raise ConfigError("sparsity_policy", f"{params.policy!r} needs the attention probe, which is not wired "
+                                             "for tensor parallelism yet; use streaming or interval")
+    if params.demotes and getattr(runner.backend, "name", "torch") != "torch":
+        raise ConfigError("sparsity_policy", "hybrid reads INT4-demoted blocks in int8 layers, which only the "
+                                             "torch reference does for now; use attention_backend='torch'")
+    return EngineSparsity(params, cache_manager, runner)

@@ -1,0 +1,136 @@
+"""Block-sparsity policies (pure Python): which blocks each policy keeps, the shared budget, and the
+per-sequence state over a sequence's life; plus the live-bytes accounting and the manager's
+mark_lossy (a prefix-shared block is never rewritten, a rewritten one is never served)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanokv.cache.manager import KVCacheManager
+from nanokv.kv.cache import bytes_per_block
+from nanokv.sparsity import POLICIES, SequenceSparsity, SparsityParams, keep_budget, plan
+from nanokv.sparsity.accounting import KVBytes
+from nanokv.sparsity.policies import on_interval_grid
+
+
+def _kept(p: SparsityParams, n: int, scores: list[float] | None = None) -> list[int]:
+    pl = plan(p, n, list(range(n)), scores or [0.0] * n)
+    return sorted(set(range(n)) - set(pl.drop))
+
+
+def test_streaming_keeps_sinks_and_the_most_recent_blocks():
+    assert _kept(SparsityParams(0.5, "streaming"), 20) == [0] + list(range(11, 20))
+    assert _kept(SparsityParams(0.75, "streaming", sink_blocks=2), 20) == [0, 1, 17, 18, 19]
+
+
+def test_interval_keeps_a_fixed_stride_pattern_plus_protected_blocks():
+    assert [i for i in range(8) if on_interval_grid(i, 0.5)] == [1, 3, 5, 7]
+    assert [i for i in range(8) if on_interval_grid(i, 0.75)] == [3, 7]
+    assert sum(on_interval_grid(i, 0.25) for i in range(100)) == 75
+    # 24 blocks at s = 0.5: budget 12 = sink 0 + recent 20..23 + 7 grid blocks (newest grid blocks first)
+    assert _kept(SparsityParams(0.5, "interval"), 24) == [0, 7, 9, 11, 13, 15, 17, 19, 20, 21, 22, 23]
+
+
+def test_attention_keeps_the_highest_scores():
+    scores = [0.0] * 20
+    for i, v in ((3, 9.0), (7, 8.0), (12, 7.0)):
+        scores[i] = v
+    kept = _kept(SparsityParams(0.75, "attention", recent_blocks=2), 20, scores)
+    assert kept == [0, 3, 7, 18, 19]  # budget 5: sink + recent 2 + the two best scores
+
+
+def test_hybrid_tiers_int8_int4_dropped_by_rank():
+    n = 41  # sink 0 + recent 37..40; 36 candidates 1..36 ranked by score (higher index = higher score)
+    scores = [float(i) for i in range(n)]
+    pl = plan(SparsityParams(0.5, "hybrid"), n, list(range(n)), scores)
+    # budget ceil(20.5) = 21 -> 16 candidates kept (21..36), 20 dropped; of the kept, ceil(8) stay int8
+    assert pl.drop == list(range(1, 21))
+    assert pl.demote == list(range(21, 29))
+    already = set(range(21, 25))
+    assert plan(SparsityParams(0.5, "hybrid"), n, list(range(n)), scores, already).demote == list(range(25, 29))
+    assert plan(SparsityParams(0.5, "attention"), n, list(range(n)), scores).demote == []
+
+
+def test_nothing_happens_at_s0_or_while_protected_blocks_cover_the_budget():
+    for pol in POLICIES:
+        assert not plan(SparsityParams(0.0, pol), 100, list(range(100)), [1.0] * 100)
+        assert not plan(SparsityParams(0.5, pol), 10, list(range(10)), [1.0] * 10)  # budget 5 < 1 + 4 protected
+    assert keep_budget(128, 0.5) == 64 and keep_budget(3, 0.5) == 2 and keep_budget(10, 0.7) == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(s=st.sampled_from([0.25, 0.5, 0.75, 0.9]), pol=st.sampled_from(POLICIES), sinks=st.integers(0, 2),
+       recent=st.integers(0, 6), steps=st.lists(st.integers(1, 70), min_size=1, max_size=12), seed=st.integers(0, 99))
+def test_budget_monotone_and_protected_over_a_sequence_life(s, pol, sinks, recent, steps, seed):
+    """Grow a sequence chunk by chunk: after every step the live full blocks equal the budget (or the
+    protected set), protected blocks are never dropped, dropped ones never return."""
+    rng = random.Random(seed)
+    p = SparsityParams(s, pol, sinks, recent)
+    seq = SequenceSparsity(p, 16)
+    computed = 0
+    for n_new in steps:
+        computed += n_new
+        n_full = computed // 16
+        seq.observe([rng.random() for _ in range(-(-computed // 16))])
+        before = set(seq.dropped)
+        pl = seq.plan(computed)
+        assert not set(pl.drop) & before and not set(pl.demote) & set(pl.drop)
+        seq.commit(pl.drop, pl.demote)
+        live = seq.live_full(computed)
+        prot = set(range(min(sinks, n_full))) | set(range(max(0, n_full - recent), n_full))
+        assert prot <= set(live)
+        assert len(live) == max(len(prot), min(n_full, math.ceil((1 - s) * n_full - 1e-9)))
+        assert not seq.demoted & seq.dropped and (pol == "hybrid" or not seq.demoted)
+
+
+def test_scores_accumulate_by_max_or_by_sum():
+    a, b = SequenceSparsity(SparsityParams(0.5, "attention"), 16), \
+        SequenceSparsity(SparsityParams(0.5, "attention", score_mode="sum"), 16)
+    for st_ in (a, b):
+        st_.observe([1.0, 3.0])
+        st_.observe([2.0, 1.0, 5.0])
+    assert a.scores == [2.0, 3.0, 5.0] and b.scores == [3.0, 4.0, 5.0]
+
+
+def test_live_bytes_count_each_block_at_its_format():
+    kb = KVBytes([8, 8, 16, 4], num_kv_heads=3, block_size=16, head_dim=64)
+    per = {b: bytes_per_block(b, 3, 16, 64, torch.bfloat16) for b in (4, 8, 16)}
+    assert kb.block_bytes == 2 * per[8] + per[16] + per[4]
+    assert kb.demoted_block_bytes == 2 * per[4] + per[16] + per[4]
+    table = [5, -1, 7, 9, 11]  # logical 1 dropped; 4.5 blocks computed -> blocks 0..4 live but 1
+    assert kb.live(table, 70) == 4 * kb.block_bytes
+    assert kb.live(table, 70, {2}) == 3 * kb.block_bytes + kb.demoted_block_bytes
+    assert kb.live(table, 33) == 2 * kb.block_bytes  # only blocks covering computed tokens
+
+
+def test_mark_lossy_unpublishes_private_blocks_and_refuses_shared_ones():
+    cm = KVCacheManager(16, 4)
+    toks = list(range(100, 113))  # 3 full blocks + 1
+    cm.allocate("a", len(toks))
+    cm.cache_blocks("a", toks, len(toks))
+    hit = cm.match_prefix(toks)
+    assert len(hit.block_ids) == 3
+    cm.allocate("b", len(toks), hit)  # b shares a's three full blocks
+    assert cm.mark_lossy("a", [0, 1]) == []  # shared: never rewritten
+    cm.free("b")
+    tab = list(cm.block_table("a"))
+    assert cm.mark_lossy("a", [1]) == [tab[1]]
+    assert cm.match_prefix(toks).block_ids == tab[:1]  # block 1 is no longer served, nor what follows
+    cm.cache_blocks("a", toks + [1] * 4, 17)  # a 4th full block computed after the lossy one: not published
+    assert cm.num_cached_blocks() == 2  # blocks 0 and 2 (published before), never block 3
+    cm.free("a")
+    assert cm.match_prefix(toks).block_ids == tab[:1]
+
+
+@pytest.mark.parametrize("bad", [SparsityParams.__init__])
+def test_params_are_validated(bad):
+    for kw in ({"sparsity": 1.0}, {"sparsity": 0.5, "policy": "lru"}, {"sparsity": 0.5, "score_mode": "mean"},
+               {"sparsity": 0.5, "recent_blocks": -1}):
+        with pytest.raises(ValueError):
+            SparsityParams(**kw)
