@@ -51,8 +51,9 @@ def test_steady_workload_does_not_flap():
     _, tl = replay_adaptive(reqs, 200, settings=s)
     steps = [d.step for d in tl.decisions]
     assert all(b - a >= s.window_steps for a, b in zip(steps, steps[1:]))
-    assert len(steps) <= 2, [(d.step, d.action) for d in tl.decisions]  # settles; no back-and-forth
-    assert len({tl.policy[i] for i in range(len(tl.policy) // 2, len(tl.policy))}) == 1
+    assert len(steps) <= 2, [(d.step, d.action) for d in tl.decisions]  # settles
+    visited = [p for i, p in enumerate(tl.policy) if i == 0 or p != tl.policy[i - 1]]
+    assert len(visited) == len(set(visited)), visited  # never back to a policy it left: no A -> B -> A
 
 
 def test_simulate_cli_accepts_adaptive(capsys):

@@ -9,6 +9,7 @@ import logging
 from types import SimpleNamespace
 
 from nanokv.adaptive import AdaptiveController, AdaptiveSettings
+from nanokv.adaptive.ghosts import GhostScores
 from nanokv.adaptive.rules import ConcurrencyRule, PolicyRule, PrecisionRule
 from nanokv.adaptive.settings import PATIENCE_WINDOWS
 from nanokv.adaptive.window import WindowStats
@@ -23,28 +24,48 @@ def win(hits: int = 0, queries: int = 0, evictions: int = 0, preemptions: int = 
 
 
 # ---- eviction policy ---------------------------------------------------------------------------
+def evidence(per_request: dict[str, list[int]], blocks_per_request: int = 5) -> GhostScores:
+    """GhostScores from each ghost's hit blocks on the same requests."""
+    names = list(per_request)
+    n = len(per_request[names[0]])
+    pairs = {(a, b): float(sum((x - y) ** 2 for x, y in zip(per_request[a], per_request[b])))
+             for i, a in enumerate(names) for b in names[i + 1:]}
+    return GhostScores({p: float(sum(h)) for p, h in per_request.items()}, float(n * blocks_per_request), pairs)
+
+
+def both(ev: GhostScores) -> tuple[GhostScores, GhostScores]:
+    return ev, ev  # (this window, recent): the same evidence for both horizons
+
+
+TIED = both(evidence({"clock": [4] * 20, "lru_k": [4] * 20}))
+LEAD = both(evidence({"clock": [2] * 20, "lru_k": [3] * 20}))  # 20 points, one block on every request
+
+
 def test_policy_switches_at_once_when_hit_rate_falls_while_evictions_rise():
     rule = PolicyRule(S)
-    assert rule.evaluate(win(90, 100, 10), {"clock": 0.90, "lru_k": 0.90}, "clock") is None
-    p = rule.evaluate(win(40, 100, 50), {"clock": 0.40, "lru_k": 0.60}, "clock")
+    assert rule.evaluate(win(90, 100, 10), TIED, "clock") is None
+    p = rule.evaluate(win(40, 100, 50), LEAD, "clock")
     assert p is not None and p.target == "lru_k" and "falling 0.900 -> 0.400" in p.reason
 
 
-def test_policy_steady_regret_needs_patience_and_a_margin():
+def test_policy_steady_regret_needs_patience_margin_and_significance():
     rule = PolicyRule(S)
     w = win(50, 100, 10)
-    small = {"clock": 0.50, "arc": 0.505}  # within the 0.01 margin: never worth a switch
-    assert all(rule.evaluate(w, small, "clock") is None for _ in range(5))
-    lead = {"clock": 0.50, "arc": 0.55}
-    got = [rule.evaluate(w, lead, "clock") for _ in range(PATIENCE_WINDOWS)]
-    assert got[:-1] == [None] * (PATIENCE_WINDOWS - 1) and got[-1] is not None and got[-1].target == "arc"
+    tiny = both(evidence({"clock": [2] * 200, "arc": [2] * 199 + [3]}))  # significant? no; 0.1 point anyway
+    assert all(rule.evaluate(w, tiny, "clock") is None for _ in range(5))
+    lucky = both(evidence({"clock": [2] * 20, "arc": [2] * 19 + [40]}))  # +38 points from one request
+    assert all(rule.evaluate(w, lucky, "clock") is None for _ in range(5))
+    got = [rule.evaluate(w, LEAD, "clock") for _ in range(PATIENCE_WINDOWS)]
+    assert got[:-1] == [None] * (PATIENCE_WINDOWS - 1) and got[-1] is not None and got[-1].target == "lru_k"
+    assert "z = 4.5" in got[-1].reason
 
 
 def test_policy_moot_without_evictions_and_ties_keep_the_active_policy():
     rule = PolicyRule(S)
     for _ in range(5):
-        assert rule.evaluate(win(10, 100, 0), {"clock": 0.1, "arc": 0.9}, "clock") is None
-        assert rule.evaluate(win(10, 100, 5), {"clock": 0.5, "arc": 0.5}, "clock") is None
+        assert rule.evaluate(win(10, 100, 0), LEAD, "clock") is None
+        assert rule.evaluate(win(10, 100, 5), TIED, "clock") is None
+        assert rule.evaluate(win(10, 100, 5), TIED, "lru_k") is None
 
 
 # ---- max_num_seqs ------------------------------------------------------------------------------
@@ -162,4 +183,6 @@ def test_controller_reads_admissions_from_the_scheduler_output():
     out = SimpleNamespace(prefills=[SimpleNamespace(seq=seq)], num_tokens=13)
     ctl.on_step(out)
     ctl.on_step(out)  # a later chunk of the same prefill: not a second lookup
-    assert ctl.ghosts is not None and ctl.ghosts._queries == 3  # (13 - 1) // 4 blocks, once
+    assert ctl.ghosts is not None
+    scores = ctl.ghosts.window_scores()
+    assert scores is not None and scores[0].queries == 3  # (13 - 1) // 4 blocks, looked up once

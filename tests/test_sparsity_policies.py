@@ -26,7 +26,8 @@ def _kept(p: SparsityParams, n: int, scores: list[float] | None = None) -> list[
 
 def test_streaming_keeps_sinks_and_the_most_recent_blocks():
     assert _kept(SparsityParams(0.5, "streaming"), 20) == [0] + list(range(11, 20))
-    assert _kept(SparsityParams(0.75, "streaming", sink_blocks=2), 20) == [0, 1, 17, 18, 19]
+    assert _kept(SparsityParams(0.75, "streaming", sink_blocks=2), 20) == [0, 1, 16, 17, 18, 19]  # protected > budget 5
+    assert _kept(SparsityParams(0.75, "streaming", sink_blocks=2, recent_blocks=1), 20) == [0, 1, 17, 18, 19]
 
 
 def test_interval_keeps_a_fixed_stride_pattern_plus_protected_blocks():
@@ -60,7 +61,8 @@ def test_hybrid_tiers_int8_int4_dropped_by_rank():
 def test_nothing_happens_at_s0_or_while_protected_blocks_cover_the_budget():
     for pol in POLICIES:
         assert not plan(SparsityParams(0.0, pol), 100, list(range(100)), [1.0] * 100)
-        assert not plan(SparsityParams(0.5, pol), 10, list(range(10)), [1.0] * 10)  # budget 5 < 1 + 4 protected
+        assert not plan(SparsityParams(0.5, pol), 5, list(range(5)), [1.0] * 5)  # all 5 blocks protected
+        assert len(plan(SparsityParams(0.5, pol), 9, list(range(9)), [1.0] * 9).drop) == 4  # budget 5 = protected
     assert keep_budget(128, 0.5) == 64 and keep_budget(3, 0.5) == 2 and keep_budget(10, 0.7) == 3
 
 
@@ -128,8 +130,7 @@ def test_mark_lossy_unpublishes_private_blocks_and_refuses_shared_ones():
     assert cm.match_prefix(toks).block_ids == tab[:1]
 
 
-@pytest.mark.parametrize("bad", [SparsityParams.__init__])
-def test_params_are_validated(bad):
+def test_params_are_validated():
     for kw in ({"sparsity": 1.0}, {"sparsity": 0.5, "policy": "lru"}, {"sparsity": 0.5, "score_mode": "mean"},
                {"sparsity": 0.5, "recent_blocks": -1}):
         with pytest.raises(ValueError):

@@ -152,6 +152,8 @@ class AdaptiveController:
         ghosts = self.ghosts.window_scores() if self.ghosts is not None else None
         if self.policy_rule is not None:
             proposals.append(self.policy_rule.evaluate(w, ghosts, self.cache.policy_name))
+            if self.policy_rule.phase_change and self.ghosts is not None:
+                self.ghosts.restart_recent()
         if self.concurrency_rule is not None:
             proposals.append(self.concurrency_rule.evaluate(w, self.scheduler.max_num_seqs))
         errors = None
@@ -164,7 +166,7 @@ class AdaptiveController:
         decisions = [d for p in proposals if p is not None and (d := self._decide(p)) is not None]
         self.history.append(WindowRecord(
             w, self.cache.policy_name if self.cache is not None else None,
-            ghosts.ratios if ghosts is not None else None,
+            ghosts[0].ratios if ghosts is not None else None,
             self.scheduler.max_num_seqs if self.scheduler is not None else None,
             tuple(self.precision.current_bits()) if self.precision is not None else None, errors))
         self._prune_admitted()

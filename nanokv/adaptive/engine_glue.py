@@ -5,7 +5,8 @@ Which rules run:
     "adaptive" (then it is the only rule, starting from clock);
   * max_num_seqs    - when ``adaptive`` is set;
   * KV bit width    - when ``adaptive`` is set, some layer is compressed, and the runner is a
-    single-process ModelRunner (tensor-parallel workers hold their own shards: not supported yet).
+    single-process ModelRunner (tensor-parallel workers hold their own shards: not supported yet)
+    without hybrid sparsity (it demotes int8 blocks in place in the layers it holds).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def build_controller(engine: Any) -> AdaptiveController:
         if cfg.tensor_parallel_size > 1:
             log.warning("adaptive: KV bit-width switching is not supported with tensor parallelism; "
                         "the rule is off")
+        elif any(getattr(c, "demoted", None) is not None for c in runner.kv_caches):
+            # hybrid sparsity demotes int8 blocks in place and keeps its own list of those layers
+            log.warning("adaptive: KV bit-width switching is off with hybrid sparsity (in-place demotion)")
         else:
             from nanokv.adaptive.precision import PrecisionActuator  # torch: only when needed
 

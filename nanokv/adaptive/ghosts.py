@@ -33,8 +33,8 @@ def replay_request(cm: KVCacheManager, key: Hashable, hashes: Sequence[bytes]) -
 
 @dataclass(frozen=True)
 class GhostScores:
-    """Recent evidence: decayed block hits per ghost over the same decayed queries, and for every
-    pair of ghosts the decayed sum of squared per-request hit differences (for a paired test)."""
+    """Evidence over some horizon: block hits per ghost over the same queries, and for every pair of
+    ghosts the sum of squared per-request hit differences (for a paired test)."""
 
     hits: dict[str, float]
     queries: float
@@ -47,27 +47,51 @@ class GhostScores:
     def z(self, a: str, b: str) -> float:
         """How many standard deviations ``a`` leads ``b`` by: both ghosts saw the very same requests,
         so the per-request differences d_i are paired and sum(d_i) / sqrt(sum(d_i^2)) is the
-        statistic of a sign-free paired test; a lead of a few lucky requests scores low."""
+        statistic of a paired test; a lead made of a few lucky requests scores low."""
         d = self.hits[a] - self.hits[b]
         sq = self.pair_sq.get((a, b), self.pair_sq.get((b, a), 0.0))
         return d / sq**0.5 if sq > 0 else 0.0
 
 
+class _Evidence:
+    def __init__(self, names: list[str], pairs: list[tuple[str, str]]) -> None:
+        self.hits = dict.fromkeys(names, 0.0)
+        self.pair_sq = dict.fromkeys(pairs, 0.0)
+        self.queries = 0.0
+
+    def add(self, got: dict[str, int], n: int) -> None:
+        for p, h in got.items():
+            self.hits[p] += h
+        for a, b in self.pair_sq:
+            d = got[a] - got[b]
+            if d:
+                self.pair_sq[(a, b)] += d * d
+        self.queries += n
+
+    def scores(self) -> GhostScores | None:
+        return GhostScores(dict(self.hits), self.queries, dict(self.pair_sq)) if self.queries > 0 else None
+
+    def scale(self, f: float) -> None:
+        self.hits = {p: h * f for p, h in self.hits.items()}
+        self.pair_sq = {k: v * f for k, v in self.pair_sq.items()}
+        self.queries *= f
+
+
 class GhostCaches:
     def __init__(self, policies: Iterable[str], capacity: int, block_size: int, lru_k: int = 2,
-                 decay: float = 0.5) -> None:
-        """decay: weight the evidence of earlier windows keeps at each window end (0 = this window
-        only); 0.5 gives a horizon of about two windows, which smooths noise yet follows a phase."""
+                 decay: float = 0.875) -> None:
+        """Evidence is kept twice: for the last window only (reacts to a phase change at once) and
+        decayed by ``decay`` per window (0.875: a horizon of about 8 windows, which is what a
+        small but steady lead needs to become significant)."""
         self.capacity = capacity
         self.decay = decay
         self.caches = {p: KVCacheManager(capacity, block_size, eviction_policy=p, lru_k=lru_k)
                        for p in dict.fromkeys(policies)}
         names = list(self.caches)
         self._pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
-        self._hits = dict.fromkeys(names, 0.0)
-        self._pair_sq = dict.fromkeys(self._pairs, 0.0)
-        self._queries = 0.0
-        self._new_queries = 0
+        self._window = _Evidence(names, self._pairs)
+        self._recent = _Evidence(names, self._pairs)
+        self._last = self._window
         self._keys = itertools.count()
 
     @property
@@ -81,23 +105,22 @@ class GhostCaches:
             return
         key = next(self._keys)
         got = {p: replay_request(cm, key, hashes) for p, cm in self.caches.items()}
-        for p, h in got.items():
-            self._hits[p] += h
-        for a, b in self._pairs:
-            d = got[a] - got[b]
-            if d:
-                self._pair_sq[(a, b)] += d * d
-        self._queries += n
-        self._new_queries += n
+        self._window.add(got, n)
+        self._recent.add(got, n)
 
-    def window_scores(self) -> GhostScores | None:
-        """The evidence up to now (None: no lookup in this window), then age it by ``decay``."""
-        if self._new_queries == 0:
+    def window_scores(self) -> tuple[GhostScores, GhostScores] | None:
+        """(this window's evidence, the decayed recent evidence), or None when nothing was looked up
+        in this window; then starts the next window."""
+        window = self._window.scores()
+        recent = self._recent.scores()
+        self._last, self._window = self._window, _Evidence(list(self.caches), self._pairs)
+        self._recent.scale(self.decay)
+        if window is None or recent is None:
             return None
-        out = GhostScores(dict(self._hits), self._queries, dict(self._pair_sq))
-        f = self.decay
-        self._hits = {p: h * f for p, h in self._hits.items()}
-        self._pair_sq = {k: v * f for k, v in self._pair_sq.items()}
-        self._queries *= f
-        self._new_queries = 0
-        return out
+        return window, recent
+
+    def restart_recent(self) -> None:
+        """The workload changed phase: evidence from before the last window describes another
+        workload, so the recent horizon restarts from the last window alone."""
+        self._recent = self._last
+        self._last = _Evidence(list(self.caches), self._pairs)

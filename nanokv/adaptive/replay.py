@@ -24,11 +24,13 @@ INITIAL_POLICY = "clock"  # the engine default; "adaptive" starts here and moves
 
 @dataclass
 class Timeline:
-    """Per window: last request index, live block hit ratio, active policy (for the docs plot)."""
+    """Per window: last request index, live block hit ratio (and its hits / blocks), active policy."""
 
     window: int
     ends: list[int] = field(default_factory=list)
     hit_ratio: list[float] = field(default_factory=list)
+    hit_blocks: list[int] = field(default_factory=list)
+    total_blocks: list[int] = field(default_factory=list)
     policy: list[str] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
 
@@ -71,6 +73,8 @@ def replay_adaptive(
         if (i + 1) % s.window_steps == 0 or i + 1 == len(requests):
             tl.ends.append(i + 1)
             tl.hit_ratio.append(w_hits / w_total if w_total else 0.0)
+            tl.hit_blocks.append(w_hits)
+            tl.total_blocks.append(w_total)
             tl.policy.append(cm.policy_name)
             w_hits = w_total = 0
     name = "adaptive" if adapt else initial_policy

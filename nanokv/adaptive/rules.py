@@ -4,9 +4,11 @@ no rule can fire twice in a window; on top of that each has its own hysteresis s
 near a threshold does not make it flap:
 
 * eviction policy: switch only to a ghost that beats the active policy's ghost by a margin and
-  significantly (paired test over the same requests, z >= SIGNIFICANCE_Z), at once when the live
-  hit rate is falling while evictions rise, otherwise only after the same ghost has led for
-  PATIENCE_WINDOWS windows;
+  significantly (paired test over the same requests): at once when the live hit rate is falling
+  while evictions rise and this window's ghosts agree (z >= ALARM_Z), otherwise only after the
+  same ghost has led with z >= SIGNIFICANCE_Z over the recent horizon for PATIENCE_WINDOWS windows
+  (a fall without a clear winner restarts that horizon: older evidence is another phase). No alarm
+  in the PATIENCE_WINDOWS windows after a switch: the switch itself moves the live hit rate;
 * max_num_seqs: lower at once on preemptions (multiplicative), raise slowly (additive) only after
   PATIENCE_WINDOWS quiet windows and only while requests are queueing (else raising buys nothing);
 * KV bit width: widen a layer at once when its error exceeds the bound, narrow it again only after
@@ -21,6 +23,7 @@ from typing import Any
 
 from nanokv.adaptive.ghosts import GhostScores
 from nanokv.adaptive.settings import (
+    ALARM_Z,
     LOWER_FACTOR,
     PATIENCE_WINDOWS,
     RAISE_FACTOR,
@@ -50,6 +53,8 @@ class PolicyRule:
         self._prev: WindowStats | None = None
         self._lead: str | None = None
         self._lead_windows = 0
+        self._since_switch = PATIENCE_WINDOWS  # windows since this rule last proposed a switch
+        self.phase_change = False  # set by evaluate(): the controller restarts the ghosts' recent evidence
 
     def _falling(self, prev: WindowStats | None, w: WindowStats) -> bool:
         """The brief's alarm: hit rate fell below threshold x the previous window's while evictions rose."""
@@ -57,34 +62,44 @@ class PolicyRule:
             return False
         return w.hit_rate < self.threshold * prev.hit_rate and w.evictions > prev.evictions
 
-    def evaluate(self, w: WindowStats, ghosts: GhostScores | None, active: str) -> Proposal | None:
+    def evaluate(self, w: WindowStats, ghosts: tuple[GhostScores, GhostScores] | None,
+                 active: str) -> Proposal | None:
+        """ghosts: (this window's, recent decayed) evidence, from GhostCaches.window_scores()."""
         prev, self._prev = self._prev, w
-        if ghosts is None or active not in ghosts.hits or w.evictions == 0:  # no pressure: the policy is moot
+        self._since_switch += 1
+        self.phase_change = False
+        if ghosts is None or active not in ghosts[0].hits or w.evictions == 0:  # no pressure: moot
             self._lead, self._lead_windows = None, 0
             return None
-        ratios = ghosts.ratios
+        # Right after a switch the live hit rate moves because of the switch itself (the new policy
+        # starts from the old one's state): no alarm then, only the steady path.
+        falling = self._since_switch > PATIENCE_WINDOWS and self._falling(prev, w)
+        self.phase_change = falling
+        # an alarm is judged on this window alone (the past is another phase), a steady lead on the
+        # recent horizon (one window of a steady workload is too noisy)
+        ev = ghosts[0] if falling else ghosts[1]
+        ratios = ev.ratios
         best = max(ratios, key=lambda p: (ratios[p], p == active))  # a tie keeps the active policy
         regret = ratios[best] - ratios[active]
-        z = ghosts.z(best, active)
-        if best == active or regret < self.margin or z < SIGNIFICANCE_Z:
+        z = ev.z(best, active)
+        if best == active or regret < self.margin or z < (ALARM_Z if falling else SIGNIFICANCE_Z):
             self._lead, self._lead_windows = None, 0
             return None
         self._lead_windows = self._lead_windows + 1 if best == self._lead else 1
         self._lead = best
-        falling = self._falling(prev, w)
         if not falling and self._lead_windows < PATIENCE_WINDOWS:
             return None
         if falling:
             assert prev is not None and prev.hit_rate is not None and w.hit_rate is not None
             why = (f"hit rate falling {prev.hit_rate:.3f} -> {w.hit_rate:.3f} while evictions rise "
-                   f"{prev.evictions} -> {w.evictions}")
+                   f"{prev.evictions} -> {w.evictions}; in this window")
         else:
-            why = f"{best} led the ghosts for {self._lead_windows} windows"
+            why = f"over the recent windows ({self._lead_windows} in a row)"
         ranked = ", ".join(f"{p} {r:.3f}" for p, r in sorted(ratios.items(), key=lambda kv: -kv[1]))
         self._lead, self._lead_windows = None, 0
+        self._since_switch = 0
         return Proposal(self.kind, f"{active} -> {best}", best,
-                        f"{why}; {best} leads {active} by {regret:.3f} (z = {z:.1f}); recent ghost hit ratios: "
-                        f"{ranked}")
+                        f"{why} {best} leads {active} by {regret:.3f} (z = {z:.1f}); ghost hit ratios: {ranked}")
 
 
 class ConcurrencyRule:

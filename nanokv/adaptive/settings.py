@@ -7,7 +7,9 @@ from typing import Any
 
 # Fixed knobs (not in EngineConfig: they shape the hysteresis, not the policy):
 PATIENCE_WINDOWS = 2  # a change that needs no alarm (steady regret, recovery) waits this many windows
-SIGNIFICANCE_Z = 3.0  # a ghost's lead must be this many standard deviations (paired test) to count
+# A ghost's lead counts when it is this many standard deviations (paired test, nanokv.adaptive.ghosts):
+SIGNIFICANCE_Z = 2.0  # ... on its own (then it must also last PATIENCE_WINDOWS windows)
+ALARM_Z = 2.0  # ... when the live hit rate is falling while evictions rise (then it acts at once)
 RECOVER_RATIO = 0.5  # a backed-off layer returns only when the narrower width's error < this x bound
 LOWER_FACTOR = 0.75  # max_num_seqs is cut to this fraction of the window's peak batch
 RAISE_FACTOR = 0.25  # ... and raised by this fraction (at least 1) once preemptions have stopped

@@ -21,6 +21,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-seqs", type=int, default=None)
     p.add_argument("--out", default=None, help="JSON output path")
     p.add_argument("--quick", action="store_true", help="smaller workload (smoke test)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
 def _commit() -> str:
@@ -32,6 +33,9 @@ def _commit() -> str:
 
 
 def run_bench(args: argparse.Namespace, engine_kw: dict[str, Any]) -> int:
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     workload = args.workload or ("cpu" if engine_kw.get("device", "cpu") == "cpu" else "nanovllm")
     if workload == "cpu":
         from nanokv.bench.cpu import run_cpu_bench

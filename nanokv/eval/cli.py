@@ -177,6 +177,11 @@ def _peaks(bench: Any, name: str, dense: str | None) -> dict[str, Any]:
     }
     if dense is not None:
         out["dense_setting"] = dense
+        # the fraction of full blocks dropped / demoted, averaged over every step (the early steps of a
+        # sequence drop less: sinks and the recent window are always kept)
+        out["mean_fraction"] = {ph: {"dropped": t["dropped"] / t["full"], "demoted": t["demoted"] / t["full"]}
+                                for ph in bench.peak_bytes if (t := bench.sparse_totals.get(f"{ph}:{name}"))
+                                and t["full"]} or None
         out["peak_vs_dense"] = {ph: d[name] / d[dense] for ph, d in bench.peak_bytes.items()
                                 if name in d and d.get(dense)} or None
     return out

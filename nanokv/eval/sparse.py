@@ -32,6 +32,8 @@ class SparseView:
         self.state = SequenceSparsity(params, kv_bytes.block_size) if params is not None else None
         self.peak_bytes = 0
         self.peak_blocks = 0
+        # summed over steps, after the step's plan: full blocks, and how many were dropped / demoted
+        self.totals = {"full": 0, "dropped": 0, "demoted": 0}
         self.int8_layers = [c for c in runner.kv_caches if demote.enable(c)] \
             if params is not None and params.demotes else []
 
@@ -56,3 +58,7 @@ class SparseView:
         for cache in self.int8_layers:
             demote.demote(cache, phys)
         st.commit(plan.drop, plan.demote if self.int8_layers else ())
+        t = self.totals
+        t["full"] += num_computed_tokens // self.kv_bytes.block_size
+        t["dropped"] += len(st.dropped)
+        t["demoted"] += len(st.demoted)

@@ -64,6 +64,28 @@ def gather_kv(cache: LayerKVCache, block_ids: torch.Tensor,
             quant.dequantize_int4(cache.v[ids], cache.v_scale[ids], cache.v_zero[ids], dtype))
 
 
+def gather_kv_heads(cache: LayerKVCache, block_ids: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_ids: [B, nb] -> K, V [B, H, nb*bs, D], what SDPA takes.
+
+    16-bit caches gather through the head-major view [H, N, bs, D] of the cache: the result is
+    [H, B, nb, bs, D] contiguous, so moving H after B and merging (nb, bs) are free views and the
+    context is copied once (gathering [B, nb, H, bs, D] and permuting would copy it twice; on the
+    CPU that second copy cost as much as all the model's matmuls in a decode step).
+    """
+    B, nb = block_ids.shape
+    H, bs = cache.num_kv_heads, cache.block_size
+    if cache.bits == 16 and dtype == cache.k.dtype:
+        ids = block_ids.clamp_min(0).long()
+        k = cache.k.transpose(0, 1)[:, ids].transpose(0, 1)  # [B, H, nb, bs, D]
+        v = cache.v.transpose(0, 1)[:, ids].transpose(0, 1)
+        return k.reshape(B, H, nb * bs, -1), v.reshape(B, H, nb * bs, -1)
+    k, v = gather_kv(cache, block_ids, dtype)  # [B, nb, H, bs, D]
+    D = k.shape[-1]
+    return (k.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, D),
+            v.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, D))
+
+
 def _key_valid(block_ids: torch.Tensor, bs: int, seq_len: torch.Tensor) -> torch.Tensor:
     """block_ids: [B, nb]; seq_len: [B] -> bool [B, nb*bs]: key exists (not a hole, < seq_len)."""
     B, nb = block_ids.shape
@@ -85,9 +107,8 @@ def paged_attention(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata,
         L = md.seq_lens_cpu[i]
         nb = (L + bs - 1) // bs
         ids = md.block_tables[i, :nb]
-        k, v = gather_kv(cache, ids, q.dtype)  # [nb, H, bs, D]
-        k = k.permute(1, 0, 2, 3).reshape(H, nb * bs, D)[:, :L]
-        v = v.permute(1, 0, 2, 3).reshape(H, nb * bs, D)[:, :L]
+        k, v = gather_kv_heads(cache, ids.unsqueeze(0), q.dtype)  # [1, H, nb*bs, D]
+        k, v = k[0, :, :L], v[0, :, :L]
         qlen = e - s
         qpos = torch.arange(L - qlen, L, device=q.device)
         mask = qpos.unsqueeze(1) >= torch.arange(L, device=q.device).unsqueeze(0)  # [qlen, L]
@@ -102,9 +123,7 @@ def paged_attention(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata,
         seq_lens = md.seq_lens[md.num_prefills:]
         nb = (max(md.seq_lens_cpu[md.num_prefills:]) + bs - 1) // bs
         ids = md.block_tables[md.num_prefills:, :nb]  # [nd, nb]
-        k, v = gather_kv(cache, ids, q.dtype)  # [nd, nb, H, bs, D]
-        k = k.permute(0, 2, 1, 3, 4).reshape(nd, H, nb * bs, D)
-        v = v.permute(0, 2, 1, 3, 4).reshape(nd, H, nb * bs, D)
+        k, v = gather_kv_heads(cache, ids, q.dtype)  # [nd, H, nb*bs, D]
         mask = _key_valid(ids, bs, seq_lens)[:, None, None, :]  # [nd, 1, 1, nb*bs]
         qd = q[s0:s0 + nd].unsqueeze(2)  # [nd, Hq, 1, D]
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=Hq != H)

@@ -55,7 +55,7 @@ def demote(cache: LayerKVCache, block_ids: list[int]) -> list[int]:
     if not block_ids or not enable(cache):
         return []
     assert cache.demoted is not None and cache.k_scale is not None and cache.v_scale is not None
-    ids = torch.tensor(block_ids, dtype=torch.long, device=cache.k.device)
+    ids = torch.tensor(sorted(set(block_ids)), dtype=torch.long, device=cache.k.device)
     ids = ids[~cache.demoted[ids]]
     if ids.numel() == 0:
         return []

@@ -103,11 +103,17 @@ class EngineSparsity:
 
 
 def attach(cfg: Any, cache_manager: Any, runner: Any) -> EngineSparsity | None:
-    """The engine's sparsity for this config, or None when compression_sparsity is 0."""
+    """The engine's sparsity for this config, or None when compression_sparsity is 0. The policy's
+    knobs default to nanokv.sparsity.policies.SparsityParams; an EngineConfig built in code may set
+    them in cfg.extra["sparsity"] (e.g. {"recent_blocks": 4}), the one place EngineConfig leaves open."""
     s = float(cfg.compression_sparsity)
     if s <= 0.0:
         return None
-    params = SparsityParams(s, cfg.sparsity_policy)
+    knobs = dict((getattr(cfg, "extra", None) or {}).get("sparsity", {}))  # sink_blocks, recent_blocks, score_mode
+    try:
+        params = SparsityParams(s, cfg.sparsity_policy, **knobs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError("extra.sparsity", str(e)) from None
     if params.needs_scores and cfg.tensor_parallel_size > 1:
         raise ConfigError("sparsity_policy", f"{params.policy!r} needs the attention probe, which is not wired "
                                              "for tensor parallelism yet; use streaming or interval")
