@@ -5,8 +5,13 @@ the counters reach the metrics endpoint."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels on CPU, before any of them runs
 
 from nanokv.adaptive import AdaptiveController, AdaptiveSettings
 from nanokv.adaptive.precision import PrecisionActuator
@@ -90,6 +95,25 @@ def test_outlier_layer_backs_off_and_perplexity_returns_to_int8():
     assert steps <= (PATIENCE_WINDOWS + 1) * window
 
 
+def test_triton_backend_after_a_switch_matches_the_torch_reference():
+    """A layer re-formatted mid-run is read by the Triton kernels (they dispatch on cache.bits per
+    call): the whole run's greedy output equals the torch reference path's (fp32)."""
+    pytest.importorskip("triton")
+    prompts = [[(7 * i + 3 + j) % 997 + 2 for i in range(40)] for j in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs, bits = {}, {}
+    for backend in ("triton", "torch"):
+        llm = LLM("random:tiny-llama", num_gpu_blocks=32, block_size=16, max_num_batched_tokens=256, device="cpu",
+                  attention_backend=backend, enable_compression=True, quantization_bitwidth=4, adaptive=True,
+                  adaptive_window_steps=2, adaptive_compression_error_bound=0.4)
+        with hooks.key_outliers(0, 100.0):
+            outs[backend] = [[o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] for _ in range(2)]
+        bits[backend] = [c.bits for c in llm.engine.runner.kv_caches]
+        assert llm.engine.stats()["adaptations"]["kv_bits"] == 1
+    assert bits["triton"] == bits["torch"] == [8, 4]
+    assert outs["triton"] == outs["torch"]
+
+
 def test_reformat_widening_keeps_values_narrowing_requantizes():
     torch.manual_seed(0)
     N, H, bs, D = 6, 2, 16, 64
@@ -114,16 +138,19 @@ def test_reformat_widening_keeps_values_narrowing_requantizes():
 
 @pytest.mark.parametrize("mode", ["act", "recommend"])
 def test_engine_modes_and_metrics(mode):
+    # a random model's attention logits spread ~1 (SmolLM2's ~3.6), so its bound is set lower; with
+    # 100x outliers layer 0 measures ~0.75 at int4, ~0.1 at int8, the clean layer ~0.07 at int4
     llm = LLM("random:tiny-llama", num_gpu_blocks=32, block_size=16, max_num_batched_tokens=256, adaptive=True,
-              adaptive_mode=mode, enable_compression=True, quantization_bitwidth=4, adaptive_window_steps=2)
+              adaptive_mode=mode, enable_compression=True, quantization_bitwidth=4, adaptive_window_steps=2,
+              adaptive_compression_error_bound=0.4)
     prompts = [[(7 * i + 3 + j) % 997 + 2 for i in range(40)] for j in range(4)]
-    with hooks.key_outliers(0, 1000.0):
+    with hooks.key_outliers(0, 100.0):
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert all(len(o.token_ids) == 8 for o in outs)
     stats = llm.engine.stats()
     bits = [c.bits for c in llm.engine.runner.kv_caches]
     if mode == "act":
-        assert stats["adaptations"]["kv_bits"] == 1 and bits[0] > 4 and bits[1] == 4
+        assert stats["adaptations"]["kv_bits"] == 1 and bits == [8, 4]
         key = "kv_bits"
     else:
         assert "kv_bits" not in stats["adaptations"] and stats["adaptations"]["kv_bits_recommended"] == 1

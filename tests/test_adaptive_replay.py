@@ -62,3 +62,13 @@ def test_simulate_cli_accepts_adaptive(capsys):
     out = capsys.readouterr().out
     assert "adaptive" in out and "clock" in out
     assert simulate.main(["--trace", "synthetic:rag", "--policies", "adaptiv", "--no-progress"]) == 2
+
+
+def test_the_policy_controller_needs_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from nanokv.cache import simulate; "
+            "simulate.main(['--trace', 'synthetic:shared_prompt', '--policies', 'adaptive', '--capacity', '200', "
+            "'--jobs', '1', '--no-progress']); assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)

@@ -19,15 +19,20 @@ from nanokv.sparsity.accounting import KVBytes
 from nanokv.sparsity.policies import on_interval_grid
 
 
+def P(s: float, policy: str, **kw) -> SparsityParams:
+    """Params with a 4-block recent window (small test sequences; the default window is 32)."""
+    return SparsityParams(s, policy, **{"recent_blocks": 4, **kw})
+
+
 def _kept(p: SparsityParams, n: int, scores: list[float] | None = None) -> list[int]:
     pl = plan(p, n, list(range(n)), scores or [0.0] * n)
     return sorted(set(range(n)) - set(pl.drop))
 
 
 def test_streaming_keeps_sinks_and_the_most_recent_blocks():
-    assert _kept(SparsityParams(0.5, "streaming"), 20) == [0] + list(range(11, 20))
-    assert _kept(SparsityParams(0.75, "streaming", sink_blocks=2), 20) == [0, 1, 16, 17, 18, 19]  # protected > budget 5
-    assert _kept(SparsityParams(0.75, "streaming", sink_blocks=2, recent_blocks=1), 20) == [0, 1, 17, 18, 19]
+    assert _kept(P(0.5, "streaming"), 20) == [0] + list(range(11, 20))
+    assert _kept(P(0.75, "streaming", sink_blocks=2), 20) == [0, 1, 16, 17, 18, 19]  # protected > budget 5
+    assert _kept(P(0.75, "streaming", sink_blocks=2, recent_blocks=1), 20) == [0, 1, 17, 18, 19]
 
 
 def test_interval_keeps_a_fixed_stride_pattern_plus_protected_blocks():
@@ -35,34 +40,34 @@ def test_interval_keeps_a_fixed_stride_pattern_plus_protected_blocks():
     assert [i for i in range(8) if on_interval_grid(i, 0.75)] == [3, 7]
     assert sum(on_interval_grid(i, 0.25) for i in range(100)) == 75
     # 24 blocks at s = 0.5: budget 12 = sink 0 + recent 20..23 + 7 grid blocks (newest grid blocks first)
-    assert _kept(SparsityParams(0.5, "interval"), 24) == [0, 7, 9, 11, 13, 15, 17, 19, 20, 21, 22, 23]
+    assert _kept(P(0.5, "interval"), 24) == [0, 7, 9, 11, 13, 15, 17, 19, 20, 21, 22, 23]
 
 
 def test_attention_keeps_the_highest_scores():
     scores = [0.0] * 20
     for i, v in ((3, 9.0), (7, 8.0), (12, 7.0)):
         scores[i] = v
-    kept = _kept(SparsityParams(0.75, "attention", recent_blocks=2), 20, scores)
+    kept = _kept(P(0.75, "attention", recent_blocks=2), 20, scores)
     assert kept == [0, 3, 7, 18, 19]  # budget 5: sink + recent 2 + the two best scores
 
 
 def test_hybrid_tiers_int8_int4_dropped_by_rank():
     n = 41  # sink 0 + recent 37..40; 36 candidates 1..36 ranked by score (higher index = higher score)
     scores = [float(i) for i in range(n)]
-    pl = plan(SparsityParams(0.5, "hybrid"), n, list(range(n)), scores)
+    pl = plan(P(0.5, "hybrid"), n, list(range(n)), scores)
     # budget ceil(20.5) = 21 -> 16 candidates kept (21..36), 20 dropped; of the kept, ceil(8) stay int8
     assert pl.drop == list(range(1, 21))
     assert pl.demote == list(range(21, 29))
     already = set(range(21, 25))
-    assert plan(SparsityParams(0.5, "hybrid"), n, list(range(n)), scores, already).demote == list(range(25, 29))
-    assert plan(SparsityParams(0.5, "attention"), n, list(range(n)), scores).demote == []
+    assert plan(P(0.5, "hybrid"), n, list(range(n)), scores, already).demote == list(range(25, 29))
+    assert plan(P(0.5, "attention"), n, list(range(n)), scores).demote == []
 
 
 def test_nothing_happens_at_s0_or_while_protected_blocks_cover_the_budget():
     for pol in POLICIES:
-        assert not plan(SparsityParams(0.0, pol), 100, list(range(100)), [1.0] * 100)
-        assert not plan(SparsityParams(0.5, pol), 5, list(range(5)), [1.0] * 5)  # all 5 blocks protected
-        assert len(plan(SparsityParams(0.5, pol), 9, list(range(9)), [1.0] * 9).drop) == 4  # budget 5 = protected
+        assert not plan(P(0.0, pol), 100, list(range(100)), [1.0] * 100)
+        assert not plan(P(0.5, pol), 5, list(range(5)), [1.0] * 5)  # all 5 blocks protected
+        assert len(plan(P(0.5, pol), 9, list(range(9)), [1.0] * 9).drop) == 4  # budget 5 = protected
     assert keep_budget(128, 0.5) == 64 and keep_budget(3, 0.5) == 2 and keep_budget(10, 0.7) == 3
 
 
@@ -92,8 +97,8 @@ def test_budget_monotone_and_protected_over_a_sequence_life(s, pol, sinks, recen
 
 
 def test_scores_accumulate_by_max_or_by_sum():
-    a, b = SequenceSparsity(SparsityParams(0.5, "attention"), 16), \
-        SequenceSparsity(SparsityParams(0.5, "attention", score_mode="sum"), 16)
+    a, b = SequenceSparsity(P(0.5, "attention"), 16), \
+        SequenceSparsity(P(0.5, "attention", score_mode="sum"), 16)
     for st_ in (a, b):
         st_.observe([1.0, 3.0])
         st_.observe([2.0, 1.0, 5.0])

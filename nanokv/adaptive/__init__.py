@@ -1,7 +1,8 @@
 """Self-tuning: a controller in the engine loop that reads windowed figures and adapts the engine.
 
 Torch-free modules (usable by ``nanokv simulate``): settings, window, ghosts, rules, controller,
-replay, plot. Torch modules (engine only): probe, reformat, precision, engine_glue.
+replay, plot. Torch modules (engine only): probe, reformat, precision, engine_glue, and the
+``python -m nanokv.adaptive.quality`` measurement.
 See docs/adaptive.md.
 """
 

@@ -104,7 +104,7 @@ class AdaptiveController:
         if self.ghosts is not None:
             self.ghosts.observe(block_hashes)
 
-    def _observe_admissions(self, out: Any) -> None:
+    def _observe_admissions(self, out: Any, ghosts: GhostCaches) -> None:
         cm = self.cache
         for item in out.prefills:
             seq = item.seq
@@ -117,8 +117,7 @@ class AdaptiveController:
             # Capped like match_prefix: at least one token is always left to compute.
             prompt = seq.prompt_token_ids
             n = (len(prompt) - 1) // cm.block_size
-            self.ghosts.observe(hash_full_blocks(prompt, cm.block_size, seq.cache_salt, cm.hash_algo,  # type: ignore[union-attr]
-                                                 max_blocks=n))
+            ghosts.observe(hash_full_blocks(prompt, cm.block_size, seq.cache_salt, cm.hash_algo, max_blocks=n))
 
     def _counters(self) -> Counters:
         sched = self.scheduler
@@ -134,7 +133,7 @@ class AdaptiveController:
         self.step += 1
         if out is not None:
             if self.ghosts is not None:
-                self._observe_admissions(out)
+                self._observe_admissions(out, self.ghosts)
             self._computed += out.num_tokens if computed_tokens is None else computed_tokens
         elif computed_tokens:
             self._computed += computed_tokens

@@ -62,7 +62,7 @@ def draw(path: str, columns: list[tuple[dict[str, Timeline], Timeline, str]], ph
     axes[0, 0].set_ylabel("block hit ratio (per window)")
     axes[1, 0].set_ylabel("cumulative hit ratio\nminus clock's (points)")
     axes[2, 0].set_ylabel("adaptive: active policy")
-    axes[1, 0].legend(fontsize=8, ncol=2, loc="lower left")
+    axes[0, 0].legend(fontsize=8, ncol=3, loc="center")  # the middle of the top panel is empty
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

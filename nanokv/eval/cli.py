@@ -43,9 +43,10 @@ def parser() -> argparse.ArgumentParser:
                    help="fraction of full blocks dropped (hybrid: dropped or demoted); a comma list runs each")
     p.add_argument("--sparsity-policy", default="streaming",
                    help=f"comma list of: {', '.join(SPARSITY_POLICIES)}")
-    p.add_argument("--sparsity-sinks", type=int, default=1, help="first blocks always kept")
-    p.add_argument("--sparsity-recent", type=int, default=4, help="last full blocks always kept")
-    p.add_argument("--sparsity-score", default="max", help="attention/hybrid score accumulation: max or sum")
+    p.add_argument("--sparsity-sinks", type=int, default=None, help="first blocks always kept (default 1)")
+    p.add_argument("--sparsity-recent", type=int, default=None, help="last full blocks always kept (default 32)")
+    p.add_argument("--sparsity-score", default=None,
+                   help="attention/hybrid: per-block attention mass accumulates by max (default) or sum")
     p.add_argument("--passkey-lengths", default="512,1024,2048",
                    help="comma list of prompt lengths ('' = skip)")
     p.add_argument("--passkey-trials", type=int, default=10, help="prompts per length")
@@ -91,9 +92,10 @@ def sparsity_variants(args: argparse.Namespace) -> list[SparsityParams]:
     for v in values:
         if not 0.0 <= v < 1.0:
             raise NanoKVError("compression_sparsity", f"got {v}; must be in [0, 1)")
+    knobs = {k: v for k, v in (("sink_blocks", args.sparsity_sinks), ("recent_blocks", args.sparsity_recent),
+                                ("score_mode", args.sparsity_score)) if v is not None}
     try:
-        return [SparsityParams(v, pol, args.sparsity_sinks, args.sparsity_recent, args.sparsity_score)
-                for pol in policies for v in values if v > 0.0]
+        return [SparsityParams(v, pol, **knobs) for pol in policies for v in values if v > 0.0]
     except ValueError as e:
         raise NanoKVError("sparsity", str(e)) from None
 
