@@ -59,7 +59,7 @@ def test_passkey_runs_for_every_setting(result):
 
 
 def test_bad_input_fails_clearly(capsys, monkeypatch):
-    assert main(["--compression-sparsity", "0.5", "--passkey-lengths", ""]) == 2
+    assert main(["--compression-sparsity", "1.5", "--tokens", "64", "--passkey-lengths", ""]) == 2
     assert "compression_sparsity" in capsys.readouterr().err
     assert main(["--quantization-bitwidth", "3", "--tokens", "0", "--passkey-lengths", ""]) == 2
     assert "quantization_bitwidth" in capsys.readouterr().err

@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--passkey-lengths", default="512,1024,2048",
                    help="comma list of prompt lengths ('' = skip)")
     p.add_argument("--passkey-trials", type=int, default=10, help="prompts per length")
+    p.add_argument("--passkey-prefill", default="whole", choices=("whole", "chunked"),
+                   help="sparse settings: prefill the prompt in one step (the engine's default for prompts "
+                        "within max_num_batched_tokens), or in --chunk chunks, sparsifying after each")
     p.add_argument("--json", default=None, help="write the full result here")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
     p.add_argument("--block-size", type=int, default=16)
@@ -133,7 +136,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     bar = tqdm(total=args.tokens + len(lengths) * args.passkey_trials, unit="tok", disable=args.no_progress,
                desc="eval", file=sys.stderr)
     comps = run_perplexity(bench, windows, args.chunk, bar.update) if windows else {}
-    pk = run_passkey(bench, lengths, args.passkey_trials, args.seed, bar.update, args.chunk) if lengths else {}
+    pk_chunk = args.chunk if args.passkey_prefill == "chunked" else None
+    pk = run_passkey(bench, lengths, args.passkey_trials, args.seed, bar.update, pk_chunk) if lengths else {}
     bar.close()
 
     L, H, D = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
@@ -165,6 +169,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)", "corpus": str(path) if path else None,
         "tokens": args.tokens, "context": args.context, "chunk": args.chunk, "block_size": bs,
         "passkey_lengths": lengths, "passkey_trials": args.passkey_trials if lengths else 0,
+        "passkey_prefill": args.passkey_prefill,
         "command": "nanokv eval " + shlex.join(argv),
         "settings": rows, "passkey_samples": pk.get("samples", []), "elapsed_s": time.monotonic() - t0,
     }

@@ -7,10 +7,12 @@ every decode step reads it back), and is right when its first 5-digit number is 
 models can be weak at this: the full-precision cache's accuracy is measured on the very same
 prompts and each setting is reported relative to it.
 
-A sparse setting prefills in chunks of `chunk` tokens and sparsifies its own view of the table
-after every chunk and every decode step (nanokv.eval.sparse), so the question and the answer read
-the sparse cache, as in serving with chunked prefill; dense settings prefill in one step. Peak
-live KV bytes per prompt go to bench.peak_bytes["passkey"].
+A sparse setting sparsifies its own view of the table (nanokv.eval.sparse) after the prefill and
+after every decode step, so every answer token after the first reads the sparse cache. The prefill
+is either one step (`chunk` None: what the engine does for a prompt within max_num_batched_tokens,
+4,096 by default; attention scores then include the question's queries, as in SnapKV) or chunks of
+`chunk` tokens with a sparsification after each (chunked prefill: the question itself already reads
+the sparse cache). Peak live KV bytes per prompt go to bench.peak_bytes["passkey"].
 """
 
 from __future__ import annotations
@@ -70,8 +72,10 @@ def answer_key(text: str) -> int | None:
 
 
 def run_passkey(bench: Bench, lengths: list[int], trials: int, seed: int = 0,
-                progress: Callable[[int], None] | None = None, chunk: int = 64) -> dict[str, Any]:
-    """-> {"fp": {length: accuracy}, setting: {length: accuracy}, ..., "samples": [...]}."""
+                progress: Callable[[int], None] | None = None, chunk: int | None = None) -> dict[str, Any]:
+    """-> {"fp": {length: accuracy}, setting: {length: accuracy}, ..., "samples": [...]}.
+
+    chunk: prefill sparse settings in chunks of this many tokens (None: in one step, as dense ones)."""
     eng = bench.engine
     tok = eng.tokenizer
     if tok is None:

@@ -120,4 +120,7 @@ def attach(cfg: Any, cache_manager: Any, runner: Any) -> EngineSparsity | None:
     if params.demotes and getattr(runner.backend, "name", "torch") != "torch":
         raise ConfigError("sparsity_policy", "hybrid reads INT4-demoted blocks in int8 layers, which only the "
                                              "torch reference does for now; use attention_backend='torch'")
+    if params.demotes and getattr(runner, "graphs", None) is not None:
+        # graph replays skip nanokv.kv.hooks, so a reused demoted block would keep its INT4 flag
+        raise ConfigError("sparsity_policy", "hybrid needs eager decode steps; set enforce_eager=True")
     return EngineSparsity(params, cache_manager, runner)

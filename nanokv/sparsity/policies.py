@@ -41,6 +41,7 @@ class SparsityParams:
     # last full blocks always kept: 32 blocks (512 tokens at block size 16), about half the budget of a
     # 2k-token sequence at s = 0.5 as in H2O; measured: 4 blocks cost +10-12 % PPL there, 32 blocks +4 %
     recent_blocks: int = 32
+    min_blocks: int = 0  # sequences with at most this many full blocks are never sparsified
     # attention / hybrid: how per-step attention mass accumulates per block. "max": the largest mass
     # one query gave the block (measured better for passkey, see docs/quality.md); "sum": H2O's total.
     score_mode: str = "max"
@@ -52,8 +53,8 @@ class SparsityParams:
             raise ValueError(f"policy {self.policy!r}; allowed: {', '.join(POLICIES)}")
         if self.score_mode not in SCORE_MODES:
             raise ValueError(f"score_mode {self.score_mode!r}; allowed: {', '.join(SCORE_MODES)}")
-        if self.sink_blocks < 0 or self.recent_blocks < 0:
-            raise ValueError("sink_blocks and recent_blocks must be >= 0")
+        if min(self.sink_blocks, self.recent_blocks, self.min_blocks) < 0:
+            raise ValueError("sink_blocks, recent_blocks and min_blocks must be >= 0")
 
     @property
     def needs_scores(self) -> bool:
@@ -103,7 +104,7 @@ def plan(p: SparsityParams, n_full: int, live: Sequence[int], scores: Sequence[f
     """live: logical indices of the live full blocks (< n_full); scores[i]: block i's accumulated
     attention mass (attention/hybrid; ignored otherwise); demoted: blocks already INT4."""
     out = Plan()
-    if p.sparsity <= 0.0 or n_full <= 0:
+    if p.sparsity <= 0.0 or n_full <= p.min_blocks:
         return out
     prot = protected(n_full, p)
     cands = [i for i in live if i not in prot]
