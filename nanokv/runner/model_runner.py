@@ -7,6 +7,7 @@ runs the model inside a forward context, and returns logits for the rows that sa
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ from nanokv.attention.backend import set_backend
 from nanokv.attention.metadata import AttentionMetadata, forward_context
 from nanokv.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block
+from nanokv.model.layers.fusion import set_fusion
 from nanokv.runner.cuda_graph import DecodeGraphs
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,8 @@ class ModelRunner:
         self.head_dim = model_config.head_dim
         self.layer_bits = cfg.layer_bits(self.num_layers)
         self.backend = set_backend(cfg.attention_backend, device)
+        # fused elementwise chains (torch.compile) ride with the CUDA graphs: off in eager mode
+        set_fusion(device.type == "cuda" and not cfg.enforce_eager and not os.environ.get("NANOKV_NO_FUSION"))
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches: list[LayerKVCache] = [
             allocate_layer_cache(b, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim,
