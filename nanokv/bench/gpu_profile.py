@@ -54,13 +54,25 @@ def main(argv: list[str] | None = None) -> int:
     eng.cache_manager.reset_prefix_cache()
     for i, (p, o) in enumerate(zip(prompts, outs)):
         eng.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=max(o, 400), ignore_eos=True))
+    from torch.profiler import ProfilerActivity, profile
     t0 = time.perf_counter()
     n_pre = 0
+    step_ms = []
     while eng.num_waiting() or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
-        eng.step()
+        ts = time.perf_counter()
+        if n_pre == 1:  # one full prefill step under the profiler
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pp:
+                eng.step()
+                torch.cuda.synchronize()
+        else:
+            eng.step()
+            torch.cuda.synchronize()
+        step_ms.append((time.perf_counter() - ts) * 1e3)
         n_pre += 1
-    torch.cuda.synchronize()
-    print(f"prefill: {n_pre} steps, {time.perf_counter() - t0:.2f} s; running {eng.num_running()}")
+    print(f"prefill: {n_pre} steps, {time.perf_counter() - t0:.2f} s; running {eng.num_running()}; "
+          f"step ms {[round(x, 1) for x in step_ms]}")
+    print(pp.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+    print(pp.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
     for _ in range(3):
         eng.step()
     eng._timing = dict.fromkeys(("steps", "schedule_s", "forward_s", "sample_postprocess_s"), 0.0)
@@ -103,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
     print("host: top functions by own time over 10 steps\n" + "\n".join(s.getvalue().splitlines()[:45]))
 
-    from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         for _ in range(3):
             eng.step()
