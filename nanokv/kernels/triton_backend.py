@@ -9,6 +9,7 @@ reads a device tensor on the host; the decode path allocates nothing after its f
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ import torch.nn.functional as F
 from nanokv.attention.metadata import AttentionMetadata
 from nanokv.kernels import triton_decode, triton_prefill, triton_store
 from nanokv.kv.cache import LayerKVCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,17 +79,49 @@ def decode_tiles(cfg: TritonConfig, quantized: bool) -> tuple[int, int, int]:
     return cfg.decode_block_n, cfg.decode_warps, cfg.decode_stages
 
 
+_VARLEN_OK: list[bool] = [True]  # flips off (once, logged) if this torch build lacks varlen flash
+
+
+def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+                  scale: float) -> torch.Tensor | None:
+    """Causal flash attention over packed sequences (cu [n + 1] int32 offsets), GQA native:
+    q [T, Hq, D], k and v [T, Hk, D] -> [T, Hq, D]. None where unavailable (CPU, old torch)."""
+    if not (_VARLEN_OK[0] and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return None
+    try:
+        out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True, False,
+                                                      scale=scale)
+        return out[0]
+    except (RuntimeError, TypeError, AttributeError) as e:  # noqa: PERF203 - one-time probe
+        _VARLEN_OK[0] = False
+        log.warning("varlen flash attention unavailable (%s); fresh prompts use per-sequence SDPA", e)
+        return None
+
+
 def sdpa_fresh_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, out: torch.Tensor,
                        scale: float, seqs: list[int]) -> None:
-    """Prefill sequences whose whole context is this step's tokens, through causal SDPA on the K/V
-    this step just computed (q [T, Hq, D], k and v [T, Hk, D]; exactly what was stored, so no
-    gather from the cache). Host offsets only (query_start_loc_cpu)."""
-    gqa = q.shape[1] != k.shape[1]
-    for i in seqs:
-        s, e = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
-                                           is_causal=True, scale=scale, enable_gqa=gqa)
-        out[s:e] = o.transpose(0, 1)
+    """Prefill sequences whose whole context is this step's tokens, attended on the K/V this step
+    just computed (q [T, Hq, D], k and v [T, Hk, D]; exactly what was stored, so no gather from
+    the cache): one varlen flash call per run of consecutive sequences on a GPU, else causal SDPA
+    per sequence. Host offsets only (query_start_loc_cpu)."""
+    qsl = md.query_start_loc_cpu
+    G = q.shape[1] // k.shape[1]
+    for a, b in runs(seqs):
+        s, e = qsl[a], qsl[b]
+        cu = md.query_start_loc[a:b + 1] - md.query_start_loc[a]
+        o = _flash_varlen(q[s:e], k[s:e], v[s:e], cu, max(qsl[i + 1] - qsl[i] for i in range(a, b)), scale)
+        if o is not None:
+            out[s:e] = o
+            continue
+        for i in range(a, b):
+            s, e = qsl[i], qsl[i + 1]
+            # heads expanded by hand: SDPA's enable_gqa falls back to the slow math path on some builds
+            kk, vv = k[s:e], v[s:e]
+            if G > 1:
+                kk, vv = kk.repeat_interleave(G, dim=1), vv.repeat_interleave(G, dim=1)
+            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
+                                               is_causal=True, scale=scale)
+            out[s:e] = o.transpose(0, 1)
 
 
 def runs(idx: list[int]) -> list[tuple[int, int]]:
