@@ -178,7 +178,10 @@ class Engine:
         return len(self.scheduler.running)
 
     # ---- one step -----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one scheduler step. Returns an output per sampled token, or with `finished_only`
+        (batch use: LLM.generate) only those of requests that finished, skipping the per-token
+        output objects (about 4 us each, a millisecond a step at batch 256)."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -209,7 +212,9 @@ class Engine:
             seqs = [sched[r].seq for r in rows]
             res = self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
             for seq, tok, lp in zip(seqs, res.token_ids, res.logprobs):
-                outputs.append(self._on_token(seq, tok, lp))
+                o = self._on_token(seq, tok, lp, finished_only)
+                if o is not None:
+                    outputs.append(o)
         if self.controller is not None:
             self.controller.on_step(out)
         if self._timing is not None:
@@ -221,7 +226,8 @@ class Engine:
             tm["sample_postprocess_s"] += t3 - t2
         return outputs
 
-    def _on_token(self, seq: Sequence, tok: int, lp: tuple[float, dict[int, float]] | None) -> RequestOutput:
+    def _on_token(self, seq: Sequence, tok: int, lp: tuple[float, dict[int, float]] | None,
+                  finished_only: bool = False) -> RequestOutput | None:
         now = time.monotonic()
         seq.append_token(tok)
         self._counters["generation_tokens"] += 1
@@ -249,6 +255,8 @@ class Engine:
             self.scheduler.finish(seq)
             self.sampler.forget(seq.seq_id)
             self._seqs.pop(seq.request_id, None)
+        elif finished_only:
+            return None
         new_tokens = seq.output_token_ids[seq.sent_tokens:]
         seq.sent_tokens = seq.num_output_tokens
         delta_text = seq.text[min(before, len(seq.text)):] if reason is None else seq.text[seq.sent_text_len:]

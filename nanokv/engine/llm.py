@@ -50,7 +50,7 @@ class LLM:
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm, unit="req")
         bar.update(len(results))
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.engine.step(finished_only=True):
                 if out.finished:
                     results[out.request_id] = out
                     bar.update(1)

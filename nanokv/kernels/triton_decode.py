@@ -31,7 +31,9 @@ from nanokv.kv.cache import LayerKVCache
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# metadata pointers and sizes vary step to step (slices at the prefill count, table width): not
+# specialized on, or each new alignment / divisibility class would compile the kernel again mid-run
+@triton.jit(do_not_specialize=["bt_ptr", "seq_lens_ptr", "num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, bt_ptr, seq_lens_ptr,
     out_ptr, part_o_ptr, part_ml_ptr,
@@ -98,7 +100,7 @@ def _decode_kernel(
         tl.store(o_rows + DH, o_hi.to(out_ptr.dtype.element_ty), mask=qm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_splits, stride_ot, stride_oh,
                    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (num_decodes, Hq): merge the splits' partial outputs with their softmax weights."""

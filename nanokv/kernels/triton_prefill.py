@@ -31,7 +31,9 @@ from nanokv.kv.cache import LayerKVCache
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# metadata pointers and sizes vary step to step (slices at the prefill count, table width): not
+# specialized on, or each new alignment / divisibility class would compile the kernel again mid-run
+@triton.jit(do_not_specialize=["bt_ptr", "seq_lens_ptr", "qsl_ptr", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     qk_scale,
