@@ -281,6 +281,7 @@ class Engine:
         batch_sizes, self._batch_sizes = self._batch_sizes, []
         return {
             "kv_cache_usage": self.cache_manager.usage(),
+            "kv_blocks_total": self.cache_manager.num_blocks,  # changes when the adaptive pool rule resizes
             "num_running": self.num_running(),
             "num_waiting": self.num_waiting(),
             "prefix_queries_tokens": cs.prefix_queries_tokens,
