@@ -206,3 +206,17 @@ def test_controller_grows_then_shrinks_and_counts(mode: str, caplog: pytest.LogC
     assert ctl.counts == {"pool_grow": 2, "pool_shrink": 1, "pool_grow_refused": 0, "pool_shrink_refused": 0}
     assert "adaptive pool_shrink applied" in caplog.text and "because idle for 2 windows" in caplog.text
     assert cm.num_used_blocks() == 0 and cm.num_free_blocks() == 8
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("adaptive_pool_reserve_bytes", 0), ("adaptive_pool_reserve_bytes", 1.5), ("adaptive_pool_margin_bytes", -1),
+    ("adaptive_pool_margin_bytes", None), ("adaptive_pool_grow_fraction", 0), ("adaptive_pool_grow_fraction", 5),
+    ("adaptive_pool_high_usage", 1.2), ("adaptive_pool_idle_usage", True), ("adaptive_pool_idle_usage", 0.95),
+])
+def test_bad_pool_config_names_the_field(key: str, value: object) -> None:
+    from nanokv.config import EngineConfig
+    from nanokv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=key):
+        EngineConfig.from_kwargs(**{key: value})
+    EngineConfig.from_kwargs(adaptive_pool_reserve_bytes=1 << 20, adaptive_pool_margin_bytes=0)  # fine

@@ -221,6 +221,13 @@ class Engine:
             tm["sample_postprocess_s"] += t3 - t2
         return outputs
 
+    def tick_idle(self) -> None:
+        """Nothing to run: the controller still counts a step, so its windows keep closing while the
+        engine is idle (the pool rule shrinks a grown KV pool back after idle windows). The server's
+        engine thread calls this each time it wakes without work (every stats interval)."""
+        if self.controller is not None and not self.scheduler.has_unfinished():
+            self.controller.on_step(None)
+
     def _on_token(self, seq: Sequence, tok: int, lp: tuple[float, dict[int, float]] | None) -> RequestOutput:
         now = time.monotonic()
         seq.append_token(tok)
