@@ -191,7 +191,7 @@ def test_controller_grows_then_shrinks_and_counts(mode: str, caplog: pytest.LogC
     s = AdaptiveSettings(mode=mode, window_steps=2, pool_grow_fraction=0.5)
     ctl = AdaptiveController(s, cache=cm, scheduler=sched, pool=pool, policy_rule=False, concurrency_rule=False)
     with caplog.at_level(logging.INFO, "nanokv.adaptive"):
-        drive(ctl, cm, sched, 3, used=None, waiting=2)  # full pool, queue: grow 8 -> 12 -> 16, then the reserve is spent
+        drive(ctl, cm, sched, 3, used=None, waiting=2)  # full pool, queue: 8 -> 12 -> 16, then no reserve
         if mode == "act":
             assert cm.num_blocks == 16 and pool.calls == [12, 16]
             assert ctl.counts["pool_grow"] == 2 and ctl.history[-1].num_blocks == 16
