@@ -160,7 +160,8 @@ def test_rule_shrinks_after_patience_and_never_flaps_under_steady_load() -> None
 # ---- the controller with a fake actuator --------------------------------------------------------
 class FakePool:
     def __init__(self, cm: KVCacheManager, room: int) -> None:
-        self.cm, self.base_blocks, self.room, self.calls = cm, cm.num_blocks, room, []
+        self.cm, self.base_blocks, self.room = cm, cm.num_blocks, room
+        self.calls: list[int] = []
 
     def headroom_blocks(self) -> int:
         return self.room - (self.cm.num_blocks - self.base_blocks)

@@ -7,6 +7,7 @@ runs the model inside a forward context, and returns logits for the rows that sa
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, model: torch.nn.Module, model_config, device: torch.device,
                  dtype: torch.dtype, num_kv_heads_local: int | None = None):
         self.cfg = cfg
-        self.model = model
+        self.model: Any = model  # a nanokv model: forward(ids, positions) and compute_logits(hidden)
         self.mc = model_config
         self.device = device
         self.dtype = dtype
