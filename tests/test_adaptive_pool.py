@@ -37,11 +37,11 @@ def prompts(seed: int, n: int) -> list[list[int]]:
 
 
 def run_waves(eng: Engine, waves: list[list[list[int]]], resize_at: dict[tuple[int, int], int],
-              between: dict[int, int]) -> tuple[dict[str, list[int]], dict[str, int], list[int]]:
+              between: dict[int, int], max_tokens: int = 12) -> tuple[dict[str, list[int]], dict[str, int], list[int]]:
     """Run each wave to completion; resize_at[(wave, step)] / between[wave] (before the wave starts):
     pool resizes. Returns outputs and cached-token counts by request id, and the sizes reached."""
     act = PoolActuator(eng.runner, eng.cache_manager, reserve_bytes=1 << 40, margin_bytes=0)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs: dict[str, list[int]] = {}
     cached: dict[str, int] = {}
     sizes: list[int] = []
@@ -74,6 +74,23 @@ def test_greedy_identical_across_grow_and_partial_shrink_with_live_sequences():
     cm = eng.cache_manager
     assert cm.num_used_blocks() == 0 and cm.num_free_blocks() == cm.num_blocks == 20  # no leaks
     assert all(c.num_blocks == 20 for c in eng.runner.kv_caches) and eng.stats()["kv_blocks_total"] == 20
+
+
+def test_smollm2_greedy_identical_across_grow_and_shrink():
+    """The real embedded model (fp32): chat prompts share the template's system prefix."""
+    kw = {"device": "cpu", "dtype": "float32", "block_size": 8, "max_num_batched_tokens": 128, "num_gpu_blocks": 16}
+    ref_eng = Engine(**kw)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Who wrote Hamlet?",
+                 "Name a prime number.", "What is 2 + 2?"]
+    chats = [ref_eng.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    waves = [chats[:3], chats[3:]]
+    ref, _, _ = run_waves(ref_eng, waves, {}, {}, max_tokens=8)
+    eng = Engine(**kw)
+    got, cached, sizes = run_waves(eng, waves, {(0, 1): 48, (0, 4): 16}, {1: 24}, max_tokens=8)
+    assert got == ref
+    assert sizes[0] == 48 and 16 <= sizes[1] < 48 and sizes[2] == 24
+    assert all(cached[f"1-{i}"] >= 8 for i in range(2))  # the system prompt's blocks still hit
+    assert eng.cache_manager.num_used_blocks() == 0 and eng.cache_manager.num_free_blocks() == 24
 
 
 def test_resize_keeps_quantized_blocks_and_scales():
