@@ -154,3 +154,19 @@ def test_recommend_mode_changes_nothing():
     assert stats["kv_blocks_total"] == 10 and llm.engine.runner.num_blocks == 10
     assert stats["adaptations"]["pool_grow_recommended"] == 1  # reported once, never applied
     assert "pool_grow" not in stats["adaptations"]
+
+
+def test_tensor_parallel_resize_in_lock_step():
+    """tp=2 (CPU, gloo): both ranks resize their shards through TPModelRunner.resize_kv; greedy output
+    equals tp=1 without resizing, across a grow and a partial shrink with live sequences."""
+    waves = [prompts(3, 3)]
+    ref, _, _ = run_waves(Engine(**TINY, num_gpu_blocks=12), waves, {}, {})
+    eng = Engine(**TINY, num_gpu_blocks=12, tensor_parallel_size=2)
+    try:
+        got, _, sizes = run_waves(eng, waves, {(0, 1): 32, (0, 5): 12}, {})
+        assert got == ref and sizes[0] == 32 and 12 <= sizes[1] < 32
+        # (rank 1 would fail on a slot past its shard if it had not grown too)
+        act = PoolActuator(eng.runner, eng.cache_manager, reserve_bytes=1 << 40, margin_bytes=0)
+        assert act.resize(12) == (12, "") and eng.runner.num_blocks == 12 == eng.cache_manager.num_blocks
+    finally:
+        eng.shutdown()

@@ -7,9 +7,9 @@ Which rules run:
   * KV bit width    - when ``adaptive`` is set, some layer is compressed, and the runner is a
     single-process ModelRunner (tensor-parallel workers hold their own shards: not supported yet)
     without hybrid sparsity (it demotes int8 blocks in place in the layers it holds);
-  * KV pool size    - when ``adaptive`` is set, the runner is a single-process ModelRunner (the
-    tensor-parallel workers would each have to resize their shards in lock step: not done), and
-    there is something to grow into: a CUDA device or ``adaptive_pool_reserve_bytes``.
+  * KV pool size    - when ``adaptive`` is set and there is something to grow into: a CUDA device
+    or ``adaptive_pool_reserve_bytes``. With tensor parallelism every rank resizes its shard in
+    lock step (TPModelRunner.resize_kv); the memory check reads rank 0's device only.
 """
 
 from __future__ import annotations
@@ -57,10 +57,6 @@ def build_controller(engine: Any) -> AdaptiveController:
 def _pool_actuator(engine: Any) -> Any:
     cfg = engine.config
     if not cfg.adaptive:
-        return None
-    if cfg.tensor_parallel_size > 1:
-        log.warning("adaptive: KV pool resizing is not supported with tensor parallelism (every worker "
-                    "would have to resize its shard in lock step); the pool rule is off")
         return None
     if engine.device.type != "cuda" and cfg.adaptive_pool_reserve_bytes is None:
         log.info("adaptive: KV pool rule off on %s without adaptive_pool_reserve_bytes (nothing to grow into)",
