@@ -137,8 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in res.items():
         print(f"[pool] {k}: {v}")
     fails = []
-    if got != ref or again != ref:
-        fails.append("greedy outputs differ from the run without the controller")
+    for name, outs in (("burst", got), ("after shrink", again)):
+        bad = [(i, next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)) for i, (a, b) in enumerate(zip(ref, outs))
+               if a != b]
+        if bad:
+            fails.append(f"greedy outputs differ from the run without the controller ({name}): "
+                         f"(prompt, first differing token) {bad}")
     if peak_blocks <= args.blocks:
         fails.append("the pool did not grow during the burst")
     if res["blocks_after_idle"] != args.blocks:
@@ -152,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**res, "failures": fails}, f, indent=2)
-    for f in fails:
-        print(f"[pool] FAIL: {f}")
+    for why in fails:
+        print(f"[pool] FAIL: {why}")
     print("[pool] OK" if not fails else f"[pool] {len(fails)} failure(s)")
     return 1 if fails else 0
 
