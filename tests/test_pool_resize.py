@@ -221,3 +221,33 @@ def test_bad_pool_config_names_the_field(key: str, value: object) -> None:
     with pytest.raises(ConfigError, match=key):
         EngineConfig.from_kwargs(**{key: value})
     EngineConfig.from_kwargs(adaptive_pool_reserve_bytes=1 << 20, adaptive_pool_margin_bytes=0)  # fine
+
+
+def test_server_engine_thread_ticks_the_controller_while_idle() -> None:
+    """The async engine's thread calls Engine.tick_idle when it wakes without work, so idle windows
+    close (and a grown pool can shrink) while no request arrives."""
+    import asyncio
+
+    from nanokv.server.async_engine import AsyncEngine
+
+    class IdleEngine:
+        ticks = 0
+
+        def has_unfinished_requests(self) -> bool:
+            return False
+
+        def tick_idle(self) -> None:
+            self.ticks += 1
+
+        def stats(self) -> dict:
+            return {}
+
+    async def run() -> int:
+        eng = IdleEngine()
+        ae = AsyncEngine(eng, stats_interval_s=0.01)
+        await ae.start()
+        await asyncio.sleep(0.2)
+        await ae.stop()
+        return eng.ticks
+
+    assert asyncio.run(run()) >= 3
