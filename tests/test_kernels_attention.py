@@ -64,10 +64,18 @@ def build_batch(bits: int, dtype: torch.dtype, bs: int, H: int, G: int, D: int,
     return cache, md, q
 
 
-def check(cache: LayerKVCache, md: AttentionMetadata, q: torch.Tensor, cfg: TritonConfig) -> None:
+def step_kv(cache: LayerKVCache, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's K/V as stored, [T, H, D] each, read back by slot (cache layout [N, H, bs, D])."""
+    slots, bs = md.slot_mapping.long(), cache.block_size
+    return cache.k[slots // bs, :, slots % bs], cache.v[slots // bs, :, slots % bs]
+
+
+def check(cache: LayerKVCache, md: AttentionMetadata, q: torch.Tensor, cfg: TritonConfig,
+          with_kv: bool = False) -> None:
     D = q.shape[-1]
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    TritonBackend(cfg).paged_attention(q, cache, md, D ** -0.5, out=out)
+    k, v = step_kv(cache, md) if with_kv else (None, None)
+    TritonBackend(cfg).paged_attention(q, cache, md, D ** -0.5, out=out, k=k, v=v)
     ref = reference.paged_attention(q.float(), cache, md, D ** -0.5)
     assert not out.isnan().any()
     err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -144,5 +152,18 @@ def test_fresh_prompts_sdpa_route(dtype: torch.dtype, min_tokens: int) -> None:
     cache, md, q = build_batch(16, dtype, 8, 2, 2, 32, [(0, 21), (0, 9), (0, 40)], [], holes=False)
     cfg = small_cfg()
     cfg.sdpa_prefill_min_tokens = min_tokens
-    assert TritonBackend(cfg)._fresh_prompts(cache, md) == (min_tokens > 0)
-    check(cache, md, q, cfg)
+    assert bool(TritonBackend(cfg)._fresh(cache, md, step_kv(cache, md)[0])) == (min_tokens > 0)
+    check(cache, md, q, cfg, with_kv=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fresh_prompts_through_sdpa_mixed_with_cached_prefixes(dtype: torch.dtype) -> None:
+    """Fresh prompts read this step's K/V directly (SDPA); a continuing chunk and a prefix hit
+    between them go to the paged kernel in runs; decodes after. All must match the reference."""
+    bs = 8
+    prefills = [(0, 21), (16, 9), (5, 12), (0, 30), (0, 3)]
+    cache, md, q = build_batch(16, dtype, bs, 2, 2, 32, prefills, [7, 40], holes=False, seed=11)
+    be = TritonBackend(TritonConfig(decode_block_n=16, prefill_block_m=16, prefill_block_n=16,
+                                    sdpa_prefill_min_tokens=1))
+    assert be._fresh(cache, md, step_kv(cache, md)[0]) == [0, 3, 4]
+    check(cache, md, q, be.config, with_kv=True)

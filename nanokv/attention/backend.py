@@ -16,8 +16,8 @@ class AttentionBackend(Protocol):
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                       slot_mapping: torch.Tensor) -> None: ...
 
-    def paged_attention(self, q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata,
-                        scale: float) -> torch.Tensor: ...
+    def paged_attention(self, q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata, scale: float,
+                        k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class TorchBackend:
@@ -27,7 +27,7 @@ class TorchBackend:
         from nanokv.kernels import reference
         reference.store_kvcache(k, v, cache, slot_mapping)
 
-    def paged_attention(self, q, cache, md, scale):
+    def paged_attention(self, q, cache, md, scale, k=None, v=None):
         from nanokv.kernels import reference
         return reference.paged_attention(q, cache, md, scale)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything the GPU issues measure.
-#   bash nanokv/bench/gpu_suite.sh [parity] [kernels] [nanovllm] [longctx] [quant] [hf]
+#   bash nanokv/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf]
 # Results: $OUT/*.json and $OUT/suite.log; a summary table is printed last.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -21,6 +21,9 @@ run() {  # name, command...
 }
 for ph in $phases; do
   case $ph in
+    profile)
+      run profile python3 -m nanokv.bench.gpu_profile
+      run profile_nofusion env NANOKV_NO_FUSION=1 python3 -m nanokv.bench.gpu_profile ;;
     parity) run parity python3 -m nanokv.bench.gpu_parity --out "$OUT/parity.json" ;;
     kernels) run kernels python3 -m nanokv.bench.gpu_kernels --out "$OUT" --budget 120 ;;
     nanovllm) run nanovllm $BENCH --workload nanovllm --out "$OUT/nanovllm.json" ;;

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
+    token_ids: list[int]  # every output token so far; while unfinished a live view (copy to keep)
     new_token_ids: list[int]
     text: str
     delta_text: str
@@ -264,7 +264,9 @@ class Engine:
         seq.sent_text_len = len(seq.text)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids), new_token_ids=new_tokens, text=seq.text,
+            # copying the whole output on every token is O(n^2) per request: only the final one is a copy
+            token_ids=list(seq.output_token_ids) if reason is not None else seq.output_token_ids,
+            new_token_ids=new_tokens, text=seq.text,
             delta_text=delta_text, finished=reason is not None, finish_reason=reason,
             num_cached_tokens=seq.num_cached_tokens, logprobs=list(seq.logprobs) if p.logprobs is not None else None,
             metrics=seq.metrics, stop_reason=seq.stop_reason,

@@ -9,6 +9,7 @@ reads a device tensor on the host; the decode path allocates nothing after its f
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ import torch.nn.functional as F
 from nanokv.attention.metadata import AttentionMetadata
 from nanokv.kernels import triton_decode, triton_prefill, triton_store
 from nanokv.kv.cache import LayerKVCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,21 +79,60 @@ def decode_tiles(cfg: TritonConfig, quantized: bool) -> tuple[int, int, int]:
     return cfg.decode_block_n, cfg.decode_warps, cfg.decode_stages
 
 
-def sdpa_fresh_prefill(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata, out: torch.Tensor,
-                       scale: float) -> None:
-    """Prefill sequences whose whole context is this step's tokens, through causal SDPA on K/V
-    gathered from their (just written, hole-free) blocks: [H, L, D] per sequence, a small copy
-    next to the attention itself. Host lengths only (query_start_loc_cpu, seq_lens_cpu)."""
-    H, bs = cache.num_kv_heads, cache.block_size
-    for i in range(md.num_prefills):
-        s, e = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
-        L = e - s
-        ids = md.block_tables[i, :-(-L // bs)].long()
-        k = cache.k[ids].transpose(0, 1).reshape(H, -1, q.shape[-1])[:, :L].to(q.dtype)
-        v = cache.v[ids].transpose(0, 1).reshape(H, -1, q.shape[-1])[:, :L].to(q.dtype)
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k, v, is_causal=True, scale=scale,
-                                           enable_gqa=q.shape[1] != H)
-        out[s:e] = o.transpose(0, 1)
+_VARLEN_OK: list[bool] = [True]  # flips off (once, logged) if this torch build lacks varlen flash
+
+
+def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+                  scale: float) -> torch.Tensor | None:
+    """Causal flash attention over packed sequences (cu [n + 1] int32 offsets), GQA native:
+    q [T, Hq, D], k and v [T, Hk, D] -> [T, Hq, D]. None where unavailable (CPU, old torch)."""
+    if not (_VARLEN_OK[0] and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return None
+    try:
+        out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True, False,
+                                                      scale=scale)
+        return out[0]
+    except (RuntimeError, TypeError, AttributeError) as e:  # noqa: PERF203 - one-time probe
+        _VARLEN_OK[0] = False
+        log.warning("varlen flash attention unavailable (%s); fresh prompts use per-sequence SDPA", e)
+        return None
+
+
+def sdpa_fresh_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, out: torch.Tensor,
+                       scale: float, seqs: list[int]) -> None:
+    """Prefill sequences whose whole context is this step's tokens, attended on the K/V this step
+    just computed (q [T, Hq, D], k and v [T, Hk, D]; exactly what was stored, so no gather from
+    the cache): one varlen flash call per run of consecutive sequences on a GPU, else causal SDPA
+    per sequence. Host offsets only (query_start_loc_cpu)."""
+    qsl = md.query_start_loc_cpu
+    G = q.shape[1] // k.shape[1]
+    for a, b in runs(seqs):
+        s, e = qsl[a], qsl[b]
+        cu = md.query_start_loc[a:b + 1] - md.query_start_loc[a]
+        o = _flash_varlen(q[s:e], k[s:e], v[s:e], cu, max(qsl[i + 1] - qsl[i] for i in range(a, b)), scale)
+        if o is not None:
+            out[s:e] = o
+            continue
+        for i in range(a, b):
+            s, e = qsl[i], qsl[i + 1]
+            # heads expanded by hand: SDPA's enable_gqa falls back to the slow math path on some builds
+            kk, vv = k[s:e], v[s:e]
+            if G > 1:
+                kk, vv = kk.repeat_interleave(G, dim=1), vv.repeat_interleave(G, dim=1)
+            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
+                                               is_causal=True, scale=scale)
+            out[s:e] = o.transpose(0, 1)
+
+
+def runs(idx: list[int]) -> list[tuple[int, int]]:
+    """Sorted indices -> maximal [a, b) ranges of consecutive ones."""
+    out: list[tuple[int, int]] = []
+    for i in idx:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
 
 
 class TritonBackend:
@@ -105,28 +147,35 @@ class TritonBackend:
                       slot_mapping: torch.Tensor) -> None:
         triton_store.store_kvcache(k, v, cache, slot_mapping)
 
-    def _fresh_prompts(self, cache: LayerKVCache, md: AttentionMetadata) -> bool:
-        """All prefills are whole prompts with no cached prefix, and long enough to pay off."""
+    def _fresh(self, cache: LayerKVCache, md: AttentionMetadata, k: torch.Tensor | None) -> list[int]:
+        """Prefills that SDPA serves: whole prompts with no cached prefix, when this step's K/V are
+        at hand exactly as stored (16-bit cache of the model's dtype) and the longest is long
+        enough to pay off. The others go to the paged prefill kernel."""
         P, lim = md.num_prefills, self.config.sdpa_prefill_min_tokens
-        if lim <= 0 or cache.quantized or len(md.seq_lens_cpu) < P or len(md.query_start_loc_cpu) <= P:
-            return False
-        qlens = [md.query_start_loc_cpu[i + 1] - md.query_start_loc_cpu[i] for i in range(P)]
-        return max(qlens) >= lim and all(md.seq_lens_cpu[i] == qlens[i] for i in range(P))
+        if lim <= 0 or k is None or cache.quantized or k.dtype != cache.k.dtype:
+            return []
+        qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
+        fresh = [i for i in range(P) if lens[i] == qsl[i + 1] - qsl[i]]
+        return fresh if fresh and max(lens[i] for i in fresh) >= lim else []
 
     def paged_attention(self, q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata, scale: float,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
-        """q: [T, Hq, D] -> out [T, Hq, D] (written in place when given)."""
+                        out: torch.Tensor | None = None, k: torch.Tensor | None = None,
+                        v: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, Hq, D] -> out [T, Hq, D] (written in place when given). k, v: this step's K/V
+        [T, Hk, D] as just stored (optional: lets fresh prompts skip the cache)."""
         cfg = self.config
         if q.stride(-1) != 1:
             q = q.contiguous()
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         P = md.num_prefills
-        if P > 0 and self._fresh_prompts(cache, md):
-            sdpa_fresh_prefill(q, cache, md, out, scale)
-        elif P > 0:
+        fresh = self._fresh(cache, md, k) if P > 0 else []
+        if fresh and k is not None and v is not None:
+            sdpa_fresh_prefill(q, k, v, md, out, scale, fresh)
+        rest = [i for i in range(P) if i not in set(fresh)]
+        for a, b in runs(rest):  # usually one run: a chunk continuing, or prompts with a cached prefix
             triton_prefill.paged_prefill(
-                q, cache, md.block_tables[:P], md.seq_lens[:P], md.query_start_loc[:P + 1],
+                q, cache, md.block_tables[a:b], md.seq_lens[a:b], md.query_start_loc[a:b + 1],
                 md.max_query_len, out, scale, block_m=cfg.prefill_block_m, block_n=cfg.prefill_block_n,
                 num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages, asm=cfg.asm, words=cfg.words)
         nd = md.num_seqs - P

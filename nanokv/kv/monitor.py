@@ -70,13 +70,16 @@ class CompressionMonitor:
     def record(self, layer: int, bits: int, k: torch.Tensor, v: torch.Tensor,
                store_dtype: torch.dtype = torch.float32) -> None:
         """k, v [T, H, D] as handed to the store -> update the layer's running K and V errors."""
-        D = k.shape[-1]
-        kr, vr = k.reshape(-1, D), v.reshape(-1, D)  # [T*H, D] rows: the quantization unit
-        if kr.shape[0] > self.rows:
-            idx = torch.randperm(kr.shape[0], generator=self._gen)[: self.rows].to(kr.device)
-            kr, vr = kr[idx], vr[idx]
-        ek = relative_error(kr, roundtrip(kr, bits, store_dtype))
-        ev = relative_error(vr, roundtrip(vr, bits, store_dtype))
+        if bits >= 16 and k.dtype == store_dtype:
+            ek = ev = 0.0  # stored as given: exact, and no device sync to find that out
+        else:
+            D = k.shape[-1]
+            kr, vr = k.reshape(-1, D), v.reshape(-1, D)  # [T*H, D] rows: the quantization unit
+            if kr.shape[0] > self.rows:
+                idx = torch.randperm(kr.shape[0], generator=self._gen)[: self.rows].to(kr.device)
+                kr, vr = kr[idx], vr[idx]
+            ek = relative_error(kr, roundtrip(kr, bits, store_dtype))
+            ev = relative_error(vr, roundtrip(vr, bits, store_dtype))
         with self._lock:
             for store, e in ((self._k, ek), (self._v, ev)):
                 old = store.get(layer)

@@ -18,6 +18,7 @@ from nanokv.model.config import ModelConfig
 from nanokv.model.layers.activation import SiluAndMul
 from nanokv.model.layers.attention import Attention
 from nanokv.model.layers.embed import ParallelLMHead, VocabParallelEmbedding
+from nanokv.model.layers.fusion import qk_norm_rope
 from nanokv.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanokv.model.layers.norm import RMSNorm
 from nanokv.model.layers.rotary import RotaryEmbedding
@@ -50,8 +51,9 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.reshape(T, -1, D), k.reshape(T, -1, D)  # [T, Hq, D], [T, Hk, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.rotate(q, k, *rope)
+            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope)
+        else:
+            q, k = RotaryEmbedding.rotate(q, k, *rope)
         o = self.attn(q.reshape(T, -1), k.reshape(T, -1), v)
         return self.o_proj(o)
 

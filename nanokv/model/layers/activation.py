@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from nanokv.model.layers.fusion import silu_mul
 
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, 2*I] = [gate | up] -> silu(gate) * up  [T, I]."""
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_mul(x)

@@ -46,5 +46,5 @@ class Attention(nn.Module):
             q, k, v = before_store(self.layer_idx, cache, md, q, k, v)
             backend = get_backend()
             backend.store_kvcache(k, v, cache, md.slot_mapping)
-            o = backend.paged_attention(q, cache, md, self.scale)
+            o = backend.paged_attention(q, cache, md, self.scale, k=k, v=v)
         return o.reshape(T, self.num_heads * self.head_dim)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from nanokv.errors import NanoKVError
+from nanokv.model.layers.fusion import rope
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -79,7 +80,7 @@ class RotaryEmbedding(nn.Module):
     def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hk, D] rotated by cos/sin from `cos_sin` (same shapes and dtype)."""
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return rope(q, k, cos, sin)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -87,8 +88,3 @@ class RotaryEmbedding(nn.Module):
         """positions [T]; q [T, Hq, D], k [T, Hk, D] -> rotated q, k (same shapes and dtype)."""
         return self.rotate(q, k, *self.cos_sin(positions, q.dtype))
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # pair i is (x[i], x[i + D/2]): rotate each by its angle
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
