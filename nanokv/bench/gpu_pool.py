@@ -35,6 +35,13 @@ def free_mib(device: str) -> float | None:
     return torch.cuda.mem_get_info()[0] / 2**20
 
 
+def top2_gap(logprobs: list[dict[str, Any]] | None, j: int) -> float | None:
+    if not logprobs or j >= len(logprobs) or len(logprobs[j]["top"]) < 2:
+        return None
+    a, b = sorted(logprobs[j]["top"].values(), reverse=True)[:2]
+    return float(f"{a - b:.3g}")
+
+
 def block_bytes(preset: str, dtype: torch.dtype) -> int:
     """One 16-token block of full-precision K and V in every layer of a preset model."""
     from nanokv.kv.cache import bytes_per_block
@@ -89,13 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     lens = (100, 400) if cuda else (20, 60)
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(*lens))] for _ in range(n_prompts)]
-    p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # top-2 logprobs: on a mismatch, the reference's top-2 gap at the first differing token says
+    # whether it was a near-tie (a different batch shape or attention path rounds differently)
+    p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     common: dict[str, Any] = dict(model=model, device=args.device, dtype=args.dtype, num_gpu_blocks=args.blocks,
                                   block_size=16, max_model_len=1024, max_num_seqs=32,
                                   max_num_batched_tokens=4096 if cuda else 256, enforce_eager=args.eager)
     t0 = time.perf_counter()
     ref_llm = LLM(**common)
-    ref = [o.token_ids for o in ref_llm.generate(prompts, p, use_tqdm=False)]
+    ref_outs = ref_llm.generate(prompts, p, use_tqdm=False)
+    ref = [o.token_ids for o in ref_outs]
     ref_preempt = ref_llm.engine.scheduler.num_preemptions
     del ref_llm
     gc.collect()
@@ -141,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         bad = [(i, next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)) for i, (a, b) in enumerate(zip(ref, outs))
                if a != b]
         if bad:
-            fails.append(f"greedy outputs differ from the run without the controller ({name}): "
-                         f"(prompt, first differing token) {bad}")
+            gaps = [top2_gap(ref_outs[i].logprobs, j) for i, j in bad]
+            fails.append(f"greedy outputs differ from the run without the controller ({name}): (prompt, first "
+                         f"differing token, reference top-2 logprob gap there) {[(*b, g) for b, g in zip(bad, gaps)]}")
     if peak_blocks <= args.blocks:
         fails.append("the pool did not grow during the burst")
     if res["blocks_after_idle"] != args.blocks:
