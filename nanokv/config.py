@@ -71,6 +71,13 @@ class EngineConfig:
     adaptive_policy_candidates: str = "clock,lru_k,depth_lru,arc,s3fifo"
     adaptive_compression_error_bound: float = 1.0  # RMS attention-logit error of a layer's stored keys
     adaptive_preemption_threshold: int = 1  # preemptions per window that lower max_num_seqs
+    # KV pool grow / shrink (docs/adaptive.md, "KV pool size"): grow by a step under pressure while
+    # memory is left, back to the start-up size when idle
+    adaptive_pool_reserve_bytes: int | None = None  # most the pool may grow by; None: CUDA free memory
+    adaptive_pool_margin_bytes: int = 2 << 30  # CUDA: device memory left free after a grow
+    adaptive_pool_grow_fraction: float = 0.25  # one grow adds this fraction of the start-up block count
+    adaptive_pool_high_usage: float = 0.9  # pressure: peak used blocks >= this x pool with requests waiting
+    adaptive_pool_idle_usage: float = 0.5  # idle: peak used blocks < this x the start-up size, none waiting
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -153,6 +160,7 @@ class EngineConfig:
         number("adaptive_hit_rate_threshold", 0.0, 1.0, True, False)
         number("adaptive_policy_switch_margin", 0.0, 1.0, False, True)
         number("adaptive_compression_error_bound", 0.0, float("inf"), True, True)
+        self._validate_pool()
         cands = self.adaptive_policy_candidates
         names = [c.strip() for c in cands.split(",") if c.strip()] if isinstance(cands, str) else []
         online = [p for p in EVICTION_POLICIES if p != "adaptive"]
@@ -160,6 +168,22 @@ class EngineConfig:
         if not names or bad:
             raise ConfigError("adaptive_policy_candidates",
                               f"got {cands!r}; a comma list of: {', '.join(online)}")
+
+    def _validate_pool(self) -> None:
+        for name, lo, none in (("adaptive_pool_reserve_bytes", 1, True), ("adaptive_pool_margin_bytes", 0, False)):
+            v = getattr(self, name)
+            if (v is None and not none) or (v is not None and (isinstance(v, bool) or not isinstance(v, int)
+                                                               or v < lo)):
+                raise ConfigError(name, f"got {v!r}; must be an integer >= {lo}" + (" or null" if none else ""))
+        for name, hi in (("adaptive_pool_grow_fraction", 4.0), ("adaptive_pool_high_usage", 1.0),
+                         ("adaptive_pool_idle_usage", 1.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= hi:
+                raise ConfigError(name, f"got {v!r}; must be a number in (0, {hi:g}]")
+        if self.adaptive_pool_idle_usage >= self.adaptive_pool_high_usage:
+            raise ConfigError("adaptive_pool_idle_usage",
+                              f"got {self.adaptive_pool_idle_usage!r}; must be below adaptive_pool_high_usage "
+                              f"({self.adaptive_pool_high_usage!r}) so that grow and shrink cannot alternate")
 
     # ---- derived ----------------------------------------------------------------------------
     def layer_bits(self, num_layers: int) -> list[int]:

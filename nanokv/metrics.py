@@ -132,6 +132,8 @@ class _StatsCollector:
         stats, hit_ratio = self.metrics.snapshot()
         yield GaugeMetricFamily("nanokv_kv_cache_usage_ratio", "Fraction of KV blocks in use (0-1).",
                                 value=float(stats.get("kv_cache_usage", 0.0)))
+        yield GaugeMetricFamily("nanokv_kv_cache_blocks", "KV blocks in the pool (the adaptive pool rule "
+                                "grows and shrinks it).", value=stats.get("kv_blocks_total", 0))
         yield GaugeMetricFamily("nanokv_num_requests_running", "Requests in the running batch.",
                                 value=stats.get("num_running", 0))
         yield GaugeMetricFamily("nanokv_num_requests_waiting", "Requests waiting to be scheduled.",

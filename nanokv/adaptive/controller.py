@@ -1,13 +1,14 @@
 """AdaptiveController: the engine loop's self-tuning, one call per step.
 
-    ctl = AdaptiveController(settings, cache=cm, scheduler=sched, precision=actuator)
+    ctl = AdaptiveController(settings, cache=cm, scheduler=sched, precision=actuator, pool=pool_actuator)
     ... after every engine step:  ctl.on_step(scheduler_output)
 
 Every ``window_steps`` steps it closes a window of figures (nanokv.adaptive.window), lets each rule
 (nanokv.adaptive.rules) propose at most one change, and applies it ("act") or only reports it
 ("recommend"). Every decision is logged with its reason and counted in ``counts`` (exported as
 ``nanokv_adaptations_total{kind}``). Torch-free: the simulator runs it with a cache manager only;
-the KV bit-width rule reaches torch only through the ``PrecisionControl`` it is handed.
+the KV bit-width and pool rules reach torch only through the ``PrecisionControl`` /
+``PoolControl`` they are handed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nanokv.adaptive.ghosts import GhostCaches
+from nanokv.adaptive.pool_rule import PoolControl, PoolRule
 from nanokv.adaptive.rules import ConcurrencyRule, PolicyRule, PrecisionRule, Proposal
 from nanokv.adaptive.settings import AdaptiveSettings
 from nanokv.adaptive.window import Counters, WindowMeter, WindowStats
@@ -61,11 +63,13 @@ class WindowRecord:
     max_num_seqs: int | None
     layer_bits: tuple[int, ...] | None
     layer_errors: dict[int, dict[int, float]] | None
+    num_blocks: int | None = None  # the KV pool at the window's end (after this window's decisions)
 
 
 class AdaptiveController:
     def __init__(self, settings: AdaptiveSettings, *, cache: Any = None, scheduler: Any = None,
-                 precision: PrecisionControl | None = None, policy_rule: bool = True,
+                 precision: PrecisionControl | None = None, pool: PoolControl | None = None,
+                 policy_rule: bool = True,
                  concurrency_rule: bool = True, history: int = 4096) -> None:
         if settings.mode not in ("act", "recommend"):
             raise ValueError(f"mode must be 'act' or 'recommend', got {settings.mode!r}")
@@ -81,13 +85,18 @@ class AdaptiveController:
             self.policy_rule = PolicyRule(settings)
         self.concurrency_rule = ConcurrencyRule(settings) if concurrency_rule and scheduler is not None else None
         self.precision_rule = PrecisionRule(settings) if precision is not None else None
+        self.pool = pool
+        self.pool_rule = PoolRule(settings) if pool is not None and cache is not None else None
         kinds = [r.kind for r in (self.policy_rule, self.concurrency_rule, self.precision_rule) if r is not None]
+        kinds += self.pool_rule.kinds if self.pool_rule is not None else ()
         suffix = "_recommended" if settings.mode == "recommend" else ""
         # every key exists from the start: the metrics endpoint shows zeros, and a reader thread
         # copying the dict never sees it grow
         self.counts: dict[str, int] = {k + suffix: 0 for k in kinds}
         if self.precision_rule is not None:
             self.counts["kv_bits_refused"] = 0
+        if self.pool_rule is not None and settings.mode == "act":
+            self.counts.update(pool_grow_refused=0, pool_shrink_refused=0)
         self.decisions: deque[Decision] = deque(maxlen=256)
         self.history: deque[WindowRecord] = deque(maxlen=history)
         self.logit_error: dict[int, float] = {}  # layer -> last window's probe error at its current width
@@ -138,14 +147,15 @@ class AdaptiveController:
         elif computed_tokens:
             self._computed += computed_tokens
         sched = self.scheduler
-        self._meter.sample(len(sched.running) if sched else 0, len(sched.waiting) if sched else 0)
+        self._meter.sample(len(sched.running) if sched else 0, len(sched.waiting) if sched else 0,
+                           self.cache.num_used_blocks() if self.cache is not None else 0)
         if self.step - self._meter.start.step < self.settings.window_steps:
             return []
         return self._close_window()
 
     def _close_window(self) -> list[Decision]:
         end = self._counters()
-        w = self._meter.close(end)
+        w = self._meter.close(end, self.cache.num_blocks if self.cache is not None else 0)
         self._meter = WindowMeter(end)
         proposals: list[Proposal | None] = []
         ghosts = self.ghosts.window_scores() if self.ghosts is not None else None
@@ -162,12 +172,16 @@ class AdaptiveController:
             for layer, errs in errors.items():
                 self.logit_error[layer] = errs.get(bits[layer], 0.0)
             proposals.append(self.precision_rule.evaluate(errors, bits, self.precision.base_bits))
+        if self.pool_rule is not None and self.pool is not None:
+            proposals.append(self.pool_rule.evaluate(w, self.cache.num_blocks, self.pool.base_blocks,
+                                                     self.pool.headroom_blocks, self._shrink_floor))
         decisions = [d for p in proposals if p is not None and (d := self._decide(p)) is not None]
         self.history.append(WindowRecord(
             w, self.cache.policy_name if self.cache is not None else None,
             ghosts[0].ratios if ghosts is not None else None,
             self.scheduler.max_num_seqs if self.scheduler is not None else None,
-            tuple(self.precision.current_bits()) if self.precision is not None else None, errors))
+            tuple(self.precision.current_bits()) if self.precision is not None else None, errors,
+            self.cache.num_blocks if self.cache is not None else None))
         self._prune_admitted()
         return decisions
 
@@ -203,7 +217,29 @@ class AdaptiveController:
                 return "; ".join(f"layer {i}: {why}" for i, why in refused.items())
             for i, why in refused.items():
                 log.warning("adaptive kv_bits: layer %d not changed: %s", i, why)
+        elif p.kind in ("pool_grow", "pool_shrink"):
+            assert self.pool is not None
+            before = self.cache.num_blocks
+            got, why = self.pool.resize(int(p.target))
+            if why or got == before:
+                return why or f"the pool stayed at {before} blocks"
+            if self.ghosts is not None:
+                self.ghosts.resize(got)  # the ghosts model the live capacity
+            if got != p.target:
+                log.info("adaptive %s: stopped at %d blocks (asked %d): higher blocks are referenced",
+                         p.kind, got, p.target)
         return ""
+
+    def _shrink_floor(self) -> int:
+        """The least the pool may shrink to: every live sequence must still fit whole (a waiting or
+        running sequence that no longer fits could never be scheduled again) and the highest
+        referenced block stays (O(pool): only asked when the rule wants to shrink)."""
+        cm, sched = self.cache, self.scheduler
+        need = cm.pool.shrink_floor()
+        if sched is not None:
+            for seq in (*sched.running, *sched.waiting):
+                need = max(need, -(-(len(seq.prompt_token_ids) + seq.max_tokens) // cm.block_size))
+        return int(need)
 
     def _prune_admitted(self) -> None:
         done = [sid for sid, (seq, _) in self._admitted.items() if seq.is_finished]

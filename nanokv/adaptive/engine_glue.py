@@ -6,7 +6,10 @@ Which rules run:
   * max_num_seqs    - when ``adaptive`` is set;
   * KV bit width    - when ``adaptive`` is set, some layer is compressed, and the runner is a
     single-process ModelRunner (tensor-parallel workers hold their own shards: not supported yet)
-    without hybrid sparsity (it demotes int8 blocks in place in the layers it holds).
+    without hybrid sparsity (it demotes int8 blocks in place in the layers it holds);
+  * KV pool size    - when ``adaptive`` is set and there is something to grow into: a CUDA device
+    or ``adaptive_pool_reserve_bytes``. With tensor parallelism every rank resizes its shard in
+    lock step (TPModelRunner.resize_kv); the memory check reads rank 0's device only.
 """
 
 from __future__ import annotations
@@ -42,9 +45,24 @@ def build_controller(engine: Any) -> AdaptiveController:
 
             precision = PrecisionActuator(runner, recapture)
     ctl = AdaptiveController(AdaptiveSettings.from_config(cfg), cache=engine.cache_manager,
-                             scheduler=engine.scheduler, precision=precision, policy_rule=True,
-                             concurrency_rule=full)
+                             scheduler=engine.scheduler, precision=precision, pool=_pool_actuator(engine),
+                             policy_rule=True, concurrency_rule=full)
     rules = [r.kind for r in (ctl.policy_rule, ctl.concurrency_rule, ctl.precision_rule) if r is not None]
+    rules += ["pool"] if ctl.pool_rule is not None else []
     log.info("adaptive controller (%s mode, window %d steps): rules %s", cfg.adaptive_mode,
              cfg.adaptive_window_steps, ", ".join(rules) or "none")
     return ctl
+
+
+def _pool_actuator(engine: Any) -> Any:
+    cfg = engine.config
+    if not cfg.adaptive:
+        return None
+    if engine.device.type != "cuda" and cfg.adaptive_pool_reserve_bytes is None:
+        log.info("adaptive: KV pool rule off on %s without adaptive_pool_reserve_bytes (nothing to grow into)",
+                 engine.device.type)
+        return None
+    from nanokv.adaptive.pool import PoolActuator  # torch: only when needed
+
+    return PoolActuator(engine.runner, engine.cache_manager, cfg.adaptive_pool_reserve_bytes,
+                        cfg.adaptive_pool_margin_bytes)

@@ -108,6 +108,13 @@ class GhostCaches:
         self._window.add(got, n)
         self._recent.add(got, n)
 
+    def resize(self, capacity: int) -> None:
+        """The live pool was resized: every ghost follows (between requests a ghost pins nothing, so
+        a shrink always reaches ``capacity``; the removed blocks count as the ghost's evictions)."""
+        for cm in self.caches.values():
+            cm.resize(capacity)
+        self.capacity = capacity
+
     def window_scores(self) -> tuple[GhostScores, GhostScores] | None:
         """(this window's evidence, the decayed recent evidence), or None when nothing was looked up
         in this window; then starts the next window."""

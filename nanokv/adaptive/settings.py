@@ -25,6 +25,11 @@ class AdaptiveSettings:
     compression_error_bound: float = 1.0
     preemption_threshold: int = 1
     max_num_seqs: int = 256  # the configured ceiling the concurrency rule returns to
+    # KV pool size (nanokv.adaptive.pool_rule); the byte limits (adaptive_pool_reserve_bytes,
+    # adaptive_pool_margin_bytes) are the torch-side actuator's, built from the config by engine_glue
+    pool_grow_fraction: float = 0.25  # one grow adds this fraction of the start-up size
+    pool_high_usage: float = 0.9  # pressure: peak referenced blocks >= this x pool, with requests waiting
+    pool_idle_usage: float = 0.5  # idle: peak referenced blocks < this x the start-up size, nothing waiting
 
     @classmethod
     def from_config(cls, cfg: Any) -> AdaptiveSettings:
@@ -34,4 +39,6 @@ class AdaptiveSettings:
                    hit_rate_threshold=cfg.adaptive_hit_rate_threshold,
                    policy_switch_margin=cfg.adaptive_policy_switch_margin, policy_candidates=cands,
                    compression_error_bound=cfg.adaptive_compression_error_bound,
-                   preemption_threshold=cfg.adaptive_preemption_threshold, max_num_seqs=cfg.max_num_seqs)
+                   preemption_threshold=cfg.adaptive_preemption_threshold, max_num_seqs=cfg.max_num_seqs,
+                   pool_grow_fraction=cfg.adaptive_pool_grow_fraction,
+                   pool_high_usage=cfg.adaptive_pool_high_usage, pool_idle_usage=cfg.adaptive_pool_idle_usage)

@@ -41,6 +41,13 @@ class WindowStats:
     preemptions: int
     peak_running: int  # largest batch (running sequences) seen in the window
     mean_waiting: float  # queue length, averaged over the window's steps
+    peak_used_blocks: int = 0  # most KV blocks referenced at once in the window (cached-only ones excluded)
+    num_blocks: int = 0  # KV pool size at the window's end (0: no cache manager)
+
+    @property
+    def peak_usage(self) -> float:
+        """peak_used_blocks / the pool size (0 without a cache manager)."""
+        return self.peak_used_blocks / self.num_blocks if self.num_blocks else 0.0
 
     @property
     def steps(self) -> int:
@@ -64,7 +71,8 @@ class WindowStats:
         hr = "n/a" if self.hit_rate is None else f"{self.hit_rate:.3f}"
         return (f"steps {self.start_step}-{self.end_step}: hit rate {hr}, evictions {self.evictions}, "
                 f"recompute {self.recompute_overhead:.1%}, preemptions {self.preemptions}, "
-                f"peak batch {self.peak_running}, mean queue {self.mean_waiting:.1f}")
+                f"peak batch {self.peak_running}, mean queue {self.mean_waiting:.1f}, "
+                f"peak blocks {self.peak_used_blocks}/{self.num_blocks}")
 
 
 class WindowMeter:
@@ -73,19 +81,21 @@ class WindowMeter:
     def __init__(self, start: Counters) -> None:
         self.start = start
         self.peak_running = 0
+        self.peak_used_blocks = 0
         self.waiting_sum = 0
         self.samples = 0
 
-    def sample(self, running: int, waiting: int) -> None:
+    def sample(self, running: int, waiting: int, used_blocks: int = 0) -> None:
         self.peak_running = max(self.peak_running, running)
+        self.peak_used_blocks = max(self.peak_used_blocks, used_blocks)
         self.waiting_sum += waiting
         self.samples += 1
 
-    def close(self, end: Counters) -> WindowStats:
+    def close(self, end: Counters, num_blocks: int = 0) -> WindowStats:
         s = self.start
         return WindowStats(
             s.step, end.step, end.queries_tokens - s.queries_tokens, end.hits_tokens - s.hits_tokens,
             end.evictions - s.evictions, end.recomputed_tokens - s.recomputed_tokens,
             end.computed_tokens - s.computed_tokens, end.preemptions - s.preemptions, self.peak_running,
-            self.waiting_sum / self.samples if self.samples else 0.0,
+            self.waiting_sum / self.samples if self.samples else 0.0, self.peak_used_blocks, num_blocks,
         )

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything the GPU issues measure.
-#   bash nanokv/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf]
+#   bash nanokv/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf] [pool]
 # Results: $OUT/*.json and $OUT/suite.log; a summary table is printed last.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -25,6 +25,7 @@ for ph in $phases; do
       run profile python3 -m nanokv.bench.gpu_profile
       run profile_nofusion env NANOKV_NO_FUSION=1 python3 -m nanokv.bench.gpu_profile ;;
     parity) run parity python3 -m nanokv.bench.gpu_parity --out "$OUT/parity.json" ;;
+    pool) run pool python3 -m nanokv.bench.gpu_pool --out "$OUT/pool.json" ;;
     kernels) run kernels python3 -m nanokv.bench.gpu_kernels --out "$OUT" --budget 120 ;;
     nanovllm) run nanovllm $BENCH --workload nanovllm --out "$OUT/nanovllm.json" ;;
     longctx) run longctx_bf16 $BENCH --workload longctx --out "$OUT/longctx_bf16.json" ;;

@@ -5,7 +5,8 @@ Every block is in exactly one of three states:
   * evictable  - refcount 0 and holding a cached hash; owned by the eviction policy,
   * free       - refcount 0, no hash; on the free list.
 Allocation takes free blocks first (they hold nothing worth keeping) and only then asks the policy
-for a victim. All operations are O(1) plus the policy's cost.
+for a victim. All operations are O(1) plus the policy's cost, except ``grow``/``shrink`` (the
+adaptive pool rule, rare): O(blocks).
 """
 
 from __future__ import annotations
@@ -124,3 +125,53 @@ class BlockPool:
             if reused:
                 new.on_hit(b)
         self.policy = new
+
+    # ---- resizing (nanokv.adaptive pool rule) -------------------------------------------------------
+    def grow(self, num_blocks: int) -> None:
+        """Append block ids [N, num_blocks) as free blocks. They go to the bottom of the free stack:
+        the old free blocks are handed out first, so the new ids (the first to go on a shrink) fill
+        last."""
+        old = self.num_blocks
+        if num_blocks <= old:
+            return
+        n = num_blocks - old
+        self.ref.extend([0] * n)
+        self.hash.extend([None] * n)
+        self.depth.extend([0] * n)
+        self.free[:0] = range(num_blocks - 1, old - 1, -1)  # pop() takes old, then N, N+1, ...
+        self.num_blocks = num_blocks
+        self.policy.resize(num_blocks)
+
+    def shrink_floor(self) -> int:
+        """The smallest pool that keeps every referenced block: highest referenced id + 1 (>= 1)."""
+        ref = self.ref
+        for b in range(self.num_blocks - 1, -1, -1):
+            if ref[b]:
+                return b + 1
+        return 1
+
+    def shrink(self, num_blocks: int) -> int:
+        """Remove the highest block ids down to ``num_blocks``, or only as far as the highest
+        referenced block allows (a referenced block is never touched: block tables keep their ids).
+        Cached-but-unreferenced blocks among the removed ids are evicted like a policy victim
+        (index, evictions counter, recently-evicted memory). Returns the new block count."""
+        new = max(num_blocks, self.shrink_floor())
+        old = self.num_blocks
+        if new >= old:
+            return old
+        recent = self.recently_evicted
+        for b in range(new, old):
+            h = self.hash[b]
+            self.policy.on_remove(b, forget=True)  # evictable or free: no trace of the id may stay
+            if h is not None:
+                del self.index[h]
+                self.num_evictable -= 1
+                self.evictions += 1
+                recent[h] = None
+        self.free = [b for b in self.free if b < new]
+        del self.ref[new:], self.hash[new:], self.depth[new:]
+        self.num_blocks = new
+        while len(recent) > 2 * new:
+            recent.popitem(last=False)
+        self.policy.resize(new)
+        return new

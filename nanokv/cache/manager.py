@@ -172,13 +172,15 @@ class KVCacheManager:
     def _take(self, n: int) -> list[int]:
         before = self.pool.evictions
         out = self.pool.take(n)
-        evicted = self.pool.evictions - before
+        self._count_evictions(self.pool.evictions - before)
+        self.stats.blocks_allocated += n
+        return out
+
+    def _count_evictions(self, evicted: int) -> None:
         if evicted:
             self.stats.evictions += evicted
             by = self.stats.evictions_by_policy
             by[self.policy_name] = by.get(self.policy_name, 0) + evicted
-        self.stats.blocks_allocated += n
-        return out
 
     def can_grow(self, seq_id: Hashable, num_tokens: int) -> bool:
         need = self._blocks_for(num_tokens) - len(self._seq(seq_id).table)
@@ -302,6 +304,22 @@ class KVCacheManager:
         self.policy_name = name
         self._policy_kwargs = kwargs
         self.stats.evictions_by_policy.setdefault(name, 0)
+
+    def resize(self, num_blocks: int) -> int:
+        """Grow the pool to ``num_blocks`` (new ids [N, num_blocks), free) or shrink it by removing
+        the highest ids, as far as referenced blocks allow; cached blocks among them are evicted
+        (counted in the eviction stats). Returns the new block count. The caller resizes the KV
+        tensors to match (nanokv.adaptive.pool): block ids below the new count keep their data."""
+        _check_int("num_blocks", num_blocks, 1)
+        pool = self.pool
+        if num_blocks >= pool.num_blocks:
+            pool.grow(num_blocks)
+        else:
+            before = pool.evictions
+            pool.shrink(num_blocks)
+            self._count_evictions(pool.evictions - before)
+        self.num_blocks = pool.num_blocks
+        return self.num_blocks
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block. Refused (False) while any block is in use."""

@@ -62,6 +62,7 @@ class Engine:
         self.model_name = cfg.model or "SmolLM2-135M-Instruct"
         mc = self.model_config
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.runner: Any  # ModelRunner, or TPModelRunner (a drop-in that forwards to rank 0's runner)
         if tp > 1:
             from nanokv.runner.tp_runner import TPModelRunner  # starts the workers (ranks 1..tp-1)
 
@@ -210,6 +211,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         if rows:
             seqs = [sched[r].seq for r in rows]
+            assert logits is not None  # rows to sample always get logits
             res = self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
             for seq, tok, lp in zip(seqs, res.token_ids, res.logprobs):
                 o = self._on_token(seq, tok, lp, finished_only)
@@ -225,6 +227,13 @@ class Engine:
             tm["forward_s"] += t2 - t1
             tm["sample_postprocess_s"] += t3 - t2
         return outputs
+
+    def tick_idle(self) -> None:
+        """Nothing to run: the controller still counts a step, so its windows keep closing while the
+        engine is idle (the pool rule shrinks a grown KV pool back after idle windows). The server's
+        engine thread calls this each time it wakes without work (every stats interval)."""
+        if self.controller is not None and not self.scheduler.has_unfinished():
+            self.controller.on_step(None)
 
     def _on_token(self, seq: Sequence, tok: int, lp: tuple[float, dict[int, float]] | None,
                   finished_only: bool = False) -> RequestOutput | None:
@@ -291,6 +300,7 @@ class Engine:
         batch_sizes, self._batch_sizes = self._batch_sizes, []
         return {
             "kv_cache_usage": self.cache_manager.usage(),
+            "kv_blocks_total": self.cache_manager.num_blocks,  # changes when the adaptive pool rule resizes
             "num_running": self.num_running(),
             "num_waiting": self.num_waiting(),
             "prefix_queries_tokens": cs.prefix_queries_tokens,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ from nanokv.attention.backend import set_backend
 from nanokv.attention.metadata import AttentionMetadata, forward_context
 from nanokv.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block
+from nanokv.kv.resize import resize_layer_cache
 from nanokv.model.layers.fusion import set_fusion
 from nanokv.runner.cuda_graph import DecodeGraphs
 
@@ -39,7 +41,7 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, model: torch.nn.Module, model_config, device: torch.device,
                  dtype: torch.dtype, num_kv_heads_local: int | None = None):
         self.cfg = cfg
-        self.model = model
+        self.model: Any = model  # a nanokv model: forward(ids, positions) and compute_logits(hidden)
         self.mc = model_config
         self.device = device
         self.dtype = dtype
@@ -58,17 +60,41 @@ class ModelRunner:
             for b in self.layer_bits
         ]
         self.graphs: DecodeGraphs | None = None
+        self._graph_model_len = 0  # max_model_len the graphs were captured for (re-capture after a resize)
         self.attn_probe = None  # sparsity: nanokv.sparsity.probe.AttentionProbe, put into each step's metadata
 
     def capture_cudagraphs(self, max_model_len: int) -> None:
         """Capture decode graphs (CUDA only, unless enforce_eager)."""
         if self.device.type != "cuda" or self.cfg.enforce_eager:
             return
+        self._graph_model_len = max_model_len
         max_bs = min(self.cfg.max_num_seqs, 512)
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.mc.hidden_size, max_bs, max_blocks,
                                    max_model_len, self.dtype, self.device)
         self.graphs.capture()
+
+    def resize_kv(self, num_blocks: int) -> None:
+        """Reallocate every layer's KV tensors to ``num_blocks`` blocks, keeping blocks
+        [0, min(N, num_blocks)) (the cache manager resized first and removed only unreferenced
+        blocks). The decode graphs captured the old tensors' addresses: they are dropped first (so
+        their memory pool can go too) and captured again. After a shrink on CUDA the freed memory
+        goes back to the device (empty_cache), which is the point of shrinking. Layers already at
+        ``num_blocks`` are skipped, so calling it again after a failure (OOM) mid-way repairs it."""
+        if all(c.num_blocks == num_blocks for c in self.kv_caches) and num_blocks == self.num_blocks:
+            return
+        self.graphs = None
+        shrink = num_blocks < self.num_blocks
+        for cache in self.kv_caches:
+            if cache.num_blocks != num_blocks:
+                resize_layer_cache(cache, num_blocks)
+        self.num_blocks = num_blocks
+        if self.device.type == "cuda":
+            if shrink:
+                torch.cuda.empty_cache()
+            if self._graph_model_len:  # graphs were captured at start-up
+                self.capture_cudagraphs(self._graph_model_len)
+        log.info("KV pool resized to %d blocks", num_blocks)
 
     # ---- sizing -------------------------------------------------------------------------------
     def bytes_per_block_all_layers(self) -> int:

@@ -133,6 +133,12 @@ class TPModelRunner:
         """Every rank captures at once: warm-up runs and the graphs contain the model's collectives."""
         self.call_all("capture_cudagraphs", max_model_len)
 
+    def resize_kv(self, num_blocks: int) -> None:
+        """Every rank resizes its KV shard (and re-captures its graphs, which contain collectives)
+        in lock step: the adaptive pool rule (nanokv.adaptive.pool). A failure there, out of memory
+        included, is fatal for the group like any other."""
+        self.call_all("resize_kv", num_blocks)
+
     def _usable(self) -> ModelRunner:
         if self._closed or self.local is None:
             raise TensorParallelError(self._error or "the tensor-parallel engine was shut down")

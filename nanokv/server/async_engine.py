@@ -162,6 +162,8 @@ class AsyncEngine:
                     outputs = self.engine.step()
                     if outputs:
                         self._deliver(outputs)
+                elif (tick := getattr(self.engine, "tick_idle", None)) is not None:
+                    tick()  # the adaptive controller's windows go on while idle (pool shrink)
                 now = time.monotonic()
                 if now >= next_stats:
                     next_stats = now + self.stats_interval_s

@@ -56,6 +56,10 @@ class ARCPolicy(EvictionPolicy):
         elif block_id in self._t2:
             self._t2.move_to_end(block_id)
 
+    def resize(self, capacity: int) -> None:
+        super().resize(capacity)
+        self.p = min(self.p, float(capacity))  # the T1 target never exceeds the cache
+
     def on_remove(self, block_id: int, forget: bool = False) -> None:
         self._t1.pop(block_id, None)
         self._t2.pop(block_id, None)

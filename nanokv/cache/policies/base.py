@@ -55,5 +55,13 @@ class EvictionPolicy(ABC):
         """Evictable blocks coldest first, each with "was reused" - used to carry state across a
         runtime policy switch (``KVCacheManager.set_policy``). O(n), only called on a switch."""
 
+    def resize(self, capacity: int) -> None:
+        """The pool now has ``capacity`` blocks (KVCacheManager.resize; removed blocks were already
+        forgotten through ``on_remove(forget=True)``). Policies that derive sizes from the capacity
+        (history or ghost bounds) override this; their queues stay as they are."""
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+
     def set_clock(self, now: int) -> None:  # noqa: B027 - optional hook, only Belady uses it
         """Simulator hook: the index of the request being replayed (offline policies only)."""

@@ -27,6 +27,7 @@ class LRUKPolicy(EvictionPolicy):
         if k < 1:
             raise ValueError("k must be >= 1")
         self.k = k
+        self._history_follows_capacity = history is None
         self.history_capacity = capacity if history is None else history
         self._now = 0
         self._refs: dict[int, list[int]] = {}  # block -> last K reference times, oldest first
@@ -66,6 +67,11 @@ class LRUKPolicy(EvictionPolicy):
         self._ref(block_id)
         if block_id in self._young or block_id in self._old:
             self._place(block_id)
+
+    def resize(self, capacity: int) -> None:
+        super().resize(capacity)
+        if self._history_follows_capacity:
+            self.history_capacity = capacity
 
     def on_remove(self, block_id: int, forget: bool = False) -> None:
         self._young.pop(block_id, None)

@@ -24,6 +24,7 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int, small_fraction: float = 0.1) -> None:
         super().__init__(capacity)
+        self.small_fraction = small_fraction
         self.small_target = max(1, round(small_fraction * capacity))
         self.ghost_capacity = max(1, capacity - self.small_target)
         self._s: OrderedDict[int, None] = OrderedDict()
@@ -63,6 +64,11 @@ class S3FIFOPolicy(EvictionPolicy):
             self._key.pop(block_id, None)
         elif block_id in self._s or block_id in self._m:
             self._pinned.add(block_id)
+
+    def resize(self, capacity: int) -> None:
+        super().resize(capacity)
+        self.small_target = max(1, round(self.small_fraction * capacity))
+        self.ghost_capacity = max(1, capacity - self.small_target)
 
     def _park_if_pinned(self, b: int) -> bool:
         if b in self._pinned:
