@@ -59,6 +59,9 @@ class EngineConfig:
     # execution
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    # host schedules step N+1 while the device runs step N (nanokv/engine/async_step.py);
+    # None = on where it pays: a CUDA device, one process, no sparsity, no adaptive controller
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     # self-tuning (off until it proves itself)
     adaptive: bool = False
@@ -137,6 +140,12 @@ class EngineConfig:
         s = self.compression_sparsity
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not (0.0 <= float(s) < 1.0):
             raise ConfigError("compression_sparsity", f"got {s!r}; must be a number in [0, 1)")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ConfigError("async_scheduling", f"must be true, false or null (auto), got {self.async_scheduling!r}")
+        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.compression_sparsity or self.adaptive
+                                      or self.eviction_policy == "adaptive"):
+            raise ConfigError("async_scheduling", "needs tensor_parallel_size 1, compression_sparsity 0 and the "
+                                                  "adaptive controller off; set it false or null (auto)")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_compression",
                      "enforce_eager", "adaptive"):
             if not isinstance(getattr(self, name), bool):

@@ -13,6 +13,7 @@ import torch
 
 from nanokv.cache.manager import KVCacheManager
 from nanokv.config import EngineConfig
+from nanokv.engine.async_step import AsyncStepper
 from nanokv.engine.detokenizer import check_stop_strings, detokenize_step
 from nanokv.engine.scheduler import Scheduler
 from nanokv.engine.sequence import RequestMetrics, Sequence
@@ -97,6 +98,11 @@ class Engine:
             dict.fromkeys(("steps", "schedule_s", "forward_s", "sample_postprocess_s"), 0.0)
             if os.environ.get("NANOKV_STEP_TIMING") else None)
         self._last_batch_size = 0
+        self._async: AsyncStepper | None = None
+        if cfg.async_scheduling or (cfg.async_scheduling is None and self.device.type == "cuda" and tp == 1
+                                    and self.sparsity is None and not cfg.adaptive
+                                    and cfg.eviction_policy != "adaptive"):
+            self._async = AsyncStepper(self)
         self.controller: Any = None  # nanokv.adaptive.AdaptiveController: self-tuning, off unless asked for
         if cfg.adaptive or cfg.eviction_policy == "adaptive":
             from nanokv.adaptive.engine_glue import build_controller
@@ -170,7 +176,7 @@ class Engine:
         seq.finish_reason = "abort"
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self._async is not None and self._async.pending is not None)
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
@@ -183,18 +189,14 @@ class Engine:
         """Run one scheduler step. Returns an output per sampled token, or with `finished_only`
         (batch use: LLM.generate) only those of requests that finished, skipping the per-token
         output objects (about 4 us each, a millisecond a step at batch 256)."""
+        if self._async is not None:
+            return self._async.step(finished_only)
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         sched = out.scheduled
-        items = [(s.seq.token_ids, s.seq.num_computed_tokens, s.num_new_tokens, s.block_table, i < len(out.prefills))
-                 for i, s in enumerate(sched)]
-        rows = [i for i, s in enumerate(sched) if s.samples]
-        now = time.monotonic()
-        for s in sched:
-            if s.seq.metrics.first_scheduled_time is None:
-                s.seq.metrics.first_scheduled_time = now
+        items, rows = self._step_items(out)
         t1 = time.perf_counter()
         logits = self.runner.execute(items, rows)
         if self._timing is not None and self.device.type == "cuda":
@@ -203,11 +205,7 @@ class Engine:
         self.scheduler.update(out)
         if self.sparsity is not None:  # block sparsity: drop / demote per policy (nanokv.sparsity)
             self.sparsity.after_step(sched)
-        self._counters["computed_tokens"] += out.num_tokens
-        self._last_batch_size = len(sched)
-        self._batch_sizes.append(len(sched))
-        if len(self._batch_sizes) > 10000:
-            del self._batch_sizes[:5000]
+        self._count_step(out)
         outputs: list[RequestOutput] = []
         if rows:
             seqs = [sched[r].seq for r in rows]
@@ -228,6 +226,27 @@ class Engine:
             tm["sample_postprocess_s"] += t3 - t2
         return outputs
 
+    def _step_items(self, out: Any) -> tuple[list[tuple], list[int]]:
+        """The runner's per-sequence items (token ids, computed, new, block table, is prefill),
+        prefills first, and the rows that sample."""
+        sched = out.scheduled
+        n_pre = len(out.prefills)
+        items = [(s.seq.token_ids, s.seq.num_computed_tokens, s.num_new_tokens, s.block_table, i < n_pre)
+                 for i, s in enumerate(sched)]
+        rows = [i for i, s in enumerate(sched) if s.samples]
+        now = time.monotonic()
+        for s in sched:
+            if s.seq.metrics.first_scheduled_time is None:
+                s.seq.metrics.first_scheduled_time = now
+        return items, rows
+
+    def _count_step(self, out: Any) -> None:
+        self._counters["computed_tokens"] += out.num_tokens
+        self._last_batch_size = len(out.scheduled)
+        self._batch_sizes.append(len(out.scheduled))
+        if len(self._batch_sizes) > 10000:
+            del self._batch_sizes[:5000]
+
     def tick_idle(self) -> None:
         """Nothing to run: the controller still counts a step, so its windows keep closing while the
         engine is idle (the pool rule shrinks a grown KV pool back after idle windows). The server's
@@ -236,9 +255,14 @@ class Engine:
             self.controller.on_step(None)
 
     def _on_token(self, seq: Sequence, tok: int, lp: tuple[float, dict[int, float]] | None,
-                  finished_only: bool = False) -> RequestOutput | None:
+                  finished_only: bool = False, replace: bool = False) -> RequestOutput | None:
+        """The sampled token `tok` joins `seq` (replace: it takes the async placeholder's place);
+        stop checks; the request's output unless `finished_only` and it goes on."""
         now = time.monotonic()
-        seq.append_token(tok)
+        if replace:
+            seq.set_last_token(tok)
+        else:
+            seq.append_token(tok)
         self._counters["generation_tokens"] += 1
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now

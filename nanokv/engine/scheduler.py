@@ -76,9 +76,13 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def finish(self, seq: Sequence) -> None:
+        # async scheduling learns of a stop one step late, when the sequence may have been preempted
+        if seq in self.running:
+            self.running.remove(seq)
+            self.cache.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
-        self.running.remove(seq)
-        self.cache.free(seq.seq_id)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -103,6 +107,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
+            if n == 0:  # async scheduling: its last token is still being sampled, and it is its last
+                i += 1
+                continue
             if n < seq.num_uncomputed and not self.enable_chunked_prefill:
                 i += 1
                 continue
@@ -158,5 +165,7 @@ class Scheduler:
         """After the forward pass: advance computed counts and publish full blocks to the cache."""
         for item in out.scheduled:
             seq = item.seq
+            if seq.status != SeqStatus.RUNNING:
+                continue  # async scheduling: stopped (blocks already freed) while this step ran
             seq.num_computed_tokens += item.num_new_tokens
             self.cache.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)

@@ -78,3 +78,8 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+
+    def set_last_token(self, token_id: int) -> None:
+        """Async scheduling: the placeholder appended at launch becomes the sampled token."""
+        self.output_token_ids[-1] = token_id
+        self.token_ids[-1] = token_id

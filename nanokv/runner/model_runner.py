@@ -175,11 +175,19 @@ class ModelRunner:
         return ids, pos, md
 
     @torch.inference_mode()
-    def execute(self, items, logits_rows: list[int] | None = None,
-                all_logits: bool = False) -> torch.Tensor | None:
+    def execute(self, items, logits_rows: list[int] | None = None, all_logits: bool = False,
+                feed: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor | None:
         """Run one step. Returns float32 logits for the last token of each row in `logits_rows`
-        ([len(rows), V]) or, with all_logits, for every query token ([T, V])."""
+        ([len(rows), V]) or, with all_logits, for every query token ([T, V]).
+
+        feed (async scheduling): (tokens [n] on the device, src rows, dst token offsets): input
+        token dst[i] is tokens[src[i]], sampled by the previous step and not yet seen by the host."""
         ids, pos, md = self.build_metadata(items)
+        if feed is not None and feed[1]:
+            tokens, src, dst = feed
+            dst_t = torch.tensor(dst, dtype=torch.int64).to(self.device, non_blocking=True)
+            src_t = torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
+            ids.index_copy_(0, dst_t, tokens.index_select(0, src_t))
         with forward_context(md, self.kv_caches):
             if self.graphs is not None and not all_logits and self.graphs.can_run(md):
                 hidden = self.graphs.run(ids, pos, md)

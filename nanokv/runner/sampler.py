@@ -40,6 +40,22 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> SampleResult:
         """logits: [B, V] float32."""
         B = logits.shape[0]
+        token_ids = self.sample(logits, params, seq_ids).tolist()
+        lps: list[tuple[float, dict[int, float]] | None] = [None] * B
+        want = [r for r, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            logp = torch.log_softmax(logits[want].float(), dim=-1)
+            for j, r in enumerate(want):
+                n = params[r].logprobs or 0
+                top: dict[int, float] = {}
+                if n:
+                    v, i = logp[j].topk(n)
+                    top = dict(zip(i.tolist(), v.tolist()))
+                lps[r] = (float(logp[j, token_ids[r]]), top)
+        return SampleResult(token_ids, lps)
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> torch.Tensor:
+        """logits [B, V] float32 -> chosen token ids [B] int64, on the logits' device (no host sync)."""
         greedy_tok = logits.argmax(dim=-1)  # [B]
         chosen = greedy_tok
         if any(not p.greedy for p in params):
@@ -59,19 +75,7 @@ class Sampler:
             sampled = (probs / noise).argmax(dim=-1)
             is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
             chosen = torch.where(is_greedy, greedy_tok, sampled)
-        token_ids = chosen.tolist()
-        lps: list[tuple[float, dict[int, float]] | None] = [None] * B
-        want = [r for r, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            logp = torch.log_softmax(logits[want].float(), dim=-1)
-            for j, r in enumerate(want):
-                n = params[r].logprobs or 0
-                top: dict[int, float] = {}
-                if n:
-                    v, i = logp[j].topk(n)
-                    top = dict(zip(i.tolist(), v.tolist()))
-                lps[r] = (float(logp[j, token_ids[r]]), top)
-        return SampleResult(token_ids, lps)
+        return chosen
 
     @staticmethod
     def _filter(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
