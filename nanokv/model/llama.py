@@ -127,9 +127,10 @@ class LlamaForCausalLM(nn.Module):
                                f"runs at {get_tp_size()}; call nanokv.distributed.init_tensor_parallel first")
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> float32 logits [n, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab], float32 or (float32=False) the model's dtype."""
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
         """Load full (unsharded) tensors by HF name; each parameter's weight_loader takes its shard.

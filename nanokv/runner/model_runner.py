@@ -198,7 +198,10 @@ class ModelRunner:
             rows = logits_rows if logits_rows is not None else list(range(len(items)))
             if not rows:
                 return None
+            # sampling logits stay in the model's dtype on a GPU (a [B, 151936] float32 copy costs
+            # more than the argmax; the sampler upcasts where it needs to): float32 on the CPU path
+            f32 = self.device.type != "cuda"
             if len(rows) == len(items) == hidden.shape[0]:  # decode-only: every row is its last token
-                return self.model.compute_logits(hidden)
+                return self.model.compute_logits(hidden, f32)
             idx = torch.tensor([md.query_start_loc_cpu[r + 1] - 1 for r in rows], device=self.device)
-            return self.model.compute_logits(hidden[idx])
+            return self.model.compute_logits(hidden[idx], f32)

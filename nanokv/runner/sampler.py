@@ -55,10 +55,13 @@ class Sampler:
         return SampleResult(token_ids, lps)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> torch.Tensor:
-        """logits [B, V] float32 -> chosen token ids [B] int64, on the logits' device (no host sync)."""
+        """logits [B, V] (float32, or 16-bit on a GPU) -> chosen token ids [B] int64, on the logits'
+        device (no host sync). Greedy rows: argmax of the logits as given (upcasting is exact, so
+        16-bit logits pick the same token)."""
         greedy_tok = logits.argmax(dim=-1)  # [B]
         chosen = greedy_tok
         if any(not p.greedy for p in params):
+            logits = logits.float()
             temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
                                  device=logits.device, dtype=torch.float32)
             scaled = logits / temps.unsqueeze(1)
