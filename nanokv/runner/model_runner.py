@@ -15,6 +15,7 @@ from nanokv.attention.backend import set_backend
 from nanokv.attention.metadata import AttentionMetadata, forward_context
 from nanokv.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block
+from nanokv.kv.staging import StageTable, staging_slots
 from nanokv.runner.cuda_graph import DecodeGraphs
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,14 @@ class ModelRunner:
         self.layer_bits = cfg.layer_bits(self.num_layers)
         self.backend = set_backend(cfg.attention_backend, device)
         self.num_blocks = self._decide_num_blocks()
+        # int4 layers quantize a block once it fills; open blocks wait in full-precision staging,
+        # one table for all layers (nanokv.kv.staging)
+        self.stage: StageTable | None = None
+        if 4 in self.layer_bits:
+            self.stage = StageTable(self.num_blocks, self._stage_slots(), self.block_size, device)
         self.kv_caches: list[LayerKVCache] = [
             allocate_layer_cache(b, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim,
-                                 dtype, device)
+                                 dtype, device, stage=self.stage)
             for b in self.layer_bits
         ]
         self.graphs: DecodeGraphs | None = None
@@ -58,6 +64,11 @@ class ModelRunner:
     def capture_cudagraphs(self, max_model_len: int) -> None:
         """Capture decode graphs (CUDA only, unless enforce_eager)."""
         if self.device.type != "cuda" or self.cfg.enforce_eager:
+            return
+        if self.stage is not None:
+            # int4 quantizes the blocks a step fills after its attention, a data-dependent number of
+            # blocks (nanokv.kv.blockquant): not capturable as is, so int4 decodes run eagerly
+            log.info("int4 KV layers: decode CUDA graphs off (blocks are quantized as they fill)")
             return
         max_bs = min(self.cfg.max_num_seqs, 512)
         max_blocks = -(-max_model_len // self.block_size)
@@ -69,6 +80,19 @@ class ModelRunner:
     def bytes_per_block_all_layers(self) -> int:
         return sum(bytes_per_block(b, self.num_kv_heads, self.block_size, self.head_dim, self.dtype)
                    for b in self.layer_bits)
+
+    def _stage_slots(self) -> int:
+        """Staging slots for int4 layers: never more than there are blocks."""
+        return min(staging_slots(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.block_size),
+                   self.cfg.num_gpu_blocks or 1 << 62)
+
+    def staging_bytes(self) -> int:
+        """Full-precision staging of open int4 blocks, all layers (not part of the pool's bytes)."""
+        if 4 not in self.layer_bits:
+            return 0
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_slot = 2 * self.num_kv_heads * self.block_size * self.head_dim * elem
+        return self._stage_slots() * per_slot * self.layer_bits.count(4)
 
     def _decide_num_blocks(self) -> int:
         if self.cfg.num_gpu_blocks is not None:
@@ -82,6 +106,7 @@ class ModelRunner:
             budget = int(total * self.cfg.gpu_memory_utilization) - used_by_others - act
         else:
             budget = self.cfg.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+        budget -= self.staging_bytes()
         n = budget // per_block
         if n < 1:
             raise RuntimeError(f"not enough memory for even one KV block ({per_block} bytes per block)")
@@ -117,6 +142,8 @@ class ModelRunner:
         dev = self.device
         qsl_list = qsl.tolist()
         seq_lens = ends.tolist()
+        if self.stage is not None:  # int4: staging slots for every block this step writes
+            self.stage.plan(slots)
         md = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
@@ -142,6 +169,13 @@ class ModelRunner:
         """Run one step. Returns float32 logits for the last token of each row in `logits_rows`
         ([len(rows), V]) or, with all_logits, for every query token ([T, V])."""
         ids, pos, md = self.build_metadata(items)
+        try:
+            return self._run(ids, pos, md, items, logits_rows, all_logits)
+        finally:
+            if self.stage is not None:  # blocks filled by this step are quantized: free their staging
+                self.stage.finish()
+
+    def _run(self, ids, pos, md, items, logits_rows, all_logits) -> torch.Tensor | None:
         with forward_context(md, self.kv_caches):
             if self.graphs is not None and not all_logits and self.graphs.can_run(md):
                 hidden = self.graphs.run(ids, pos, md)
