@@ -43,7 +43,7 @@ def test_full_precision_against_itself_is_exactly_zero(result):
 def test_int4_is_scored_and_simulation_matches_the_real_cache(result):
     p = _row(result, "int4")["perplexity"]
     assert p["kl_mean"] > 0 and p["top1_agreement"] < 1.0
-    assert _row(result, "int4")["pct_of_bf16"] <= 33.0  # 16-token blocks (29.7 % at 32)
+    assert _row(result, "int4")["pct_of_bf16"] <= 30.0  # the eval's default 32-token blocks
     assert _row(result, "int4")["rotated_layers"] == list(range(30))
     assert _row(result, "int4-plain")["rotated_layers"] == []
     # the simulated format (fp store, blocks fake-quantized after the step that fills them) is the real one

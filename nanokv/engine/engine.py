@@ -62,6 +62,7 @@ class Engine:
         self.model_name = cfg.model or "SmolLM2-135M-Instruct"
         mc = self.model_config
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.runner: Any
         if tp > 1:
             from nanokv.runner.tp_runner import TPModelRunner  # starts the workers (ranks 1..tp-1)
 
@@ -211,6 +212,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         if rows:
             seqs = [sched[r].seq for r in rows]
+            assert logits is not None  # rows to sample: the runner returned their logits
             res = self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
             for seq, tok, lp in zip(seqs, res.token_ids, res.logprobs):
                 outputs.append(self._on_token(seq, tok, lp))

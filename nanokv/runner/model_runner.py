@@ -7,6 +7,7 @@ runs the model inside a forward context, and returns logits for the rows that sa
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, model: torch.nn.Module, model_config, device: torch.device,
                  dtype: torch.dtype, num_kv_heads_local: int | None = None):
         self.cfg = cfg
-        self.model = model
+        self.model: Any = model  # nanokv.model.llama.LlamaForCausalLM (compute_logits)
         self.mc = model_config
         self.device = device
         self.dtype = dtype
@@ -59,7 +60,7 @@ class ModelRunner:
             for b in self.layer_bits
         ]
         self.graphs: DecodeGraphs | None = None
-        self.attn_probe = None  # sparsity: nanokv.sparsity.probe.AttentionProbe, put into each step's metadata
+        self.attn_probe: Any = None  # sparsity: nanokv.sparsity.probe.AttentionProbe, put into each step's metadata
 
     def capture_cudagraphs(self, max_model_len: int) -> None:
         """Capture decode graphs (CUDA only, unless enforce_eager)."""
