@@ -21,7 +21,9 @@ from nanokv.config import parse_bitwidth
 from nanokv.engine.llm import LLM
 from nanokv.kernels import reference
 from nanokv.kv import hooks
+from nanokv.kv.blockquant import quantize_filled
 from nanokv.kv.cache import allocate_layer_cache
+from nanokv.kv.rotation import rotation_matrix
 from nanokv.metrics import EngineMetrics
 from nanokv.sampling import SamplingParams
 
@@ -129,11 +131,21 @@ def test_reformat_widening_keeps_values_narrowing_requantizes():
     back = reformat_layer(c16, 8, torch.float32)
     assert torch.equal(back.k, c8.k) and torch.equal(back.k_scale, c8.k_scale)  # requantized to the same codes
     c4 = allocate_layer_cache(4, N, H, bs, D, torch.float32, "cpu")
-    reference.store_kvcache(k, v, c4, slots)
+    c4.stage.plan(slots[:-3].numpy())  # the last block stays open (staged in full precision)
+    reference.store_kvcache(k[:-3], v[:-3], c4, slots[:-3])
+    quantize_filled(c4)
+    c4.stage.finish()
     w8 = reformat_layer(c4, 8, torch.float32)
-    k4, _ = reference.gather_kv(c4, ids, torch.float32)
-    k8, _ = reference.gather_kv(w8, ids, torch.float32)
+    k4, v4 = reference.gather_kv(c4, ids, torch.float32)
+    k8, v8 = reference.gather_kv(w8, ids, torch.float32)
     assert float((k8 - k4).norm() / k4.norm()) < 0.01  # int4 values kept, plus int8 rounding
+    r = rotation_matrix(D)
+    assert float((v8 - v4 @ r.T).norm() / v4.norm()) < 0.01  # int4 keeps v R: rotated back for int8
+    n4 = reformat_layer(w8, 4, torch.float32, stage=c4.stage)  # narrowing: the open block stays staged
+    assert n4.stage is c4.stage and int(c4.stage.stage_of[N - 1]) >= 0
+    k4b, v4b = reference.gather_kv(n4, ids, torch.float32)
+    assert torch.equal(k4b[-1], k8[-1]) and torch.allclose(v4b[-1], v8[-1] @ r, atol=1e-5)
+    assert float((k4b - k8).norm() / k8.norm()) < 0.06  # the full blocks: int4 again
 
 
 @pytest.mark.parametrize("mode", ["act", "recommend"])

@@ -61,6 +61,22 @@ def run_waves(eng: Engine, waves: list[list[list[int]]], resize_at: dict[tuple[i
     return outs, cached, sizes
 
 
+def test_int4_staged_blocks_follow_a_resize():
+    """int4 keeps open blocks in staging slots keyed by block id; a grow and shrink with sequences
+    live must not change the output. (No preemption in either run: a lossy format's output may
+    legitimately change when a preempted sequence is recomputed.)"""
+    kw = {**TINY, "enable_compression": True, "quantization_bitwidth": 4}
+    waves = [prompts(0, 4), prompts(1, 3)]
+    ref_eng = Engine(**kw, num_gpu_blocks=64)
+    ref, _, _ = run_waves(ref_eng, waves, {}, {})
+    eng = Engine(**kw, num_gpu_blocks=64)
+    got, _, sizes = run_waves(eng, waves, {(0, 2): 96, (0, 6): 64}, {1: 80})
+    assert ref_eng.scheduler.num_preemptions == 0 and eng.scheduler.num_preemptions == 0
+    assert got == ref and sizes[0] == 96 and sizes[2] == 80
+    assert eng.runner.stage is not None and eng.runner.stage.stage_of.shape[0] == 80
+    assert eng.cache_manager.num_free_blocks() == eng.cache_manager.num_blocks == 80
+
+
 def test_greedy_identical_across_grow_and_partial_shrink_with_live_sequences():
     waves = [prompts(0, 4), prompts(1, 3)]
     ref, _, _ = run_waves(Engine(**TINY, num_gpu_blocks=12), waves, {}, {})

@@ -33,7 +33,8 @@ def _run(async_scheduling: bool, prompts, params, **kw):
     {"num_gpu_blocks": 256, "max_num_batched_tokens": 512},
     {"num_gpu_blocks": 24, "max_num_batched_tokens": 512},  # tight: preemption while tokens are in flight
     {"num_gpu_blocks": 256, "max_num_batched_tokens": 37},  # chunked prefill mixed with decodes
-], ids=["plain", "preempt", "chunked"])
+    {"num_gpu_blocks": 256, "max_num_batched_tokens": 64, "enable_compression": True, "quantization_bitwidth": 4},
+], ids=["plain", "preempt", "chunked", "int4-staged"])
 def test_greedy_identical_to_sync(kw):
     prompts = _prompts(14)
     rng = random.Random(1)

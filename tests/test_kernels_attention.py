@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from nanokv.attention.metadata import AttentionMetadata  # noqa: E402
 from nanokv.kernels import reference  # noqa: E402
 from nanokv.kernels.triton_backend import TritonBackend, TritonConfig  # noqa: E402
+from nanokv.kv.blockquant import quantize_filled  # noqa: E402
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,7 +46,7 @@ def build_batch(bits: int, dtype: torch.dtype, bs: int, H: int, G: int, D: int,
         pos = torch.arange(c + n)
         slots = torch.tensor(ids)[pos // bs] * bs + pos % bs
         kv = torch.randn(2, c + n, H, D, generator=g).to(dtype)
-        reference.store_kvcache(kv[0].to(DEV), kv[1].to(DEV), cache, slots.to(DEV))
+        fill(cache, kv[0].to(DEV), kv[1].to(DEV), slots.to(DEV), c)
         new_slots.append(slots[c:])
         if holes and c // bs >= 1:
             tables[i, int(torch.randint(0, c // bs, (1,), generator=g))] = -1
@@ -62,6 +63,20 @@ def build_batch(bits: int, dtype: torch.dtype, bs: int, H: int, G: int, D: int,
         query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
     q = torch.randn(qsl[-1], H * G, D, generator=g).to(dtype).to(DEV)
     return cache, md, q
+
+
+def fill(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, cached: int) -> None:
+    """Store a sequence's K/V [L, H, D] as the runner would have: int4 quantizes the blocks the cached
+    part filled and keeps the rest (partial blocks, this step's tokens) in full-precision staging."""
+    if cache.stage is None:
+        reference.store_kvcache(k, v, cache, slots)
+        return
+    for part in (slice(0, cached), slice(cached, None)):
+        cache.stage.plan(slots[part].cpu().numpy())
+        reference.store_kvcache(k[part], v[part], cache, slots[part])
+        if part.start == 0:  # earlier steps: their full blocks are quantized, staging freed
+            quantize_filled(cache)
+            cache.stage.finish()
 
 
 def step_kv(cache: LayerKVCache, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

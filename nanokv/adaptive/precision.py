@@ -76,7 +76,8 @@ class PrecisionActuator:
                 refused[layer] = why
                 continue
             # in place in the runner's list: the forward context and the graphs read this list
-            self.runner.kv_caches[layer] = reformat_layer(old, bits, self.runner.dtype)
+            self.runner.kv_caches[layer] = reformat_layer(old, bits, self.runner.dtype,
+                                                          stage=getattr(self.runner, "stage", None))
             self.runner.layer_bits[layer] = bits
             changed = True
             log.info("adaptive kv_bits: layer %d re-formatted %d -> %d bits (%d blocks)", layer, old.bits,

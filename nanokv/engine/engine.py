@@ -79,6 +79,10 @@ class Engine:
             eviction_policy="clock" if cfg.eviction_policy == "adaptive" else cfg.eviction_policy,
             lru_k=cfg.lru_k, hash_algo=cfg.prefix_caching_hash_algo,
         )
+        stage = getattr(self.runner, "stage", None)
+        if stage is not None:  # int4 staging may reclaim slots of open blocks whose sequence ended
+            pool = self.cache_manager.pool
+            stage.block_free = lambda b: pool.ref[b] == 0
         self.scheduler = Scheduler(self.cache_manager, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    enable_chunked_prefill=cfg.enable_chunked_prefill)

@@ -55,7 +55,9 @@ def parser() -> argparse.ArgumentParser:
                         "within max_num_batched_tokens), or in --chunk chunks, sparsifying after each")
     p.add_argument("--json", default=None, help="write the full result here")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=32,
+                   help="tokens per KV block (int4 keys carry a scale and zero per channel per block: "
+                        "29.7%% of bf16 at 32, 32.8%% at 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1 is fastest on a shared box: more threads spin-wait)")

@@ -59,9 +59,13 @@ def build(settings: list[Setting], model: str | None, num_blocks: int, block_siz
     for s in settings:
         cfg = EngineConfig.from_kwargs(**base, **s.engine_kwargs())
         r = ModelRunner(cfg, eng.model, eng.model_config, eng.device, eng.dtype)
+        if r.stage is not None:  # int4 staging: slots of open blocks whose sequence ended may be reclaimed
+            r.stage.block_free = lambda b, pool=eng.cache_manager.pool: pool.ref[b] == 0
         for c in r.kv_caches:
             c.rotate = rotates(c.bits, s.rotate)
             c.fake_quant = s.fake_quant
+            if c.bits == 16 and s.rotate_v:  # simulation of int4's rotated values
+                c.rotate_v = True
         monitors[s.name] = CompressionMonitor(every=4).attach(r.kv_caches)
         if s.sparsity is not None and s.sparsity.needs_scores:
             from nanokv.sparsity.probe import AttentionProbe

@@ -25,6 +25,9 @@ class Setting:
     rotate: bool | None = None  # None: the format default (nanokv.kv.rotation.DEFAULT_ROTATE_BITS)
     fake_quant: FakeQuant | None = None  # measurement only: simulate a format on a full-precision cache
     sparsity: SparsityParams | None = None  # block sparsity on top of the format (nanokv.sparsity)
+    # simulation only: the 16-bit cache stores values rotated (v R) and rotates the output back, exactly
+    # as the int4 format does (nanokv.kv.hooks), so a FakeQuant sees the very values int4 quantizes
+    rotate_v: bool = False
 
     def with_sparsity(self, params: SparsityParams) -> Setting:
         """The same format with block sparsity, named e.g. 'int8 attention@0.5'."""
@@ -37,6 +40,7 @@ class Setting:
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "quantization_bitwidth": self.bitwidth, "rotate": self.rotate,
+                "rotate_v": self.rotate_v,
                 "fake_quant": None if self.fake_quant is None else vars(self.fake_quant),
                 "sparsity": None if self.sparsity is None else vars(self.sparsity)}
 
@@ -93,6 +97,22 @@ PRESETS: dict[str, Setting] = {
     "sim-int4-kchan-rotv-sink": Setting("sim-int4-kchan-rotv-sink", None, rotate=False,
                                         fake_quant=FakeQuant(4, 4, k_per_channel=True, rotate_v=True,
                                                              sink_tokens=16)),
+    # quantize-on-fill (FakeQuant.on_fill): the open block and the step's own tokens stay full precision
+    "sim-fill-k4v4": Setting("sim-fill-k4v4", None, rotate=False,
+                             fake_quant=FakeQuant(4, 4, k_per_channel=True, rotate_v=True, on_fill=True)),
+    "sim-fill-k4v4-sink": Setting("sim-fill-k4v4-sink", None, rotate=False,
+                                  fake_quant=FakeQuant(4, 4, k_per_channel=True, rotate_v=True, on_fill=True,
+                                                       sink_tokens=1)),
+    "sim-fill-k4v4-rotk": Setting("sim-fill-k4v4-rotk", None, rotate=True,
+                                  fake_quant=FakeQuant(4, 4, k_per_channel=True, rotate_v=True, on_fill=True)),
+    # the shipped int4 format simulated with the real format's V rotation (must score as `int4`)
+    "sim-int4-format": Setting("sim-int4-format", None, rotate=True, rotate_v=True,
+                               fake_quant=FakeQuant(4, 4, k_per_channel=True, on_fill=True)),
+    "sim-fill-k4v4-rotk-sink": Setting("sim-fill-k4v4-rotk-sink", None, rotate=True,
+                                       fake_quant=FakeQuant(4, 4, k_per_channel=True, rotate_v=True,
+                                                            on_fill=True, sink_tokens=1)),
+    "sim-fill-tok4-rot": Setting("sim-fill-tok4-rot", None, rotate=True,
+                                 fake_quant=FakeQuant(4, 4, rotate_v=True, on_fill=True)),
 }
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from nanokv.attention.metadata import AttentionMetadata
-from nanokv.kv import demote, quant
+from nanokv.kv import blockquant, demote, quant
 from nanokv.kv.cache import LayerKVCache
 
 
@@ -35,14 +35,8 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
         cache.k[blk, :, off], cache.v[blk, :, off] = kc, vc
         assert cache.k_scale is not None and cache.v_scale is not None
         cache.k_scale[blk, :, off], cache.v_scale[blk, :, off] = ks, vs
-    elif cache.bits == 4:
-        kc, ks, kz = quant.quantize_int4(k)
-        vc, vs, vz = quant.quantize_int4(v)
-        cache.k[blk, :, off], cache.v[blk, :, off] = kc, vc
-        assert cache.k_scale is not None and cache.v_scale is not None
-        assert cache.k_zero is not None and cache.v_zero is not None
-        cache.k_scale[blk, :, off], cache.v_scale[blk, :, off] = ks, vs
-        cache.k_zero[blk, :, off], cache.v_zero[blk, :, off] = kz, vz
+    elif cache.bits == 4:  # full precision into staging; quantized when the block fills
+        blockquant.store(cache, k, v, blk, off)
     else:
         raise ValueError(f"unsupported KV bit width {cache.bits}")
 
@@ -59,9 +53,7 @@ def gather_kv(cache: LayerKVCache, block_ids: torch.Tensor,
             return demote.gather_mixed(cache, ids, dtype)
         return (quant.dequantize_int8(cache.k[ids], cache.k_scale[ids], dtype),
                 quant.dequantize_int8(cache.v[ids], cache.v_scale[ids], dtype))
-    assert cache.k_zero is not None and cache.v_zero is not None
-    return (quant.dequantize_int4(cache.k[ids], cache.k_scale[ids], cache.k_zero[ids], dtype),
-            quant.dequantize_int4(cache.v[ids], cache.v_scale[ids], cache.v_zero[ids], dtype))
+    return blockquant.gather(cache, ids, dtype)
 
 
 def gather_kv_heads(cache: LayerKVCache, block_ids: torch.Tensor,

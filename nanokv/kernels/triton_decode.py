@@ -24,6 +24,8 @@ from nanokv.kernels.triton_kvtile import (
     online_softmax_step,
     pv_accumulate,
     qk_scores,
+    stage_args,
+    stage_rows,
     tile_rows,
 )
 from nanokv.kv.cache import LayerKVCache
@@ -35,11 +37,12 @@ LOG2E = 1.4426950408889634
 # specialized on, or each new alignment / divisibility class would compile the kernel again mid-run
 @triton.jit(do_not_specialize=["bt_ptr", "seq_lens_ptr", "num_splits", "stride_bt"])
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, bt_ptr, seq_lens_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, kst_ptr, vst_ptr, stage_ptr, bt_ptr, seq_lens_ptr,
     out_ptr, part_o_ptr, part_ml_ptr,
     qk_scale, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kn, stride_kh, stride_ks, stride_sn, stride_sh, stride_bt,
+    stride_cn, stride_ch, stride_stn, stride_sth,
     D: tl.constexpr, DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
     CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
@@ -63,7 +66,6 @@ def _decode_kernel(
     qm = g_mask[:, None] & d_mask[None, :]
     q_lo = tl.load(q_rows, mask=qm, other=0.0).to(CDT)  # [BLOCK_G, BLOCK_DH]
     q_hi = tl.load(q_rows + DH, mask=qm, other=0.0).to(CDT)
-    q_sum = tl.sum(q_lo.to(tl.float32), axis=1) + tl.sum(q_hi.to(tl.float32), axis=1)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -74,12 +76,16 @@ def _decode_kernel(
         tok = start + offs_n
         valid, rows, phys = tile_rows(bt_row, tok, hi, kvh, stride_kn, stride_kh, stride_ks, BS)
         srows = phys * stride_sn + kvh * stride_sh + tok % BS
-        s = qk_scores(q_lo, q_hi, q_sum, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
-                      DH, BITS, ASM, WORDS)
+        crows, strows, staged = srows, srows, valid
+        if BITS == 4:  # per-channel key scales; open blocks read from full-precision staging
+            crows, strows, staged = stage_rows(stage_ptr, phys, valid, tok, kvh, stride_cn, stride_ch,
+                                               stride_stn, stride_sth, BS, D)
+        s = qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
+                      kst_ptr, crows, strows, staged, DH, BITS, ASM, WORDS)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         p, m_i, l_i, acc_lo, acc_hi = online_softmax_step(s, m_i, l_i, acc_lo, acc_hi)
         acc_lo, acc_hi = pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid,
-                                       offs_d, d_mask, DH, BITS, CDT, ASM, WORDS)
+                                       offs_d, d_mask, vst_ptr, strows, staged, DH, BITS, CDT, ASM, WORDS)
 
     inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)  # acc is 0 where l is: an all-hole context gives 0, not NaN
     o_lo = acc_lo * inv_l[:, None]
@@ -152,6 +158,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     assert Hq % H == 0 and D % 2 == 0 and q.stride(-1) == 1 and out.stride(-1) == 1
     G = Hq // H
     ks, vs, kz, vz = kv_meta_args(cache)
+    kst, vst, stage_of, *strides = stage_args(cache)
     cdt = compute_dtype(q.dtype, cache.bits)
     words = use_words(cache.quantized, cdt, D) if words is None else words
     k, v = (cache.k.view(torch.int32), cache.v.view(torch.int32)) if words else (cache.k, cache.v)
@@ -162,12 +169,12 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     else:
         part_o = part_ml = out  # unused
     _decode_kernel[(B, H, num_splits)](
-        q, k, v, ks, vs, kz, vz, block_tables, seq_lens, out, part_o, part_ml,
+        q, k, v, ks, vs, kz, vz, kst, vst, stage_of, block_tables, seq_lens, out, part_o, part_ml,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
-        ks.stride(0) if cache.quantized else 0, ks.stride(1) if cache.quantized else 0,
-        block_tables.stride(0),
+        vs.stride(0) if cache.quantized else 0, vs.stride(1) if cache.quantized else 0,
+        block_tables.stride(0), *strides,
         D=D, DH=D // 2, G=G, BS=cache.block_size, CDT=cdt, ASM=use_asm(q.device) if asm is None else asm,
         WORDS=words,
         BITS=cache.bits if cache.quantized else 16,

@@ -7,8 +7,9 @@ finds its physical block through the block table, so any power-of-2 block size w
 Head dims are handled as two halves [0, D/2) and [D/2, D): that is what the int4 format packs
 into the low and high nibbles, and using it for every format keeps one code path. Quantized
 codes are never expanded to a full-precision copy of the cache: tiles are dequantized in
-registers (triton_dequant), K scales multiply the score columns after the dot, and int4 zero
-points add a rank-1 term:  q . (s*c + z) = s * (q . c) + z * sum(q).
+registers (triton_dequant); int8 K scales multiply the score columns after the dot. int4 keys have
+a scale and zero per (block, channel), so their tiles are dequantized in registers before the dot,
+and tokens of open blocks (int4 staging, nanokv.kv.staging) are read in full precision instead.
 """
 
 from __future__ import annotations
@@ -47,13 +48,16 @@ def tile_rows(bt_row_ptr, tok, hi, kvh, stride_n, stride_h, stride_s, BS: tl.con
 
 
 @triton.jit
-def qk_scores(q_lo, q_hi, q_sum, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
+def qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
+              kst_ptr, crows, strows, staged,
               DH: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr):
     """Scores [BLOCK_M, BLOCK_N] fp32 = q @ K^T, K read from the paged cache (dequant folded in).
 
-    q_lo, q_hi: [BLOCK_M, BLOCK_DH] query halves in the compute dtype; q_sum: [BLOCK_M] fp32.
+    q_lo, q_hi: [BLOCK_M, BLOCK_DH] query halves in the compute dtype.
     rows: [BLOCK_N] element offsets of each token's code row; srows: offsets into the scales.
     WORDS: quantized codes read as int32 words (k_ptr is an int32 view), fp16 tiles.
+    int4 only (see stage_rows): crows [BLOCK_N] offsets of each token's per-channel scale/zero row,
+    strows offsets into the full-precision staging kst_ptr, staged [BLOCK_N] reads from staging.
     """
     CDT = q_lo.dtype
     if BITS < 16:
@@ -71,10 +75,14 @@ def qk_scores(q_lo, q_hi, q_sum, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs
             else:
                 c_lo = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0).to(CDT)
                 c_hi = tl.load(k_ptr + rows[:, None] + DH + offs_d[None, :], mask=m2, other=0).to(CDT)
-        s = tl.dot(q_hi, tl.trans(c_hi), tl.dot(q_lo, tl.trans(c_lo)))
-        s = s * tl.load(ks_ptr + srows, mask=valid, other=0.0).to(tl.float32)[None, :]
-        if BITS == 4:
-            s = s + q_sum[:, None] * tl.load(kz_ptr + srows, mask=valid, other=0.0).to(tl.float32)[None, :]
+        if BITS == 4:  # per-channel scales differ per block: dequantize the tile in registers
+            k_lo = _chan_dequant(c_lo, ks_ptr, kz_ptr, crows, valid, offs_d, d_mask, kst_ptr, strows, staged, CDT)
+            k_hi = _chan_dequant(c_hi, ks_ptr + DH, kz_ptr + DH, crows, valid, offs_d, d_mask, kst_ptr + DH,
+                                 strows, staged, CDT)
+            s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))
+        else:
+            s = tl.dot(q_hi, tl.trans(c_hi), tl.dot(q_lo, tl.trans(c_lo)))
+            s = s * tl.load(ks_ptr + srows, mask=valid, other=0.0).to(tl.float32)[None, :]
     else:
         m2 = valid[None, :] & d_mask[:, None]  # [BLOCK_DH, BLOCK_N]: K^T tile, d contiguous
         k_lo = tl.load(k_ptr + rows[None, :] + offs_d[:, None], mask=m2, other=0.0)
@@ -84,7 +92,33 @@ def qk_scores(q_lo, q_hi, q_sum, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs
 
 
 @triton.jit
+def _chan_dequant(c, s_ptr, z_ptr, crows, valid, offs_d, d_mask, st_ptr, strows, staged, CDT: tl.constexpr):
+    """int4 key half-tile: codes c [BLOCK_N, BLOCK_DH] -> c * scale[channel] + zero[channel] (fp32
+    math: a channel's zero point can be far larger than its step), staged tokens from staging."""
+    m2 = valid[:, None] & d_mask[None, :]
+    sc = tl.load(s_ptr + crows[:, None] + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+    zr = tl.load(z_ptr + crows[:, None] + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+    x = c.to(tl.float32) * sc + zr
+    fm = staged[:, None] & d_mask[None, :]
+    f = tl.load(st_ptr + strows[:, None] + offs_d[None, :], mask=fm, other=0.0).to(tl.float32)
+    return tl.where(staged[:, None], f, x).to(CDT)
+
+
+@triton.jit
+def stage_rows(stage_ptr, phys, valid, tok, kvh, stride_cn, stride_ch, stride_stn, stride_sth,
+               BS: tl.constexpr, D: tl.constexpr):
+    """int4: (crows, strows, staged) for a tile of tokens, see qk_scores. A block whose staging
+    slot (stage_ptr: [N] int32, -1 = none) is set is still open: it is read from staging [S, H, bs, D]."""
+    st = tl.load(stage_ptr + phys, mask=valid, other=-1)
+    staged = valid & (st >= 0)
+    strows = tl.where(staged, st, 0).to(tl.int64) * stride_stn + kvh * stride_sth + (tok % BS) * D
+    crows = phys * stride_cn + kvh * stride_ch
+    return crows, strows, staged
+
+
+@triton.jit
 def pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, offs_d, d_mask,
+                  vst_ptr, strows, staged,
                   DH: tl.constexpr, BITS: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr,
                   WORDS: tl.constexpr):
     """acc += p @ V for one tile. p: [BLOCK_M, BLOCK_N] fp32 (0 on invalid tokens); acc: fp32 halves.
@@ -109,8 +143,11 @@ def pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, 
             c_hi = tl.load(v_ptr + rows[:, None] + DH + offs_d[None, :], mask=m2, other=0).to(CDT)
         if BITS == 4:
             vz = tl.load(vz_ptr + srows, mask=valid, other=0.0).to(CDT)[:, None]
-            v_lo = c_lo * vs + vz
-            v_hi = c_hi * vs + vz
+            fm = staged[:, None] & d_mask[None, :]  # open blocks: full precision from staging
+            f_lo = tl.load(vst_ptr + strows[:, None] + offs_d[None, :], mask=fm, other=0.0).to(CDT)
+            f_hi = tl.load(vst_ptr + strows[:, None] + DH + offs_d[None, :], mask=fm, other=0.0).to(CDT)
+            v_lo = tl.where(staged[:, None], f_lo, c_lo * vs + vz)
+            v_hi = tl.where(staged[:, None], f_hi, c_hi * vs + vz)
         else:
             v_lo = c_lo * vs
             v_hi = c_hi * vs
@@ -136,6 +173,15 @@ def online_softmax_step(s, m_i, l_i, acc_lo, acc_hi):
     acc_lo = acc_lo * alpha[:, None]
     acc_hi = acc_hi * alpha[:, None]
     return p, m_new, l_i, acc_lo, acc_hi
+
+
+def stage_args(cache) -> tuple:
+    """(k_stage, v_stage, stage map, k-scale strides n/h, staging strides n/h); placeholders and 0
+    for the formats without staging (never dereferenced there)."""
+    if cache.stage is None:
+        return cache.k, cache.k, cache.k, 0, 0, 0, 0
+    return (cache.k_stage, cache.v_stage, cache.stage.stage_of, cache.k_scale.stride(0),
+            cache.k_scale.stride(1), cache.k_stage.stride(0), cache.k_stage.stride(1))
 
 
 def kv_meta_args(cache) -> tuple:

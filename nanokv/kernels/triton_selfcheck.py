@@ -15,6 +15,7 @@ import torch
 from nanokv.attention.metadata import AttentionMetadata
 from nanokv.kernels import reference, triton_store
 from nanokv.kernels.triton_backend import TritonBackend, TritonConfig
+from nanokv.kv.blockquant import quantize_filled
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache
 
 
@@ -53,9 +54,13 @@ def make_batch(sh: Shapes, bits: int, bs: int, q_lens: list[int], seq_lens: list
         if holes and nctx:
             tables[i, :nctx][torch.rand(nctx, device=sh.dev) < holes] = -1
     if store:
-        for part in torch.arange(N * bs, device=sh.dev).split(1 << 16):
-            kv = torch.randn(2, part.numel(), sh.H, sh.D, device=sh.dev, dtype=sh.dtype)
-            triton_store.store_kvcache(kv[0], kv[1], cache, part)
+        kv = torch.randn(2, N * bs, sh.H, sh.D, device=sh.dev, dtype=sh.dtype)
+        _store_all(cache, kv, torch.arange(N * bs, device=sh.dev))
+        if cache.stage is not None:  # int4: blocks holding this step's tokens are open (staged)
+            open_blocks = torch.cat(slots).div(bs, rounding_mode="floor").unique()
+            rows = (open_blocks[:, None] * bs + torch.arange(bs, device=sh.dev)).reshape(-1)
+            cache.stage.plan(rows.cpu().numpy())
+            triton_store.store_kvcache(kv[0][rows], kv[1][rows], cache, rows)
     else:
         lo, hi = {16: (0, 0), 8: (-127, 128), 4: (0, 256)}[bits]
         for t in (cache.k, cache.v):
@@ -77,6 +82,18 @@ def make_batch(sh: Shapes, bits: int, bs: int, q_lens: list[int], seq_lens: list
     return cache, md
 
 
+def _store_all(cache: LayerKVCache, kv: torch.Tensor, slots: torch.Tensor) -> None:
+    """Triton store of kv [2, T, H, D] at slots; int4 as the runner does it: staged, then every filled
+    block quantized once (nanokv.kv.blockquant) and its staging released."""
+    for part in slots.split(1 << 16):
+        if cache.stage is not None:
+            cache.stage.plan(part.cpu().numpy())
+        triton_store.store_kvcache(kv[0][part], kv[1][part], cache, part)
+        if cache.stage is not None:
+            quantize_filled(cache)
+            cache.stage.finish()
+
+
 def record_check(sh: Shapes, name: str, err: float, tol: float, extra: str = "") -> None:
     ok = err == err and err < tol
     sh.checks.append({"check": name, "rel_err": err, "tol": tol, "ok": ok, "extra": extra})
@@ -84,16 +101,20 @@ def record_check(sh: Shapes, name: str, err: float, tol: float, extra: str = "")
 
 
 def check_store(sh: Shapes, bits: int) -> None:
-    """Triton vs reference store on identically poisoned caches: codes within 1, scales bit-equal."""
+    """Triton vs reference store on identically poisoned caches: codes within 1, scales bit-equal
+    (int4: the full-precision staging the store writes, bit-equal)."""
     T, bs = (50, 16) if sh.small else (8192, 16)
     a, b = (allocate_layer_cache(bits, T // bs + 8, sh.H, bs, sh.D, sh.dtype, sh.dev) for _ in range(2))
-    names = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
+    names = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero", "k_stage", "v_stage")
     pairs = [(getattr(a, n), getattr(b, n)) for n in names if getattr(a, n) is not None]
     for x, y in pairs:  # untouched slots must stay poisoned
         x.copy_(torch.full_like(x, float("nan")) if x.is_floating_point() else torch.randint_like(x, 0, 100))
         y.copy_(x)
     slots = torch.randperm(a.num_blocks * bs, device=sh.dev)[:T]
     slots[::9] = -1
+    for c in (a, b):  # int4 stores into staging: slots planned first, as the runner does
+        if c.stage is not None:
+            c.stage.plan(slots.cpu().numpy())
     qkv = torch.randn(T, 3 * sh.H, sh.D, device=sh.dev, dtype=sh.dtype) * 3
     reference.store_kvcache(qkv[:, sh.H:2 * sh.H], qkv[:, 2 * sh.H:], a, slots)
     triton_store.store_kvcache(qkv[:, sh.H:2 * sh.H], qkv[:, 2 * sh.H:], b, slots)

@@ -1,4 +1,7 @@
-"""store_kvcache: write each new token's K/V rows into its cache slot, quantizing on the way in.
+"""store_kvcache: write each new token's K/V rows into its cache slot, quantizing on the way in (int8).
+
+int4 rows go unquantized to their block's full-precision staging slot; the block is quantized as a
+whole once it fills (nanokv.kv.blockquant, after the step's attention), never row by row here.
 
 Grid (T,): one program per token handles all its KV heads as an [H, D/2] x 2 tile. Slot -1 means
 "don't store" (padding, or a token whose KV is already cached). Quantization matches
@@ -55,22 +58,6 @@ def _store_rows(x_ptr, stride_xt, stride_xh, c_ptr, s_ptr, z_ptr, t, crow, srow,
         tl.store(cr, c_lo.to(tl.int8), mask=m2)
         tl.store(cr + DH, c_hi.to(tl.int8), mask=m2)
         tl.store(s_ptr + srow, scale, mask=h_ok)
-    elif BITS == 4:
-        big = float("inf")
-        lo = tl.minimum(tl.min(tl.where(m2, x_lo, big), axis=1), tl.min(tl.where(m2, x_hi, big), axis=1))
-        hi = tl.maximum(tl.max(tl.where(m2, x_lo, -big), axis=1), tl.max(tl.where(m2, x_hi, -big), axis=1))
-        lo = tl.where(h_ok, lo, 0.0)  # padding heads / skipped slots: keep the math finite
-        hi = tl.where(h_ok, hi, 0.0)
-        scale = _safe_scale(tl.div_rn(hi - lo, 15.0).to(tl.float16))
-        zero = lo.to(tl.float16)
-        sf = scale.to(tl.float32)[:, None]
-        zf = zero.to(tl.float32)[:, None]
-        q_lo = _rne_clip(tl.div_rn(x_lo - zf, sf), 0.0, 15.0)
-        q_hi = _rne_clip(tl.div_rn(x_hi - zf, sf), 0.0, 15.0)
-        packed = q_lo.to(tl.uint8) | (q_hi.to(tl.uint8) << 4)  # dim d low nibble, d + D/2 high
-        tl.store(cr, packed, mask=m2)
-        tl.store(s_ptr + srow, scale, mask=h_ok)
-        tl.store(z_ptr + srow, zero, mask=h_ok)
     else:
         tl.store(cr, x_lo.to(c_ptr.dtype.element_ty), mask=m2)
         tl.store(cr + DH, x_hi.to(c_ptr.dtype.element_ty), mask=m2)
@@ -110,11 +97,20 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
     assert cache.k.stride() == cache.v.stride()
     ks, vs, kz, vz = kv_meta_args(cache)
     bits = cache.bits if cache.quantized else 16
+    kc, vc = cache.k, cache.v
+    if cache.stage is not None:
+        # int4: rows go to their block's full-precision staging slot, laid out like a 16-bit cache
+        # ([S, H, bs, D], slot = stage slot * bs + offset); nanokv.kv.blockquant quantizes full blocks
+        assert cache.k_stage is not None and cache.v_stage is not None
+        bs = cache.block_size
+        st = cache.stage.stage_of[slot_mapping.clamp_min(0) // bs].long()
+        slot_mapping = torch.where((slot_mapping >= 0) & (st >= 0), st * bs + slot_mapping % bs, -1)
+        kc, vc, bits = cache.k_stage, cache.v_stage, 16
     _store_kernel[(T,)](
-        k, v, slot_mapping, cache.k, cache.v, ks, vs, kz, vz,
+        k, v, slot_mapping, kc, vc, ks, vs, kz, vz,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
-        ks.stride(0) if cache.quantized else 0, ks.stride(1) if cache.quantized else 0,
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        ks.stride(0) if bits < 16 else 0, ks.stride(1) if bits < 16 else 0,
         H, DH=D // 2, BS=cache.block_size, BITS=bits,
         BLOCK_H=next_pow2(H), BLOCK_DH=max(16, next_pow2(D // 2)), num_warps=4,
     )

@@ -6,10 +6,17 @@ rank, bs = block_size, D = head_dim. A block id means the same thing in every la
   bits=16  k, v: [N, H, bs, D] model dtype
   bits=8   k, v: int8  [N, H, bs, D]      k_scale, v_scale: float16 [N, H, bs]  (symmetric, per token-head)
   bits=4   k, v: uint8 [N, H, bs, D // 2] (dim d in the low nibble, d + D/2 in the high nibble)
-           k_scale, v_scale, k_zero, v_zero: float16 [N, H, bs]                 (asymmetric, per token-head)
+           k_scale, k_zero: float16 [N, H, D]   keys per channel over the block's tokens (KIVI)
+           v_scale, v_zero: float16 [N, H, bs]  values per token-head, stored rotated (v R)
+           k_stage, v_stage: [S, H, bs, D] model dtype: full-precision staging of open blocks, shared
+           block -> slot map `stage` (nanokv.kv.staging): a block is quantized once, when it fills
 
 [H, bs, D] per block keeps one (block, head) tile contiguous, so a decode program reads bs*D
 consecutive elements per block.
+
+int4 values are stored rotated by the same orthonormal R (v R): the attention output is rotated back
+(o R^T, nanokv.kv.hooks.after_attention), exact in real arithmetic; the rotation spreads a value
+row's outlier channels so its per-row int4 range fits the rest better.
 
 Layers with `rotate` set store keys multiplied by the orthonormal R of nanokv.kv.rotation (queries
 are rotated the same way before attention), so kernels need not know: scores are unchanged.
@@ -23,6 +30,7 @@ from typing import Any
 import torch
 
 from nanokv.kv.rotation import rotates
+from nanokv.kv.staging import StageTable
 
 
 @dataclass
@@ -34,7 +42,11 @@ class LayerKVCache:
     v_scale: torch.Tensor | None = None
     k_zero: torch.Tensor | None = None
     v_zero: torch.Tensor | None = None
+    k_stage: torch.Tensor | None = None  # int4: [S, H, bs, D] open blocks in full precision
+    v_stage: torch.Tensor | None = None
+    stage: StageTable | None = None  # int4: block -> staging slot (one table shared by all layers)
     # host-side, not tensor layout: read by nanokv.kv.hooks.before_store (the model's attention layer)
+    rotate_v: bool = False  # int4: values stored rotated, attention output rotated back
     rotate: bool = False  # keys (and queries) are Hadamard-rotated before store: part of the format
     monitor: Any = None  # nanokv.kv.monitor.CompressionMonitor sampling this layer's store error
     fake_quant: Any = None  # measurement only (nanokv.kv.fakequant): simulate a format on a 16-bit cache
@@ -65,18 +77,27 @@ def bytes_per_block(bits: int, num_kv_heads: int, block_size: int, head_dim: int
         return 2 * n * head_dim * torch.empty((), dtype=dtype).element_size()
     if bits == 8:
         return 2 * (n * head_dim + 2 * n)
-    if bits == 4:
-        return 2 * (n * head_dim // 2 + 4 * n)
+    if bits == 4:  # codes, K scale/zero per (head, channel), V scale/zero per (token, head)
+        return 2 * n * head_dim // 2 + 4 * num_kv_heads * head_dim + 4 * n
     raise ValueError(f"unsupported KV bit width {bits}")
 
 
 def allocate_layer_cache(
     bits: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
     dtype: torch.dtype, device: torch.device | str, rotate: bool | None = None,
+    stage: StageTable | None = None,
 ) -> LayerKVCache:
-    """`rotate`: None = the default for this bit width (nanokv.kv.rotation.DEFAULT_ROTATE_BITS)."""
+    """`rotate`: None = the default for this bit width (nanokv.kv.rotation.DEFAULT_ROTATE_BITS).
+    `stage`: int4 only, the runner's staging table (one for all layers); None = a private one with a
+    slot per block (tests and tools that drive a lone cache)."""
     cache = _allocate(bits, num_blocks, num_kv_heads, block_size, head_dim, dtype, device)
     cache.rotate = rotates(bits, rotate)
+    if bits == 4:
+        cache.stage = stage or StageTable(num_blocks, num_blocks, block_size, device)
+        sshape = (cache.stage.num_slots, num_kv_heads, block_size, head_dim)
+        cache.k_stage = torch.zeros(sshape, dtype=dtype, device=device)
+        cache.v_stage = torch.zeros(sshape, dtype=dtype, device=device)
+        cache.rotate_v = True
     return cache
 
 
@@ -100,12 +121,13 @@ def _allocate(
         if head_dim % 2:
             raise ValueError("int4 KV needs an even head_dim")
         half = (num_blocks, num_kv_heads, block_size, head_dim // 2)
+        chan = (num_blocks, num_kv_heads, head_dim)
         return LayerKVCache(
             4, torch.zeros(half, dtype=torch.uint8, device=device),
             torch.zeros(half, dtype=torch.uint8, device=device),
-            k_scale=torch.zeros(meta, dtype=torch.float16, device=device),
+            k_scale=torch.zeros(chan, dtype=torch.float16, device=device),
             v_scale=torch.zeros(meta, dtype=torch.float16, device=device),
-            k_zero=torch.zeros(meta, dtype=torch.float16, device=device),
+            k_zero=torch.zeros(chan, dtype=torch.float16, device=device),
             v_zero=torch.zeros(meta, dtype=torch.float16, device=device),
         )
     raise ValueError(f"unsupported KV bit width {bits}")

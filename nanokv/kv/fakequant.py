@@ -55,10 +55,16 @@ class FakeQuant:
     k_per_channel: bool = False  # keys: one scale/zero per (page, head, channel) over the page's tokens
     rotate_v: bool = False  # values quantized in the rotated basis (exact: the output is rotated back)
     sink_tokens: int = 0  # positions below this stay full precision (attention sinks)
+    # quantize-on-fill: K/V are stored in full precision and a block is quantized (K per channel over
+    # its tokens if k_per_channel, V per token) only once its last slot is written, after that step's
+    # attention: the open block and the step's own tokens are read in full precision (see on_fill)
+    on_fill: bool = False
 
     def apply(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               seq_index: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [T, H, D]; positions, seq_index [T] (token position, sequence in the step) -> k~, v~."""
+        if self.on_fill:
+            return k, v  # quantized later, block by block (fill_blocks)
         dtype = k.dtype
         kq = self._keys(k.float(), positions, seq_index, block_size)
         vf = v.float()
@@ -87,6 +93,29 @@ class FakeQuant:
             grp = k[rows].permute(1, 2, 0)  # [H, D, n]: quantize along the page's tokens
             out[rows] = fq_lastdim(grp, self.k_bits).permute(2, 0, 1)
         return out
+
+    def fill_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    positions: torch.Tensor) -> None:
+        """on_fill mode, after the step's attention: quantize in place every block whose last slot this
+        step wrote. k_cache, v_cache [N, H, bs, D] (16-bit sim cache); slot_mapping, positions [T]."""
+        bs = k_cache.shape[2]
+        last = (slot_mapping >= 0) & (slot_mapping % bs == bs - 1)
+        last &= positions - (bs - 1) >= self.sink_tokens  # sink blocks stay full precision
+        blocks = (slot_mapping[last] // bs).long()
+        if blocks.numel() == 0:
+            return
+        kb, vb = k_cache[blocks].float(), v_cache[blocks].float()  # [n, H, bs, D]
+        if self.k_per_channel:
+            kq = fq_lastdim(kb.transpose(2, 3), self.k_bits).transpose(2, 3)  # group = the block's tokens
+        else:
+            kq = fq_groups(kb, self.k_bits, self.group)
+        if self.rotate_v:
+            r = rotation_matrix(vb.shape[-1], torch.float32, vb.device)
+            vq = fq_groups(vb @ r, self.v_bits, self.group) @ r.T
+        else:
+            vq = fq_groups(vb, self.v_bits, self.group)
+        k_cache[blocks] = kq.to(k_cache.dtype)
+        v_cache[blocks] = vq.to(v_cache.dtype)
 
     def bits_per_value(self, head_dim: int, block_size: int) -> float:
         """Average stored bits per K/V element, fp16 scales/zeros included (sinks not counted)."""

@@ -10,6 +10,8 @@ In order:
   5. the adaptive controller's error probe (nanokv.adaptive.probe), which also needs q;
   6. sparsity: clear the INT4-demotion flag of blocks stored again (nanokv.kv.demote), and feed the
      step's attention probe when the runner set one (md.extras["attn_probe"], nanokv.sparsity.probe).
+int4 layers also rotate v (the format stores v R). `after_attention` is the matching hook after the
+step's attention: int4 blocks filled by the step are quantized there, and the output rotated back.
 Layers without any of these pay one attribute check each.
 """
 
@@ -21,9 +23,10 @@ from typing import Any
 
 import torch
 
+from nanokv.kv.blockquant import quantize_filled
 from nanokv.kv.cache import LayerKVCache
 from nanokv.kv.demote import clear_on_store
-from nanokv.kv.rotation import maybe_rotate
+from nanokv.kv.rotation import maybe_rotate, rotation_matrix
 
 # layer -> (channels, factor): test hook state, process-wide (see key_outliers)
 _OUTLIERS: dict[int, tuple[tuple[int, ...], float]] = {}
@@ -77,10 +80,12 @@ def before_store(layer: int, cache: LayerKVCache, md: Any, q: torch.Tensor, k: t
         q[..., list(channels)] /= factor
     if cache.rotate:
         q, k = maybe_rotate(q, k, cache.bits, rotate=True)
+    if cache.rotate_v:  # int4 values are stored as v R (the output is rotated back in after_attention)
+        v = v @ rotation_matrix(v.shape[-1], v.dtype, v.device)
     if cache.fake_quant is not None:
         pos, seq = _step_positions(md, k.shape[0], k.device)
         k, v = cache.fake_quant.apply(k, v, pos, seq, cache.block_size)
-    if cache.monitor is not None and not _capturing(k):
+    if cache.monitor is not None and cache.stage is None and not _capturing(k):
         cache.monitor.maybe_record(layer, cache.bits, k, v, cache.k.dtype if cache.bits >= 16 else k.dtype)
     if cache.probe is not None and not _capturing(k):
         cache.probe(layer, q, k, v)
@@ -90,3 +95,19 @@ def before_store(layer: int, cache: LayerKVCache, md: Any, q: torch.Tensor, k: t
     if attn_probe is not None:  # sparsity (attention/hybrid): attention mass per block, nanokv.sparsity.probe
         attn_probe.record(layer, cache, md, q, k)
     return q, k, v
+
+
+def after_attention(layer: int, cache: LayerKVCache, md: Any, o: torch.Tensor) -> torch.Tensor:
+    """o [T, Hq, D]: the step's attention output -> the same in the model's basis. Called by the
+    attention layer after attention: int4 quantizes the blocks this step filled (once, from staging)
+    and rotates the output back (values are stored rotated); a simulated quantize-on-fill format
+    (FakeQuant.on_fill) quantizes its filled blocks in place."""
+    if cache.stage is not None:
+        quantize_filled(cache, layer)
+    if cache.rotate_v:
+        o = o @ rotation_matrix(o.shape[-1], o.dtype, o.device).T
+    fq = cache.fake_quant
+    if fq is not None and fq.on_fill:
+        pos, _ = _step_positions(md, int(md.slot_mapping.shape[0]), md.slot_mapping.device)
+        fq.fill_blocks(cache.k, cache.v, md.slot_mapping, pos)
+    return o

@@ -2,7 +2,8 @@
 
 One CompressionMonitor per engine, attached to that engine's layer caches (`attach`). The store
 hook (nanokv.kv.hooks.before_store) calls `maybe_record` with the exact K/V rows about to be
-stored; every `every`-th call per layer it quantizes up to `rows` sampled rows with the reference
+stored (int4: `record_blocks` with each block as it is quantized, nanokv.kv.blockquant); every
+`every`-th call per layer it quantizes up to `rows` sampled rows with the reference
 quantizer of that layer's format and folds the error into an exponentially weighted average.
 Cost: one small quant/dequant per layer every `every` steps, nothing on the other steps.
 
@@ -71,15 +72,28 @@ class CompressionMonitor:
                store_dtype: torch.dtype = torch.float32) -> None:
         """k, v [T, H, D] as handed to the store -> update the layer's running K and V errors."""
         if bits >= 16 and k.dtype == store_dtype:
-            ek = ev = 0.0  # stored as given: exact, and no device sync to find that out
-        else:
-            D = k.shape[-1]
-            kr, vr = k.reshape(-1, D), v.reshape(-1, D)  # [T*H, D] rows: the quantization unit
-            if kr.shape[0] > self.rows:
-                idx = torch.randperm(kr.shape[0], generator=self._gen)[: self.rows].to(kr.device)
-                kr, vr = kr[idx], vr[idx]
-            ek = relative_error(kr, roundtrip(kr, bits, store_dtype))
-            ev = relative_error(vr, roundtrip(vr, bits, store_dtype))
+            self._fold(layer, 0.0, 0.0)  # stored as given: exact, and no device sync to find that out
+            return
+        D = k.shape[-1]
+        kr, vr = k.reshape(-1, D), v.reshape(-1, D)  # [T*H, D] rows: the quantization unit
+        if kr.shape[0] > self.rows:
+            idx = torch.randperm(kr.shape[0], generator=self._gen)[: self.rows].to(kr.device)
+            kr, vr = kr[idx], vr[idx]
+        self._fold(layer, relative_error(kr, roundtrip(kr, bits, store_dtype)),
+                   relative_error(vr, roundtrip(vr, bits, store_dtype)))
+
+    def record_blocks(self, layer: int, kb: torch.Tensor, vb: torch.Tensor) -> None:
+        """int4 (quantized per block when it fills): kb, vb [F, H, bs, D] full blocks about to be
+        quantized, keys per channel over the block, values per token. Samples one call in `every`."""
+        n = self._calls.get(layer, 0)
+        self._calls[layer] = n + 1
+        if n % self.every or kb.shape[0] == 0:
+            return
+        kb, vb = kb[:1].float(), vb[:1].float()  # one block: H * bs rows
+        k_hat = quant.dequantize_int4_channels(*quant.quantize_int4_channels(kb), torch.float32)
+        self._fold(layer, relative_error(kb, k_hat), relative_error(vb, roundtrip(vb, 4, torch.float32)))
+
+    def _fold(self, layer: int, ek: float, ev: float) -> None:
         with self._lock:
             for store, e in ((self._k, ek), (self._v, ev)):
                 old = store.get(layer)

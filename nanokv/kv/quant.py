@@ -55,3 +55,33 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     high = (packed >> 4).float()
     q = torch.cat([low, high], dim=-1)
     return (q * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).to(dtype)
+
+
+def _pack(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [..., D] codes 0..15 -> [..., D/2]: dim d low nibble, d + D/2 high nibble."""
+    half = q.shape[-1] // 2
+    return q[..., :half] | (q[..., half:] << 4)
+
+
+def quantize_int4_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys of whole blocks, KIVI-style: x [..., bs, D] -> (packed uint8 [..., bs, D/2], scale [..., D],
+    zero [..., D]): one asymmetric scale/zero per channel over the block's bs tokens.
+
+    Per channel, because a key channel changes slowly from token to token while channels differ by
+    orders of magnitude (RoPE pairs, outlier channels): a per-token range is set by the largest
+    channel, a per-channel range only by that channel's own spread within the block.
+    """
+    xf = x.float()
+    lo = xf.amin(dim=-2)
+    hi = xf.amax(dim=-2)
+    scale = _safe_scale(((hi - lo) / 15.0).half())
+    zero = lo.half()
+    q = (xf - zero.float().unsqueeze(-2)) / scale.float().unsqueeze(-2)
+    return _pack(torch.round(q).clamp_(0, 15).to(torch.uint8)), scale, zero
+
+
+def dequantize_int4_channels(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                             dtype: torch.dtype) -> torch.Tensor:
+    """packed [..., bs, D/2], scale and zero [..., D] -> [..., bs, D]."""
+    q = torch.cat([(packed & 0xF).float(), (packed >> 4).float()], dim=-1)
+    return (q * scale.float().unsqueeze(-2) + zero.float().unsqueeze(-2)).to(dtype)

@@ -19,6 +19,7 @@ from nanokv.attention.metadata import AttentionMetadata, forward_context
 from nanokv.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block
 from nanokv.kv.resize import resize_layer_cache
+from nanokv.kv.staging import StageTable, staging_slots
 from nanokv.model.layers.fusion import set_fusion
 from nanokv.runner.cuda_graph import DecodeGraphs
 
@@ -54,20 +55,30 @@ class ModelRunner:
         # fused elementwise chains (torch.compile) ride with the CUDA graphs: off in eager mode
         set_fusion(device.type == "cuda" and not cfg.enforce_eager and not os.environ.get("NANOKV_NO_FUSION"))
         self.num_blocks = self._decide_num_blocks()
+        # int4 layers quantize a block once it fills; open blocks wait in full-precision staging,
+        # one table for all layers (nanokv.kv.staging)
+        self.stage: StageTable | None = None
+        if 4 in self.layer_bits:
+            self.stage = StageTable(self.num_blocks, self._stage_slots(), self.block_size, device)
         self.kv_caches: list[LayerKVCache] = [
             allocate_layer_cache(b, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim,
-                                 dtype, device)
+                                 dtype, device, stage=self.stage)
             for b in self.layer_bits
         ]
         self.graphs: DecodeGraphs | None = None
         self._graph_model_len = 0  # max_model_len the graphs were captured for (re-capture after a resize)
-        self.attn_probe = None  # sparsity: nanokv.sparsity.probe.AttentionProbe, put into each step's metadata
+        self.attn_probe: Any = None  # sparsity: nanokv.sparsity.probe.AttentionProbe, put into each step's metadata
 
     def capture_cudagraphs(self, max_model_len: int) -> None:
         """Capture decode graphs (CUDA only, unless enforce_eager)."""
         if self.device.type != "cuda" or self.cfg.enforce_eager:
             return
         self._graph_model_len = max_model_len
+        if self.stage is not None:
+            # int4 quantizes the blocks a step fills after its attention, a data-dependent number of
+            # blocks (nanokv.kv.blockquant): not capturable as is, so int4 decodes run eagerly
+            log.info("int4 KV layers: decode CUDA graphs off (blocks are quantized as they fill)")
+            return
         max_bs = min(self.cfg.max_num_seqs, 512)
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.mc.hidden_size, max_bs, max_blocks,
@@ -88,6 +99,8 @@ class ModelRunner:
         for cache in self.kv_caches:
             if cache.num_blocks != num_blocks:
                 resize_layer_cache(cache, num_blocks)
+        if self.stage is not None:
+            self.stage.resize(num_blocks)
         self.num_blocks = num_blocks
         if self.device.type == "cuda":
             if shrink:
@@ -101,6 +114,19 @@ class ModelRunner:
         return sum(bytes_per_block(b, self.num_kv_heads, self.block_size, self.head_dim, self.dtype)
                    for b in self.layer_bits)
 
+    def _stage_slots(self) -> int:
+        """Staging slots for int4 layers: never more than there are blocks."""
+        return min(staging_slots(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.block_size),
+                   self.cfg.num_gpu_blocks or 1 << 62)
+
+    def staging_bytes(self) -> int:
+        """Full-precision staging of open int4 blocks, all layers (not part of the pool's bytes)."""
+        if 4 not in self.layer_bits:
+            return 0
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_slot = 2 * self.num_kv_heads * self.block_size * self.head_dim * elem
+        return self._stage_slots() * per_slot * self.layer_bits.count(4)
+
     def _decide_num_blocks(self) -> int:
         if self.cfg.num_gpu_blocks is not None:
             return self.cfg.num_gpu_blocks
@@ -113,6 +139,7 @@ class ModelRunner:
             budget = int(total * self.cfg.gpu_memory_utilization) - used_by_others - act
         else:
             budget = self.cfg.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+        budget -= self.staging_bytes()
         n = budget // per_block
         if n < 1:
             raise RuntimeError(f"not enough memory for even one KV block ({per_block} bytes per block)")
@@ -155,6 +182,8 @@ class ModelRunner:
         dev = self.device
         qsl_list = qsl.tolist()
         seq_lens = ends.tolist()
+        if self.stage is not None:  # int4: staging slots for every block this step writes
+            self.stage.plan(slots)
         md = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
@@ -188,6 +217,13 @@ class ModelRunner:
             dst_t = torch.tensor(dst, dtype=torch.int64).to(self.device, non_blocking=True)
             src_t = torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
             ids.index_copy_(0, dst_t, tokens.index_select(0, src_t))
+        try:
+            return self._run(ids, pos, md, items, logits_rows, all_logits)
+        finally:
+            if self.stage is not None:  # blocks filled by this step are quantized: free their staging
+                self.stage.finish()
+
+    def _run(self, ids, pos, md, items, logits_rows, all_logits) -> torch.Tensor | None:
         with forward_context(md, self.kv_caches):
             if self.graphs is not None and not all_logits and self.graphs.can_run(md):
                 hidden = self.graphs.run(ids, pos, md)

@@ -13,7 +13,7 @@ from torch import nn
 
 from nanokv.attention.backend import get_backend
 from nanokv.attention.metadata import get_context
-from nanokv.kv.hooks import before_store
+from nanokv.kv.hooks import after_attention, before_store
 
 
 class Attention(nn.Module):
@@ -47,4 +47,5 @@ class Attention(nn.Module):
             backend = get_backend()
             backend.store_kvcache(k, v, cache, md.slot_mapping)
             o = backend.paged_attention(q, cache, md, self.scale, k=k, v=v)
+            o = after_attention(self.layer_idx, cache, md, o)
         return o.reshape(T, self.num_heads * self.head_dim)
