@@ -7,6 +7,7 @@ runs the model inside a forward context, and returns logits for the rows that sa
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +17,10 @@ from nanokv.attention.metadata import AttentionMetadata, forward_context
 from nanokv.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block
 from nanokv.runner.cuda_graph import DecodeGraphs
+
+if TYPE_CHECKING:
+    from nanokv.model.llama import LlamaForCausalLM
+    from nanokv.sparsity.probe import AttentionProbe
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +38,7 @@ def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model: torch.nn.Module, model_config, device: torch.device,
+    def __init__(self, cfg: EngineConfig, model: LlamaForCausalLM, model_config, device: torch.device,
                  dtype: torch.dtype, num_kv_heads_local: int | None = None):
         self.cfg = cfg
         self.model = model
@@ -53,7 +58,7 @@ class ModelRunner:
             for b in self.layer_bits
         ]
         self.graphs: DecodeGraphs | None = None
-        self.attn_probe = None  # sparsity: nanokv.sparsity.probe.AttentionProbe, put into each step's metadata
+        self.attn_probe: AttentionProbe | None = None  # sparsity: put into each step's metadata
 
     def capture_cudagraphs(self, max_model_len: int) -> None:
         """Capture decode graphs (CUDA only, unless enforce_eager)."""
