@@ -22,9 +22,9 @@ _IDS = itertools.count()
 
 
 def _engine(**kw) -> Engine:
-    """A small engine; sparsity knobs sized for a 20-block prompt (the default recent window is larger)."""
+    """A small engine; sparsity knobs sized for a 20-block prompt (the default protected set is larger)."""
     cfg = EngineConfig.from_kwargs(num_gpu_blocks=96, block_size=BS, max_num_batched_tokens=CHUNK, **kw)
-    cfg.extra["sparsity"] = {"recent_blocks": 4}
+    cfg.extra["sparsity"] = {"sink_blocks": 1, "recent_blocks": 4, "min_ranked": 0}
     return Engine(cfg)
 
 

@@ -20,8 +20,9 @@ from nanokv.sparsity.policies import on_interval_grid
 
 
 def P(s: float, policy: str, **kw) -> SparsityParams:
-    """Params with a 4-block recent window (small test sequences; the default window is 32)."""
-    return SparsityParams(s, policy, **{"recent_blocks": 4, **kw})
+    """Params for small test sequences: one sink, a 4-block recent window, no guaranteed ranked blocks
+    (the defaults, 4 sinks + 32 recent + 8 ranked, are sized for 2k-token sequences)."""
+    return SparsityParams(s, policy, **{"sink_blocks": 1, "recent_blocks": 4, "min_ranked": 0, **kw})
 
 
 def _kept(p: SparsityParams, n: int, scores: list[float] | None = None) -> list[int]:
@@ -63,6 +64,14 @@ def test_hybrid_tiers_int8_int4_dropped_by_rank():
     assert plan(P(0.5, "attention"), n, list(range(n)), scores).demote == []
 
 
+def test_min_ranked_blocks_survive_a_budget_below_the_protected_set():
+    scores = [0.0] * 64
+    scores[10] = scores[20] = 5.0
+    p = SparsityParams(0.5, "attention", sink_blocks=4, recent_blocks=32, min_ranked=2)
+    assert _kept(p, 64, scores) == [0, 1, 2, 3, 10, 20] + list(range(32, 64))  # 38 > budget 32
+    assert len(_kept(p, 128, [0.0] * 128)) == 64  # long enough: exactly the budget
+
+
 def test_nothing_happens_at_s0_or_while_protected_blocks_cover_the_budget():
     for pol in POLICIES:
         assert not plan(P(0.0, pol), 100, list(range(100)), [1.0] * 100)
@@ -73,12 +82,13 @@ def test_nothing_happens_at_s0_or_while_protected_blocks_cover_the_budget():
 
 @settings(max_examples=60, deadline=None)
 @given(s=st.sampled_from([0.25, 0.5, 0.75, 0.9]), pol=st.sampled_from(POLICIES), sinks=st.integers(0, 2),
-       recent=st.integers(0, 6), steps=st.lists(st.integers(1, 70), min_size=1, max_size=12), seed=st.integers(0, 99))
-def test_budget_monotone_and_protected_over_a_sequence_life(s, pol, sinks, recent, steps, seed):
+       recent=st.integers(0, 6), ranked=st.integers(0, 3), steps=st.lists(st.integers(1, 70), min_size=1, max_size=12),
+       seed=st.integers(0, 99))
+def test_budget_monotone_and_protected_over_a_sequence_life(s, pol, sinks, recent, ranked, steps, seed):
     """Grow a sequence chunk by chunk: after every step the live full blocks equal the budget (or the
     protected set), protected blocks are never dropped, dropped ones never return."""
     rng = random.Random(seed)
-    p = SparsityParams(s, pol, sinks, recent)
+    p = SparsityParams(s, pol, sinks, recent, ranked)
     seq = SequenceSparsity(p, 16)
     computed = 0
     for n_new in steps:
@@ -92,7 +102,7 @@ def test_budget_monotone_and_protected_over_a_sequence_life(s, pol, sinks, recen
         live = seq.live_full(computed)
         prot = set(range(min(sinks, n_full))) | set(range(max(0, n_full - recent), n_full))
         assert prot <= set(live)
-        assert len(live) == max(len(prot), min(n_full, math.ceil((1 - s) * n_full - 1e-9)))
+        assert len(live) == min(n_full, max(len(prot) + ranked, math.ceil((1 - s) * n_full - 1e-9)))
         assert not seq.demoted & seq.dropped and (pol == "hybrid" or not seq.demoted)
 
 

@@ -43,8 +43,10 @@ def parser() -> argparse.ArgumentParser:
                    help="fraction of full blocks dropped (hybrid: dropped or demoted); a comma list runs each")
     p.add_argument("--sparsity-policy", default="streaming",
                    help=f"comma list of: {', '.join(SPARSITY_POLICIES)}")
-    p.add_argument("--sparsity-sinks", type=int, default=None, help="first blocks always kept (default 1)")
+    p.add_argument("--sparsity-sinks", type=int, default=None, help="first blocks always kept (default 4)")
     p.add_argument("--sparsity-recent", type=int, default=None, help="last full blocks always kept (default 32)")
+    p.add_argument("--sparsity-min-ranked", type=int, default=None,
+                   help="blocks the policy ranks that are kept whatever the budget (default 8)")
     p.add_argument("--sparsity-score", default=None,
                    help="attention/hybrid: per-block attention mass accumulates by max (default) or sum")
     p.add_argument("--passkey-lengths", default="512,1024,2048",
@@ -98,7 +100,8 @@ def sparsity_variants(args: argparse.Namespace) -> list[SparsityParams]:
         if not 0.0 <= v < 1.0:
             raise NanoKVError("compression_sparsity", f"got {v}; must be in [0, 1)")
     knobs = {k: v for k, v in (("sink_blocks", args.sparsity_sinks), ("recent_blocks", args.sparsity_recent),
-                                ("score_mode", args.sparsity_score)) if v is not None}
+                                ("min_ranked", args.sparsity_min_ranked), ("score_mode", args.sparsity_score))
+             if v is not None}
     try:
         return [SparsityParams(v, pol, **knobs) for pol in policies for v in values if v > 0.0]
     except ValueError as e:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,6 +22,10 @@ from nanokv.kv.resize import resize_layer_cache
 from nanokv.kv.staging import StageTable, staging_slots
 from nanokv.model.layers.fusion import set_fusion
 from nanokv.runner.cuda_graph import DecodeGraphs
+
+if TYPE_CHECKING:
+    from nanokv.model.llama import LlamaForCausalLM
+    from nanokv.sparsity.probe import AttentionProbe
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +43,7 @@ def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model: torch.nn.Module, model_config, device: torch.device,
+    def __init__(self, cfg: EngineConfig, model: LlamaForCausalLM, model_config, device: torch.device,
                  dtype: torch.dtype, num_kv_heads_local: int | None = None):
         self.cfg = cfg
         self.model: Any = model  # a nanokv model: forward(ids, positions) and compute_logits(hidden)
@@ -67,7 +71,7 @@ class ModelRunner:
         ]
         self.graphs: DecodeGraphs | None = None
         self._graph_model_len = 0  # max_model_len the graphs were captured for (re-capture after a resize)
-        self.attn_probe: Any = None  # sparsity: nanokv.sparsity.probe.AttentionProbe, put into each step's metadata
+        self.attn_probe: AttentionProbe | None = None  # sparsity: put into each step's metadata
 
     def capture_cudagraphs(self, max_model_len: int) -> None:
         """Capture decode graphs (CUDA only, unless enforce_eager)."""

@@ -9,6 +9,7 @@ needs, though its slot stays int8-sized (see nanokv.kv.demote). Scales and zero 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 import torch
 
@@ -26,8 +27,7 @@ class KVBytes:
         # one demoted block: int8 layers at int4 bytes, the others unchanged
         self.demoted_block_bytes = sum(int4 if b == 8 else p for b, p in zip(layer_bits, per))
 
-    def live(self, table: Sequence[int], num_computed_tokens: int, demoted: set[int] | frozenset[int] = frozenset(),
-             ) -> int:
+    def live(self, table: Sequence[int], num_computed_tokens: int, demoted: AbstractSet[int] = frozenset()) -> int:
         """table: logical -> physical block ids (-1 = hole); demoted: logical indices held as int4."""
         n = -(-num_computed_tokens // self.block_size)
         total = 0

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanokv.errors import ConfigError
 from nanokv.sparsity.policies import SparsityParams
 from nanokv.sparsity.state import SequenceSparsity
+
+if TYPE_CHECKING:
+    from nanokv.sparsity.probe import AttentionProbe
 
 _KEEP_PEAKS = 4096  # per-request peaks remembered (most recent requests)
 
@@ -34,7 +37,7 @@ class EngineSparsity:
         self.blocks_dropped = 0
         self.blocks_demoted = 0  # block demotions (each covers every int8 layer)
         self.demotions_refused = 0  # shared (prefix-hit) blocks left in INT8
-        self.probe = None
+        self.probe: AttentionProbe | None = None
         if params.needs_scores:
             from nanokv.sparsity.probe import AttentionProbe
 
@@ -66,8 +69,9 @@ class EngineSparsity:
             rid = seq.request_id
             self.peak_blocks[rid] = max(self.peak_blocks.pop(rid, 0), held)
             st = self._state(seq.seq_id)
-            if row < len(masses) and masses[row] is not None:
-                mx, sm = masses[row]
+            mass = masses[row] if row < len(masses) else None  # None: the probe did not run (graph step)
+            if mass is not None:
+                mx, sm = mass
                 st.observe((mx if self.params.score_mode == "max" else sm).tolist())
             self._apply(seq.seq_id, st, seq.num_computed_tokens)
         while len(self.peak_blocks) > _KEEP_PEAKS:
