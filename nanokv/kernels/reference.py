@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from nanokv.attention.metadata import AttentionMetadata
+from nanokv.kernels import cpu_attention
 from nanokv.kv import blockquant, demote, quant
 from nanokv.kv.cache import LayerKVCache
 
@@ -89,6 +90,10 @@ def _key_valid(block_ids: torch.Tensor, bs: int, seq_len: torch.Tensor) -> torch
 
 def paged_attention(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata,
                     scale: float) -> torch.Tensor:
+    if cpu_attention.applies(q, cache):
+        plan = cpu_attention.step_plan(md, cache.block_size)
+        if plan is not None:  # no holes: exact-length contexts, fused SDPA (nanokv.kernels.cpu_attention)
+            return cpu_attention.paged_attention(q, cache, md, scale, plan)
     T, Hq, D = q.shape
     H = cache.num_kv_heads
     bs = cache.block_size

@@ -13,6 +13,8 @@ from torch import nn
 from nanokv.distributed import all_gather, all_reduce, get_tp_rank, get_tp_size
 from nanokv.errors import NanoKVError
 
+_CPU_PANEL_ROWS = 1024  # vocab rows per LM-head matmul on the CPU (see ParallelLMHead.forward)
+
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
@@ -51,7 +53,13 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] (model dtype; every rank gets all of them)."""
-        logits = F.linear(hidden, self.weight)
+        if hidden.device.type == "cpu":
+            # in panels of vocab rows: one sgemm over all ~50k rows runs at a fraction of the speed
+            # of the same work in 1024-row panels whose output stays in cache (1.5x on a decode
+            # batch of 16). Each logit is the same dot product, so the result is unchanged.
+            logits = torch.cat([F.linear(hidden, w) for w in self.weight.split(_CPU_PANEL_ROWS)], dim=-1)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = all_gather(logits, dim=-1)[:, : self.vocab_size]
         return logits

@@ -18,6 +18,7 @@ from nanokv.distributed import all_reduce, get_tp_rank, get_tp_size, head_ranges
 from nanokv.errors import NanoKVError
 
 WeightLoader = Callable[..., None]
+_CPU_PANEL_ROWS = 768  # output rows per sgemm for small CPU batches (MergedColumnParallelLinear.forward)
 
 
 def _divide(n: int, tp: int, what: str) -> int:
@@ -92,6 +93,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise NanoKVError("weights", f"merged linear shard {shard_id}: checkpoint shape "
                               f"{tuple(full.shape)} does not fit this model")
         dst.copy_(full.narrow(0, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, sum(output_sizes) / tp]."""
+        if x.device.type == "cpu" and self.bias is None and 4 <= x.shape[0] <= 64:
+            # Decode-sized batches on the CPU: the fused gate_up sgemm (SmolLM2: 3072 x 576) runs
+            # ~20% faster as 768-row panels (measured, 1 thread, 4 to 64 rows; no gain at 1-2 rows
+            # or at 512). Every output is the same dot product, so the result is unchanged.
+            return torch.cat([F.linear(x, w) for w in self.weight.split(_CPU_PANEL_ROWS)], dim=-1)
+        return F.linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
