@@ -64,8 +64,11 @@ def step_plan(md: AttentionMetadata, block_size: int) -> StepPlan | None:
 
 
 def applies(q: torch.Tensor, cache: LayerKVCache) -> bool:
-    """Unquantized cache in q's dtype, on the CPU: the gathered K/V are exactly what was stored."""
-    return q.device.type == "cpu" and cache.bits == 16 and cache.k.dtype == q.dtype
+    """Unquantized cache in q's dtype, on the CPU: the gathered K/V are exactly what was stored.
+    Not for a simulated format (fake_quant): the eval scores it against the real quantized cache,
+    which takes the masked path, and the two must round alike to compare exactly."""
+    return (q.device.type == "cpu" and cache.bits == 16 and cache.k.dtype == q.dtype
+            and cache.fake_quant is None)
 
 
 class _Scratch(threading.local):
