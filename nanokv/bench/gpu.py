@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-WORKLOADS = {
+WORKLOADS: dict[str, dict[str, Any]] = {
     "nanovllm": dict(num_seqs=256, inp=(100, 1024), out=(100, 1024)),
     "longctx": dict(num_seqs=128, inp=(2048, 4096), out=(512, 1024)),
 }

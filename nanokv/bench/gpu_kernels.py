@@ -240,12 +240,12 @@ def summary() -> None:
     print(f"total {time.time() - T0:.0f}s")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--budget", type=float, default=330.0, help="seconds after which the sweep stops")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     import triton
@@ -266,7 +266,8 @@ def main() -> None:
         with open(os.path.join(args.out, "gpu_kernels.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
     summary()
+    return 1 if RESULTS["errors"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

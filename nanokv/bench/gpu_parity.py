@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         for a, b in zip(ref, outs):
             n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
             agree.append(n)
-        lp_err = max(abs(a.logprobs[0]["logprob"] - b.logprobs[0]["logprob"]) for a, b in zip(ref, outs))
+        lp_err = max(abs(a.logprobs[0]["logprob"] - b.logprobs[0]["logprob"])  # type: ignore[index]
+                     for a, b in zip(ref, outs))
         res[dtype] = {"identical_sequences": f"{same}/{len(prompts)}",
                       "identical_with_prefix_hits": f"{same2}/{len(prompts)}",
                       "tokens_before_first_divergence": agree,

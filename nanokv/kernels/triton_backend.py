@@ -159,8 +159,8 @@ class TritonBackend:
         return fresh if fresh and max(lens[i] for i in fresh) >= lim else []
 
     def paged_attention(self, q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata, scale: float,
-                        out: torch.Tensor | None = None, k: torch.Tensor | None = None,
-                        v: torch.Tensor | None = None) -> torch.Tensor:
+                        k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D] -> out [T, Hq, D] (written in place when given). k, v: this step's K/V
         [T, Hk, D] as just stored (optional: lets fresh prompts skip the cache)."""
         cfg = self.config

@@ -51,7 +51,7 @@ _RANK0_ONLY_METHODS = frozenset({"bytes_per_block_all_layers", "build_metadata"}
 
 
 class TPModelRunner:
-    def __init__(self, cfg: EngineConfig, model: torch.nn.Module, model_config, device: torch.device,
+    def __init__(self, cfg: EngineConfig, model: Any, model_config, device: torch.device,
                  dtype: torch.dtype):
         self.world = world = cfg.tensor_parallel_size
         self._workers: WorkerProcesses | None = None  # spawn mode; torchrun owns its processes
