@@ -22,7 +22,8 @@ def result(tmp_path_factory) -> dict:
     rc = main(["--corpus", CORPUS, "--tokens", "383", "--context", "384", "--chunk", "32",
                "--compression-sparsity", "0,0.5", "--sparsity-policy", "streaming,hybrid",
                "--sparsity-recent", "2", "--sparsity-sinks", "1", "--sparsity-min-ranked", "0",
-               "--passkey-lengths", "128", "--passkey-trials", "1", "--json", str(out), "--no-progress"])
+               "--passkey-lengths", "128", "--passkey-trials", "1", "--json", str(out), "--no-progress",
+               "--block-size", "16"])  # the block counts below are for 16-token blocks
     assert rc == 0
     return json.loads(out.read_text())
 

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 from nanokv.attention.metadata import AttentionMetadata  # noqa: E402
 from nanokv.kernels import reference  # noqa: E402
 from nanokv.kv import demote, quant  # noqa: E402
+from nanokv.kv.blockquant import quantize_filled  # noqa: E402
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache  # noqa: E402
 from nanokv.sparsity.probe import AttentionProbe  # noqa: E402
 
@@ -37,7 +38,13 @@ def _batch(bits: int, specs: list[tuple[int, int]], holes: list[list[int]], num_
         pos = torch.arange(c + n)
         slots = torch.tensor(ids)[pos // BS] * BS + pos % BS
         kv = torch.randn(2, c + n, H, D, generator=g)
-        reference.store_kvcache(kv[0], kv[1], cache, slots)
+        if cache.stage is not None:  # int4: as the runner stores, staged, full blocks quantized on fill
+            cache.stage.plan(slots.numpy())
+            reference.store_kvcache(kv[0], kv[1], cache, slots)
+            quantize_filled(cache)
+            cache.stage.finish()
+        else:
+            reference.store_kvcache(kv[0], kv[1], cache, slots)
         k, v = reference.gather_kv(cache, torch.tensor(ids), torch.float32)
         stored.append(torch.stack([k.transpose(1, 2).reshape(-1, H, D), v.transpose(1, 2).reshape(-1, H, D)]))
         for h in holes[i]:
