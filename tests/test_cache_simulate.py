@@ -12,7 +12,7 @@ from nanokv.cache.simulate import main, parse_capacities
 from nanokv.cache.traces import load_trace, read_mooncake
 from nanokv.errors import NanoKVError
 
-TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"  # ../shared
 CAPS = {1: 439, 5: 2196, 10: 4392, 25: 10981, 50: 21962}
 # docs/../notes/cache-policies.md §A3, computed with the reference replay model.
 EXPECTED = {
