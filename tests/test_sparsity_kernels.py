@@ -116,7 +116,7 @@ def test_runner_positions_and_slots_stay_true_with_holes():
     r = ModelRunner(EngineConfig.from_kwargs(num_gpu_blocks=16, block_size=16, device="cpu"), model, mc,
                     torch.device("cpu"), torch.float32)
     table = [3, -1, -1, 7, 9]  # blocks 1, 2 dropped
-    ids, pos, md = r.build_metadata([(list(range(80)), 70, 5, table, True)])
+    ids, pos, md, _ = r.build_metadata([(list(range(80)), 70, 5, table, True)])
     assert pos.tolist() == list(range(70, 75))
     assert md.slot_mapping.tolist() == [9 * 16 + p % 16 for p in range(70, 75)]
     assert md.block_tables.tolist() == [table] and md.seq_lens_cpu == [75]

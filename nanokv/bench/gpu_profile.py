@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     items = [(s.token_ids, s.num_computed_tokens - 1, 1, eng.cache_manager.block_table(s.seq_id), False)
              for s in sched]
     t0 = time.perf_counter()
-    ids, pos, md = runner.build_metadata(items)
+    ids, pos, md, _ = runner.build_metadata(items)
     torch.cuda.synchronize()
     print(f"build_metadata: {(time.perf_counter() - t0) * 1e3:.2f} ms (host, incl. copies)")
     if runner.graphs is not None:

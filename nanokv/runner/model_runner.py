@@ -22,6 +22,7 @@ from nanokv.kv.resize import resize_layer_cache
 from nanokv.kv.staging import StageTable, staging_slots
 from nanokv.model.layers.fusion import set_fusion
 from nanokv.runner.cuda_graph import DecodeGraphs
+from nanokv.runner.h2d import PinnedUploader
 
 if TYPE_CHECKING:
     from nanokv.model.llama import LlamaForCausalLM
@@ -72,6 +73,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self._graph_model_len = 0  # max_model_len the graphs were captured for (re-capture after a resize)
         self.attn_probe: AttentionProbe | None = None  # sparsity: put into each step's metadata
+        self.uploader = PinnedUploader(device)
 
     def capture_cudagraphs(self, max_model_len: int) -> None:
         """Capture decode graphs (CUDA only, unless enforce_eager)."""
@@ -150,10 +152,12 @@ class ModelRunner:
         return int(n)
 
     # ---- one step -----------------------------------------------------------------------------
-    def build_metadata(self, items) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def build_metadata(self, items, extra: list[np.ndarray] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[torch.Tensor]]:
         """items: list of (token_ids, num_computed, num_new, block_table, is_prefill), prefills first.
 
-        Returns input_ids [T], positions [T], metadata. Host work is numpy, one pass per sequence.
+        Returns input_ids [T], positions [T], metadata, and `extra` host arrays on the device: all
+        of them sent in one copy (nanokv.runner.h2d). Host work is numpy, one pass per sequence.
         """
         bs = self.block_size
         B = len(items)
@@ -183,16 +187,18 @@ class ModelRunner:
         slots = np.where(blk >= 0, blk * bs + positions % bs, -1)
         num_prefills = sum(1 for it in items if it[4])
         num_prefill_tokens = int(lens[:num_prefills].sum())
-        dev = self.device
         qsl_list = qsl.tolist()
         seq_lens = ends.tolist()
         if self.stage is not None:  # int4: staging slots for every block this step writes
             self.stage.plan(slots)
+        ids, pos, slot_t, qsl_t, lens_t, tables_t, *extra_t = self.uploader.upload(
+            [np.asarray(input_ids, dtype=np.int64), positions, slots, qsl.astype(np.int32),
+             ends.astype(np.int32), tables, *(extra or [])])
         md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(ends.astype(np.int32)).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            slot_mapping=slot_t,
+            query_start_loc=qsl_t,
+            seq_lens=lens_t,
+            block_tables=tables_t,
             num_prefills=num_prefills,
             num_prefill_tokens=num_prefill_tokens,
             num_decode_tokens=T - num_prefill_tokens,
@@ -203,9 +209,7 @@ class ModelRunner:
         )
         if self.attn_probe is not None:  # read by nanokv.kv.hooks.before_store in every layer
             md.extras["attn_probe"] = self.attn_probe.begin(md)
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        pos = torch.from_numpy(positions).to(dev, non_blocking=True)
-        return ids, pos, md
+        return ids, pos, md, extra_t
 
     @torch.inference_mode()
     def execute(self, items, logits_rows: list[int] | None = None, all_logits: bool = False,
@@ -215,12 +219,13 @@ class ModelRunner:
 
         feed (async scheduling): (tokens [n] on the device, src rows, dst token offsets): input
         token dst[i] is tokens[src[i]], sampled by the previous step and not yet seen by the host."""
-        ids, pos, md = self.build_metadata(items)
-        if feed is not None and feed[1]:
-            tokens, src, dst = feed
-            dst_t = torch.tensor(dst, dtype=torch.int64).to(self.device, non_blocking=True)
-            src_t = torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
-            ids.index_copy_(0, dst_t, tokens.index_select(0, src_t))
+        fed = feed is not None and bool(feed[1])
+        extra = [np.asarray(feed[2], dtype=np.int64), np.asarray(feed[1], dtype=np.int64)] \
+            if feed is not None and fed else None
+        ids, pos, md, extra_t = self.build_metadata(items, extra)
+        if feed is not None and fed:
+            dst_t, src_t = extra_t
+            ids.index_copy_(0, dst_t, feed[0].index_select(0, src_t))
         try:
             return self._run(ids, pos, md, items, logits_rows, all_logits)
         finally:
