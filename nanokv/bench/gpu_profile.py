@@ -116,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     tm = eng._timing
     eng._timing = None
     n = tm["steps"]
-    print(f"decode step at batch {eng.num_running()}: {wall:.2f} ms wall; schedule {tm['schedule_s'] / n * 1e3:.2f}"
-          f" ms, forward {tm['forward_s'] / n * 1e3:.2f} ms, sample+post {tm['sample_postprocess_s'] / n * 1e3:.2f} ms")
+    if n:
+        print(f"decode step at batch {eng.num_running()}: {wall:.2f} ms wall; schedule "
+              f"{tm['schedule_s'] / n * 1e3:.2f} ms, forward {tm['forward_s'] / n * 1e3:.2f} ms, sample+post "
+              f"{tm['sample_postprocess_s'] / n * 1e3:.2f} ms")
+    else:  # async scheduling: host and device overlap, there is no per-part split to report
+        print(f"decode step at batch {eng.num_running()}: {wall:.2f} ms wall (async scheduling)")
 
     # the graph alone, and logits + argmax alone, on this batch
     runner = eng.runner
