@@ -1,6 +1,7 @@
 """Block sparsity in the engine, on the embedded SmolLM2-135M (small sizes, chunked prefill of 64):
-s = 0 changes nothing, the blocks a sequence holds really fall (measured at every forward), and a
-sparsified or demoted block is never served as a prefix unless the reuse is exact."""
+s = 0 changes nothing, the blocks a sequence holds really fall (measured at every forward), a
+sparsified block is never served as a prefix unless the reuse is exact, and hybrid's demoted blocks
+really leave the pool for the INT4 store, whose slots all come back (finish, abort, preemption)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,18 @@ import torch
 import nanokv.config
 from nanokv.config import EngineConfig
 from nanokv.engine.engine import Engine, RequestOutput
+from nanokv.errors import ConfigError
 from nanokv.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+INT8 = {"enable_compression": True, "quantization_bitwidth": 8}  # hybrid demotes INT8 blocks
 BS, CHUNK = 16, 64
 _IDS = itertools.count()
 
 
-def _engine(**kw) -> Engine:
+def _engine(blocks: int = 96, **kw) -> Engine:
     """A small engine; sparsity knobs sized for a 20-block prompt (the default protected set is larger)."""
-    cfg = EngineConfig.from_kwargs(num_gpu_blocks=96, block_size=BS, max_num_batched_tokens=CHUNK, **kw)
+    cfg = EngineConfig.from_kwargs(num_gpu_blocks=blocks, block_size=BS, max_num_batched_tokens=CHUNK, **kw)
     cfg.extra["sparsity"] = {"sink_blocks": 1, "recent_blocks": 4, "min_ranked": 0}
     return Engine(cfg)
 
@@ -86,7 +89,7 @@ def test_s0_is_the_engine_without_the_feature(prompt, dense):
 @pytest.mark.parametrize("policy", ["streaming", "attention", "hybrid"])
 def test_peak_blocks_per_sequence_fall(prompt, dense, policy):
     _, _, dense_peak = dense
-    kw = {"enable_compression": True, "quantization_bitwidth": 8} if policy == "hybrid" else {}
+    kw = INT8 if policy == "hybrid" else {}
     eng = _engine(compression_sparsity=0.5, sparsity_policy=policy, **kw)
     peaks = _watch_peak(eng)
     out = _generate(eng, prompt)
@@ -122,23 +125,84 @@ def test_sparsified_prefix_is_served_only_where_exact(prompt, dense):
     assert _generate(eng, prompt).num_cached_tokens == len(hit) * BS
 
 
-def test_demoted_blocks_are_never_served(prompt):
-    eng = _engine(compression_sparsity=0.5, sparsity_policy="hybrid", enable_compression=True,
-                  quantization_bitwidth=8)
-    assert eng.sparsity is not None
-    seen_demoted: set[int] = set()
-    inner = eng.sparsity._apply
+def _hybrid(blocks: int = 96) -> Engine:
+    eng = _engine(blocks, compression_sparsity=0.5, sparsity_policy="hybrid", **INT8)
+    assert eng.sparsity is not None and eng.sparsity.store is not None
+    return eng
 
-    def apply(seq_id, st, num_computed):
-        inner(seq_id, st, num_computed)
-        table = eng.cache_manager.block_table(seq_id)
-        seen_demoted.update(table[i] for i in st.demoted)
 
-    eng.sparsity._apply = apply  # type: ignore[method-assign]
+def test_hybrid_needs_int8_layers():
+    with pytest.raises(ConfigError, match="every KV layer"):
+        _engine(compression_sparsity=0.5, sparsity_policy="hybrid")
+
+
+def test_demoted_blocks_leave_the_pool_and_are_never_served(prompt):
+    eng = _hybrid()
+    sp, cm = eng.sparsity, eng.cache_manager
+    assert sp is not None and sp.store is not None
+    moves: list[tuple[int, int, int]] = []  # (free blocks before, after, blocks demoted) per demotion call
+    inner = sp._demote
+
+    def demote(seq_id, logical):
+        before = cm.num_free_blocks()
+        done = inner(seq_id, logical)
+        moves.append((before, cm.num_free_blocks(), len(done)))
+        table = cm.block_table(seq_id)
+        assert all(table[i] <= -2 for i in done)  # the entries now name store slots
+        return done
+
+    sp._demote = demote  # type: ignore[method-assign]
     _generate(eng, prompt)
-    assert seen_demoted and eng.sparsity.demotions_refused == 0
-    pool = eng.cache_manager.pool
-    assert all(pool.hash[b] is None for b in seen_demoted)  # unpublished before being rewritten
+    assert sp.blocks_demoted > 0 and sp.demotions_refused == sp.demotions_store_full == 0
+    assert sum(n for *_, n in moves) == sp.blocks_demoted
+    assert all(after - before == n for before, after, n in moves)  # each demoted int8 block is back in the pool
+    assert sp.store.num_free() == sp.store.num_slots and cm.num_used_blocks() == 0  # all slots came back
+    # what the prefix cache serves is exact int8 data, never an int4 copy: the blocks computed before
+    # the first hole, bit-identical to a dense int8 engine's (a demoted block's int8 original included)
     hit = _hit(eng, prompt)
-    assert hit and not set(hit) & seen_demoted
-    assert _generate(eng, prompt).num_cached_tokens == len(hit) * BS
+    assert len(hit) == 2 * CHUNK // BS
+    dense8 = _engine(**INT8)
+    dense8.add_request("dense8", prompt[: len(hit) * BS + 1], SamplingParams(temperature=0.0, max_tokens=1))
+    while dense8.has_unfinished_requests():
+        dense8.step()
+    ref = _hit(dense8, prompt)
+    assert len(ref) == len(hit)
+    for a, b in zip(eng.runner.kv_caches, dense8.runner.kv_caches):
+        for x, y in ((a.k, b.k), (a.v, b.v), (a.k_scale, b.k_scale), (a.v_scale, b.v_scale)):
+            assert x is not None and y is not None and torch.equal(x[hit], y[ref])
+
+
+def test_hybrid_returns_every_block_and_slot_after_preemption_and_abort(prompt):
+    """Three prompts in a pool too small for them: sequences are preempted (their blocks and store
+    slots freed, then recomputed) and one is aborted mid-way. At every step the store's held slots are
+    exactly the demoted entries of live tables; at the end every block and slot is back."""
+    eng = _hybrid(blocks=24)
+    sp, cm = eng.sparsity, eng.cache_manager
+    assert sp is not None and sp.store is not None
+    store = sp.store
+    inner = sp.after_step
+
+    def after_step(scheduled):
+        inner(scheduled)
+        live = [b for s in eng.scheduler.running for b in cm.block_table(s.seq_id)]
+        held = store.num_slots - store.num_free()
+        assert held == sum(1 for b in live if b <= -2)  # no slot leaks, none double-booked
+        assert len({b for b in live if b <= -2}) == held
+        assert cm.num_used_blocks() == len({b for b in live if b >= 0})
+
+    sp.after_step = after_step  # type: ignore[method-assign]
+    prompts = [prompt[k:k + 300] for k in (0, 7, 13)]  # no shared prefix
+    for i, p in enumerate(prompts):
+        eng.add_request(f"pre{i}", p, GREEDY)
+    steps = 0
+    finished: dict[str, list[int]] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                finished[o.request_id] = o.token_ids
+        steps += 1
+        if steps == 25:
+            eng.abort("pre2")
+    assert cm.stats.preemptions > 0 and sp.blocks_demoted > 0
+    assert set(finished) >= {"pre0", "pre1"} and all(len(finished[r]) == GREEDY.max_tokens for r in ("pre0", "pre1"))
+    assert cm.num_used_blocks() == 0 and store.num_free() == store.num_slots

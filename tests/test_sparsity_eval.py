@@ -1,17 +1,25 @@
 """`nanokv eval --compression-sparsity ... --sparsity-policy ...` end to end on a tiny budget: every
 (policy, s) pair gets a row next to its dense setting, sparse rows really read a sparse cache (they
-score worse than dense) and hold fewer live bytes, measured; hybrid holds the fewest."""
+score worse than dense) and hold fewer live bytes, measured; hybrid holds the fewest, its demoted
+blocks held as INT4 store slots."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 import nanokv.config
 from nanokv.errors import NanoKVError
 from nanokv.eval.cli import main, parser, sparsity_variants
+from nanokv.eval.sparse import SparseView
+from nanokv.kv.cache import allocate_layer_cache
+from nanokv.kv.demote import DemotionStore
+from nanokv.sparsity.accounting import KVBytes
+from nanokv.sparsity.policies import SparsityParams
 
 CORPUS = str(Path(nanokv.config.__file__))  # a text every checkout has
 
@@ -58,3 +66,32 @@ def test_bad_sparsity_flags_are_rejected():
     args = parser().parse_args(["--compression-sparsity", "0.25,0.5", "--sparsity-policy", "interval,attention"])
     got = [(p.policy, p.sparsity) for p in sparsity_variants(args)]
     assert got == [("interval", 0.25), ("interval", 0.5), ("attention", 0.25), ("attention", 0.5)]
+
+
+def test_view_moves_demoted_blocks_to_the_store_and_gives_the_slots_back():
+    """The eval's per-setting view demotes as the engine does: the entry names a store slot, the
+    live bytes count the slot (not the int8 block), a later drop and close() give the slots back."""
+    H, D, n = 2, 8, 24
+    caches = [allocate_layer_cache(8, n, H, 16, D, torch.float32, "cpu") for _ in range(2)]
+    store = DemotionStore(caches, n)
+    params = SparsityParams(0.5, "hybrid", sink_blocks=1, recent_blocks=2, min_ranked=0)
+    kb = KVBytes([8, 8], H, 16, D)
+    view = SparseView(params, SimpleNamespace(demotion_store=store, attn_probe=None), list(range(n)), kb)
+    released = 0
+    for t in range(32, 16 * n + 1, 32):
+        before = store.num_free()
+        demoted_before = set(view.state.demoted) if view.state else set()
+        view.after_step(t)
+        assert view.state is not None
+        released += len(demoted_before & view.state.dropped)  # demoted, then dropped: slot back
+        assert store.num_free() == before + len(demoted_before & view.state.dropped) \
+            - len(view.state.demoted - demoted_before)
+    st = view.state
+    assert st is not None and st.demoted and released > 0
+    assert all(view.table[i] <= -2 for i in st.demoted) and all(view.table[i] == -1 for i in st.dropped)
+    assert store.num_slots - store.num_free() == len(st.demoted)
+    kept8 = n - len(st.dropped) - len(st.demoted)
+    assert kb.live(view.table, 16 * n) == kept8 * kb.block_bytes + len(st.demoted) * kb.demoted_block_bytes
+    assert kb.demoted_block_bytes == store.bytes_per_slot < kb.block_bytes
+    view.close()
+    assert store.num_free() == store.num_slots and min(view.table) >= -1

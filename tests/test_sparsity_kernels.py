@@ -1,7 +1,7 @@
 """Holes and mixed formats on the read paths: dropped blocks (-1 table entries) read nothing and move
 no position, on the torch reference and on the Triton kernels (CPU: TRITON_INTERPRET=1, tiny sizes);
-INT8 blocks demoted to INT4 in place read back in their own format on the torch path; the
-attention probe measures exactly the softmax mass attention puts on each block."""
+INT8 blocks demoted into the INT4 demotion store (table entries <= -2) read back from it on the
+torch path; the attention probe measures exactly the softmax mass attention puts on each block."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
 
 from nanokv.attention.metadata import AttentionMetadata  # noqa: E402
+from nanokv.errors import NanoKVError  # noqa: E402
 from nanokv.kernels import reference  # noqa: E402
 from nanokv.kv import demote, quant  # noqa: E402
 from nanokv.kv.blockquant import quantize_filled  # noqa: E402
-from nanokv.kv.cache import LayerKVCache, allocate_layer_cache  # noqa: E402
+from nanokv.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block  # noqa: E402
 from nanokv.sparsity.probe import AttentionProbe  # noqa: E402
 
 BS, H, G, D = 8, 2, 2, 32
@@ -122,30 +123,50 @@ def test_runner_positions_and_slots_stay_true_with_holes():
     assert md.block_tables.tolist() == [table] and md.seq_lens_cpu == [75]
 
 
-def test_demoted_blocks_read_back_as_int4_of_the_int8_values():
+def test_demoted_blocks_read_back_from_the_int4_store():
+    """A demoted entry (-2 - slot) reads the demotion store, with the values the former in-place
+    format held: the per-row int4 quantization of the dequantized int8 row."""
     cache, md, q, stored = _batch(8, SPECS, [[] for _ in SPECS], num_prefills=2, seed=2)
-    table = md.block_tables
-    victims = [int(table[0, 1]), int(table[2, 3])]
-    before = [reference.gather_kv(cache, torch.tensor(victims), torch.float32)[j] for j in (0, 1)]
-    assert demote.demote(cache, victims + victims[:1]) == sorted(victims)  # duplicates and re-demotion are no-ops
-    assert demote.demote(cache, victims) == []
-    after = reference.gather_kv(cache, torch.tensor(victims), torch.float32)
+    table = md.block_tables.clone()
+    victims = [(0, 1), (2, 3), (2, 0)]  # (row, logical block)
+    ids = [int(table[r, i]) for r, i in victims]
+    before = reference.gather_kv(cache, torch.tensor(ids), torch.float32)
+    others = [b for b in table.flatten().tolist() if b >= 0 and b not in ids]
+    int8_before = reference.gather_kv(cache, torch.tensor(others), torch.float32)
+    store = demote.DemotionStore([cache], num_slots=4)
+    assert store.bytes_per_slot == demote.slot_bytes(H, BS, D) < bytes_per_block(8, H, BS, D, torch.float32)
+    slots = store.take(len(ids))
+    assert slots == [0, 1, 2] and store.num_free() == 1 and store.take(5) == [3] and store.take(1) == []
+    store.release(3)
+    store.demote(ids, slots)
+    for (r, i), j in zip(victims, slots):
+        table[r, i] = demote.code(j)
+    cache.k[ids], cache.v[ids] = 7, -7  # the int8 blocks went back to the pool: a new owner wrote them
+    after = reference.gather_kv(cache, torch.tensor([demote.code(j) for j in slots]), torch.float32)
     for x, y in zip(before, after):
         c, s, z = quant.quantize_int4(x)
-        torch.testing.assert_close(y, quant.dequantize_int4(c, s, z, torch.float32))
+        torch.testing.assert_close(y, quant.dequantize_int4(c, s, z, torch.float32), rtol=0, atol=0)
         assert ((y - x).norm() / x.norm()) < 0.15  # int4 error, not garbage
-    others = [b for b in table.flatten().tolist() if b >= 0 and b not in victims]
-    k, _ = reference.gather_kv(cache, torch.tensor(others), torch.float32)
-    kc = quant.dequantize_int8(cache.k[others], cache.k_scale[others], torch.float32)
-    torch.testing.assert_close(k, kc)  # int8 blocks untouched
-    # attention over the mixed cache = attention over what each block now holds
-    mixed = [torch.stack(reference.gather_kv(cache, table[i][table[i] >= 0].long(), torch.float32))
+    for x, y in zip(int8_before, reference.gather_kv(cache, torch.tensor(others), torch.float32)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)  # int8 blocks untouched
+    # attention over the mixed table (pool blocks, store slots, a hole) = explicit attention over what
+    # each entry holds; holes are still masked, store entries are keys
+    holes = [[], [], [2], []]
+    table[2, 2] = -1
+    md.block_tables = table
+    mixed = [torch.stack(reference.gather_kv(cache, table[i][table[i] != -1], torch.float32))
              .transpose(2, 3).reshape(2, -1, H, D) for i in range(len(SPECS))]
-    want, _ = _explicit(q, md, mixed, [[] for _ in SPECS])
+    for i, h in enumerate(holes):  # the explicit oracle indexes keys by position: pad the holes back
+        for b in h:
+            mixed[i] = torch.cat([mixed[i][:, :b * BS], torch.zeros(2, BS, H, D), mixed[i][:, b * BS:]], dim=1)
+    want, _ = _explicit(q, md, mixed, holes)
     torch.testing.assert_close(reference.paged_attention(q, cache, md, D ** -0.5), want, atol=1e-4, rtol=1e-4)
-    # a block id stored again (freed, reused) holds int8 again
-    demote.clear_on_store(cache, torch.tensor([victims[0] * BS + 3, -1]))
-    assert cache.demoted is not None and cache.demoted.tolist().count(True) == 1
+    # slots are released once, by code
+    store.release_code(demote.code(slots[0]))
+    with pytest.raises(NanoKVError):
+        store.release(slots[0])
+    with pytest.raises(NanoKVError):  # every layer must be int8: a block id leaves the pool in all of them
+        demote.DemotionStore([cache, allocate_layer_cache(16, 4, H, BS, D, torch.float32, "cpu")], 4)
 
 
 def test_probe_measures_the_attention_mass_per_block():

@@ -1,6 +1,7 @@
 """Block-sparsity policies (pure Python): which blocks each policy keeps, the shared budget, and the
-per-sequence state over a sequence's life; plus the live-bytes accounting and the manager's
-mark_lossy (a prefix-shared block is never rewritten, a rewritten one is never served)."""
+per-sequence state over a sequence's life; plus the live-bytes accounting and the manager's side of
+hybrid's demotion store (external entries: the block goes back to the pool, every path that frees a
+sequence hands the entry's code back exactly once)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanokv.cache.manager import KVCacheManager
+from nanokv.errors import NanoKVError
 from nanokv.kv.cache import bytes_per_block
+from nanokv.kv.demote import code, slot_bytes
 from nanokv.sparsity import POLICIES, SequenceSparsity, SparsityParams, keep_budget, plan
 from nanokv.sparsity.accounting import KVBytes
 from nanokv.sparsity.policies import on_interval_grid
@@ -119,30 +122,73 @@ def test_live_bytes_count_each_block_at_its_format():
     kb = KVBytes([8, 8, 16, 4], num_kv_heads=3, block_size=16, head_dim=64)
     per = {b: bytes_per_block(b, 3, 16, 64, torch.bfloat16) for b in (4, 8, 16)}
     assert kb.block_bytes == 2 * per[8] + per[16] + per[4]
-    assert kb.demoted_block_bytes == 2 * per[4] + per[16] + per[4]
     table = [5, -1, 7, 9, 11]  # logical 1 dropped; 4.5 blocks computed -> blocks 0..4 live but 1
     assert kb.live(table, 70) == 4 * kb.block_bytes
-    assert kb.live(table, 70, {2}) == 3 * kb.block_bytes + kb.demoted_block_bytes
     assert kb.live(table, 33) == 2 * kb.block_bytes  # only blocks covering computed tokens
+    # hybrid (every layer int8): a demoted entry holds a demotion-store slot in each layer instead
+    kb8 = KVBytes([8] * 3, num_kv_heads=3, block_size=16, head_dim=64)
+    assert kb8.demoted_block_bytes == 3 * slot_bytes(3, 16, 64) == 3 * 2 * 3 * 16 * (32 + 4)
+    assert kb8.live([5, -1, code(0), 9, code(3)], 70) == 2 * kb8.block_bytes + 2 * kb8.demoted_block_bytes
 
 
-def test_mark_lossy_unpublishes_private_blocks_and_refuses_shared_ones():
+class _Slots:
+    """The external owner's side: which codes are out, and every release."""
+
+    def __init__(self) -> None:
+        self.out: set[int] = set()
+        self.released: list[int] = []
+
+    def release(self, c: int) -> None:
+        assert c in self.out, f"{c} released but not out"
+        self.out.remove(c)
+        self.released.append(c)
+
+
+def test_replace_with_external_releases_the_block_and_every_path_returns_the_code():
     cm = KVCacheManager(16, 4)
+    toks = list(range(100, 117))  # 4 full blocks + 1
+    cm.allocate("a", len(toks))
+    cm.cache_blocks("a", toks, 8)  # blocks 0, 1 published
+    owner = _Slots()
+    with pytest.raises(NanoKVError, match="set_external_release"):
+        cm.replace_with_external("a", 2, code(0))
+    cm.set_external_release(owner.release)
+    tab = cm.block_table("a")
+    for bad in ({"logical_index": 9}, {"logical_index": True}, {"code": -1}, {"code": 3}, {"code": 2.5}):
+        kw = {"logical_index": 2, "code": code(0), **bad}
+        with pytest.raises(NanoKVError):
+            cm.replace_with_external("a", kw["logical_index"], kw["code"])
+    free0 = cm.num_free_blocks()
+    b1, b2 = tab[1], tab[2]
+    for i, j in ((1, 0), (2, 1)):
+        owner.out.add(code(j))
+        assert cm.replace_with_external("a", i, code(j)) == (b1, b2)[i - 1]
+    assert tab[1:3] == [code(0), code(1)] and cm.num_free_blocks() == free0 + 2  # really back in the pool
+    with pytest.raises(NanoKVError):  # already external
+        cm.replace_with_external("a", 1, code(5))
+    # block 1 was published before: its int8 content is intact and exact, so it stays a cached prefix
+    # (never the int4 copy); nothing from block 1 on is published any more
+    cm.cache_blocks("a", toks, 17)
+    assert cm.match_prefix(toks).block_ids == [tab[0], b1] and cm.num_cached_blocks() == 2
+    cm.drop_blocks("a", [2])  # dropping an external entry returns its code, the entry is a hole
+    assert tab[2] == -1 and owner.released == [code(1)]
+    cm.free("a")  # finish / abort / preemption all free: the remaining code comes back
+    assert owner.out == set() and owner.released == [code(1), code(0)]
+    assert cm.num_used_blocks() == 0 and cm.num_free_blocks() == 16
+
+
+def test_held_alone_skips_shared_blocks_holes_and_external_entries():
+    cm = KVCacheManager(16, 4)
+    cm.set_external_release(lambda c: None)
     toks = list(range(100, 113))  # 3 full blocks + 1
     cm.allocate("a", len(toks))
     cm.cache_blocks("a", toks, len(toks))
-    hit = cm.match_prefix(toks)
-    assert len(hit.block_ids) == 3
-    cm.allocate("b", len(toks), hit)  # b shares a's three full blocks
-    assert cm.mark_lossy("a", [0, 1]) == []  # shared: never rewritten
+    cm.allocate("b", len(toks), cm.match_prefix(toks))  # b shares a's three full blocks
+    assert cm.held_alone("a", [0, 1, 2, 3]) == [3]
     cm.free("b")
-    tab = list(cm.block_table("a"))
-    assert cm.mark_lossy("a", [1]) == [tab[1]]
-    assert cm.match_prefix(toks).block_ids == tab[:1]  # block 1 is no longer served, nor what follows
-    cm.cache_blocks("a", toks + [1] * 4, 17)  # a 4th full block computed after the lossy one: not published
-    assert cm.num_cached_blocks() == 2  # blocks 0 and 2 (published before), never block 3
-    cm.free("a")
-    assert cm.match_prefix(toks).block_ids == tab[:1]
+    cm.drop_blocks("a", [0])
+    cm.replace_with_external("a", 1, code(0))
+    assert cm.held_alone("a", [0, 1, 2, 3, 7]) == [2, 3]
 
 
 def test_params_are_validated():

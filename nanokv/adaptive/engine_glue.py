@@ -6,7 +6,7 @@ Which rules run:
   * max_num_seqs    - when ``adaptive`` is set;
   * KV bit width    - when ``adaptive`` is set, some layer is compressed, and the runner is a
     single-process ModelRunner (tensor-parallel workers hold their own shards: not supported yet)
-    without hybrid sparsity (it demotes int8 blocks in place in the layers it holds);
+    without hybrid sparsity (its INT4 demotion store copies from int8 layers and needs them int8);
   * KV pool size    - when ``adaptive`` is set and there is something to grow into: a CUDA device
     or ``adaptive_pool_reserve_bytes``. With tensor parallelism every rank resizes its shard in
     lock step (TPModelRunner.resize_kv); the memory check reads rank 0's device only.
@@ -33,8 +33,8 @@ def build_controller(engine: Any) -> AdaptiveController:
             log.warning("adaptive: KV bit-width switching is not supported with tensor parallelism; "
                         "the rule is off")
         elif any(getattr(c, "demoted", None) is not None for c in runner.kv_caches):
-            # hybrid sparsity demotes int8 blocks in place and keeps its own list of those layers
-            log.warning("adaptive: KV bit-width switching is off with hybrid sparsity (in-place demotion)")
+            # hybrid sparsity's demotion store re-quantizes int8 blocks: every layer must stay int8
+            log.warning("adaptive: KV bit-width switching is off with hybrid sparsity (INT4 demotion store)")
         else:
             from nanokv.adaptive.precision import PrecisionActuator  # torch: only when needed
 

@@ -25,7 +25,8 @@ class AttentionMetadata:
     # [B] int32: tokens in each sequence's context after this step (cached + new)
     seq_lens: torch.Tensor
     # [B, max_blocks] int32: physical block ids, padded with -1. Entry i always covers positions
-    # [i*block_size, (i+1)*block_size); a dropped block (sparsity) is a -1 hole, so positions stay true
+    # [i*block_size, (i+1)*block_size); a dropped block (sparsity) is a -1 hole, so positions stay true;
+    # -2 - j is slot j of hybrid sparsity's INT4 demotion store (torch reference only, nanokv.kv.demote)
     block_tables: torch.Tensor
     num_prefills: int  # sequences [0, num_prefills) are prefills, the rest decode (1 token each)
     num_prefill_tokens: int

@@ -13,7 +13,7 @@ Nothing here scans all blocks per step: work is proportional to the blocks a cal
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +26,10 @@ from nanokv.errors import NanoKVError
 
 @dataclass
 class _Seq:
-    table: list[int]
+    table: list[int]  # >= 0 pool block ids; -1 a hole (dropped); <= -2 external (replace_with_external)
     hashes: list[bytes]  # known full-block hashes (from match_prefix, extended by cache_blocks)
     num_cached: int  # leading blocks already published (registered, or found cached elsewhere)
-    first_hole: int  # logical index of the first dropped block (len limit when none)
+    first_hole: int  # logical index of the first dropped or external block (_NO_HOLE when none)
 
 
 _NO_HOLE = 1 << 62
@@ -40,6 +40,11 @@ def _check_int(name: str, value: Any, lo: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise NanoKVError(name, f"got {value!r}; must be an integer >= {lo}")
     return value
+
+
+def _check_index(name: str, i: Any, n: int) -> None:
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+        raise NanoKVError(name, f"index {i!r} outside the block table (0..{n - 1})")
 
 
 class KVCacheManager:
@@ -71,6 +76,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, make_policy(eviction_policy, num_blocks, **self._policy_kwargs))
         self.stats = CacheStats(evictions_by_policy={eviction_policy: 0})
         self._seqs: dict[Hashable, _Seq] = {}
+        self._external_release: Callable[[int], None] | None = None  # see set_external_release
 
     # ---- gauges ------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -240,7 +246,8 @@ class KVCacheManager:
     # ---- release ---------------------------------------------------------------------------------
     def free(self, seq_id: Hashable) -> None:
         """Release the sequence's blocks tail first, so deeper blocks become evictable first and a
-        prompt's root is the most recently released (LRU-like policies then evict leaves first)."""
+        prompt's root is the most recently released (LRU-like policies then evict leaves first).
+        External entries (<= -2, see replace_with_external) go back to their owner after that."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
@@ -251,41 +258,65 @@ class KVCacheManager:
                 cached = pool.hash[b] is not None
                 pool.release(b, tail if cached else -1)
                 tail += cached
+        for b in seq.table:
+            if b <= -2:
+                self._release_external(b)
 
     def drop_blocks(self, seq_id: Hashable, logical_indices: Iterable[int]) -> None:
-        """Sparsity: release these blocks now; their table entries become holes (-1). Blocks after
-        the first hole are never published to the prefix cache."""
+        """Sparsity: release these blocks now (pool blocks to the pool, external entries to their
+        owner); their table entries become holes (-1). Blocks after the first hole are never
+        published to the prefix cache."""
         seq = self._seq(seq_id)
-        n = len(seq.table)
         for i in logical_indices:
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
-                raise NanoKVError("logical_indices", f"index {i!r} outside the block table (0..{n - 1})")
+            _check_index("logical_indices", i, len(seq.table))
             b = seq.table[i]
-            if b < 0:
+            if b == -1:
                 continue
             seq.table[i] = -1
             seq.first_hole = min(seq.first_hole, i)
-            self.pool.release(b)
+            if b >= 0:
+                self.pool.release(b)
+            else:
+                self._release_external(b)
 
-    def mark_lossy(self, seq_id: Hashable, logical_indices: Iterable[int]) -> list[int]:
-        """Sparsity (hybrid): the caller wants to rewrite these blocks lossily in place (INT8 -> INT4).
-        Only blocks this sequence holds alone qualify (a prefix-shared block is left as it is); each
-        one loses its cached hash, so it is never served as a prefix, and like a hole it stops later
-        blocks from being published. Returns the physical ids that may be rewritten."""
+    # ---- external entries (hybrid sparsity: blocks moved into the INT4 demotion store) -----------
+    def set_external_release(self, release: Callable[[int], None] | None) -> None:
+        """Who takes back an external entry (a code <= -2) when its sequence drops it, finishes, is
+        aborted or preempted: release(code) is called exactly once per code put into a table."""
+        self._external_release = release
+
+    def held_alone(self, seq_id: Hashable, logical_indices: Iterable[int]) -> list[int]:
+        """Those of the logical indices whose entry is a pool block referenced by this sequence only
+        (moving a prefix-shared block out would free nothing: its other holders keep it)."""
         seq = self._seq(seq_id)
-        pool = self.pool
-        out: list[int] = []
-        for i in logical_indices:
-            b = seq.table[i] if isinstance(i, int) and 0 <= i < len(seq.table) else -1
-            if b < 0 or pool.ref[b] != 1:
-                continue
-            seq.first_hole = min(seq.first_hole, i)
-            h = pool.hash[b]
-            if h is not None:  # in use, so not in the evictable set: only the index knows it
-                del pool.index[h]
-                pool.hash[b] = None
-            out.append(b)
-        return out
+        ref = self.pool.ref
+        return [i for i in logical_indices if 0 <= i < len(seq.table) and seq.table[i] >= 0
+                and ref[seq.table[i]] == 1]
+
+    def replace_with_external(self, seq_id: Hashable, logical_index: int, code: int) -> int:
+        """Sparsity (hybrid): the caller copied block `logical_index` elsewhere (the INT4 demotion
+        store) and names the copy by `code` (<= -2; -1 is a hole). The pool block is released now,
+        like a dropped one: its content is intact, so a hash it holds stays cached (an exact prefix),
+        and, like a hole, it stops publication of every later block (they were computed against the
+        copy). The entry stays readable, through `code`. Returns the released block id."""
+        if self._external_release is None:
+            raise NanoKVError("code", "no owner for external entries; call set_external_release first")
+        if isinstance(code, bool) or not isinstance(code, int) or code > -2:
+            raise NanoKVError("code", f"got {code!r}; external codes are integers <= -2 (-1 is a hole)")
+        seq = self._seq(seq_id)
+        _check_index("logical_index", logical_index, len(seq.table))
+        b = seq.table[logical_index]
+        if b < 0:
+            raise NanoKVError("logical_index", f"entry {logical_index} is {b}, not a pool block")
+        seq.table[logical_index] = code
+        seq.first_hole = min(seq.first_hole, logical_index)
+        self.pool.release(b)
+        return b
+
+    def _release_external(self, code: int) -> None:
+        if self._external_release is None:  # only replace_with_external puts codes in, and it checks
+            raise RuntimeError(f"external entry {code} without an owner")
+        self._external_release(code)
 
     # ---- counters the scheduler reports --------------------------------------------------------
     def record_recompute(self, num_tokens: int) -> None:

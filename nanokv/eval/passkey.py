@@ -106,6 +106,7 @@ def run_passkey(bench: Bench, lengths: list[int], trials: int, seed: int = 0,
                     text = tok.decode(greedy(runner, ids, view, MAX_NEW, eng.eos_token_ids,
                                              chunk if sp is not None else None))
                     bench.note_peak("passkey", name, view)
+                    view.close()  # demotion-store slots back
                     ok = answer_key(text) == key
                     hits[name][L] += int(ok)
                     row[name] = text.strip()

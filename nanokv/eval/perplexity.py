@@ -53,6 +53,8 @@ def run_perplexity(bench: Bench, windows: list[list[int]], chunk: int,
                     progress(max(m, 0))
         finally:
             eng.cache_manager.free(seq_id)
+            for view in views.values():
+                view.close()  # demotion-store slots back
         bench.note_peak("perplexity", "fp", ref_view)
         for name, view in views.items():
             bench.note_peak("perplexity", name, view)

@@ -4,7 +4,7 @@ The reference runner is the engine's own (full-precision cache). Each setting ge
 with its own KV tensors built from its own EngineConfig, over the same model weights and the same
 number of blocks, so one block table from `eng.cache_manager` is valid for all of them. A sparse
 setting reads that table through its own view with holes (nanokv.eval.sparse); its runner gets an
-attention probe when its policy ranks blocks by attention mass.
+attention probe when its policy ranks blocks by attention mass, and an INT4 demotion store for hybrid.
 """
 
 from __future__ import annotations
@@ -71,6 +71,12 @@ def build(settings: list[Setting], model: str | None, num_blocks: int, block_siz
             from nanokv.sparsity.probe import AttentionProbe
 
             r.attn_probe = AttentionProbe()
+        if s.sparsity is not None and s.sparsity.demotes:
+            from nanokv.kv.demote import DemotionStore
+
+            # one sequence at a time: a slot per block, so the store is never full (ConfigError
+            # unless every layer is int8)
+            r.demotion_store = DemotionStore(r.kv_caches, r.num_blocks)
         runners[s.name] = r
         kv_bytes[s.name] = KVBytes(r.layer_bits, *shape)
     return Bench(eng, runners, monitors, {s.name: s for s in settings}, kv_bytes)

@@ -41,7 +41,8 @@ class StepPlan:
 
 
 def step_plan(md: AttentionMetadata, block_size: int) -> StepPlan | None:
-    """The step's gather plan, or None when some sequence reads a hole (-1) and must be masked.
+    """The step's gather plan, or None when some sequence has a negative entry: a hole (-1) must be
+    masked, and a demoted block (<= -2, hybrid sparsity) lives outside the cache tensors.
 
     Memoised in md.extras: built by the first layer, reused by the others (tables are host data)."""
     if _PLAN_KEY in md.extras:
@@ -66,9 +67,10 @@ def step_plan(md: AttentionMetadata, block_size: int) -> StepPlan | None:
 def applies(q: torch.Tensor, cache: LayerKVCache) -> bool:
     """Unquantized cache in q's dtype, on the CPU: the gathered K/V are exactly what was stored.
     Not for a simulated format (fake_quant): the eval scores it against the real quantized cache,
-    which takes the masked path, and the two must round alike to compare exactly."""
+    which takes the masked path, and the two must round alike to compare exactly. Never for a
+    cache with a demotion store (hybrid sparsity: int8 only anyway): this path reads only k and v."""
     return (q.device.type == "cpu" and cache.bits == 16 and cache.k.dtype == q.dtype
-            and cache.fake_quant is None)
+            and cache.fake_quant is None and cache.demoted is None)
 
 
 class _Scratch(threading.local):

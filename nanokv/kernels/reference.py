@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from nanokv.attention.metadata import AttentionMetadata
 from nanokv.kernels import cpu_attention
-from nanokv.kv import blockquant, demote, quant
+from nanokv.kv import blockquant, quant
 from nanokv.kv.cache import LayerKVCache
 
 
@@ -44,16 +44,19 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
 
 def gather_kv(cache: LayerKVCache, block_ids: torch.Tensor,
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_ids: [..., nb] (holes = -1 read block 0; callers mask them) -> K, V [..., nb, H, bs, D]."""
+    """block_ids: [..., nb] -> K, V [..., nb, H, bs, D]. Entries >= 0 are pool blocks; holes (-1) read
+    block 0 (callers mask them); entries <= -2 (int8 layers under hybrid sparsity) are slots of the
+    layer's INT4 demotion store (nanokv.kv.demote)."""
     ids = block_ids.clamp_min(0).long()
     if cache.bits == 16:
         return cache.k[ids].to(dtype), cache.v[ids].to(dtype)
     assert cache.k_scale is not None and cache.v_scale is not None
     if cache.bits == 8:
-        if cache.demoted is not None:  # hybrid sparsity: some blocks hold int4 in place
-            return demote.gather_mixed(cache, ids, dtype)
-        return (quant.dequantize_int8(cache.k[ids], cache.k_scale[ids], dtype),
-                quant.dequantize_int8(cache.v[ids], cache.v_scale[ids], dtype))
+        k = quant.dequantize_int8(cache.k[ids], cache.k_scale[ids], dtype)
+        v = quant.dequantize_int8(cache.v[ids], cache.v_scale[ids], dtype)
+        if cache.demoted is not None:  # hybrid sparsity: entries <= -2 read the demotion store instead
+            cache.demoted.overwrite(block_ids, k, v)
+        return k, v
     return blockquant.gather(cache, ids, dtype)
 
 
@@ -80,11 +83,12 @@ def gather_kv_heads(cache: LayerKVCache, block_ids: torch.Tensor,
 
 
 def _key_valid(block_ids: torch.Tensor, bs: int, seq_len: torch.Tensor) -> torch.Tensor:
-    """block_ids: [B, nb]; seq_len: [B] -> bool [B, nb*bs]: key exists (not a hole, < seq_len)."""
+    """block_ids: [B, nb]; seq_len: [B] -> bool [B, nb*bs]: key exists (not a hole, < seq_len).
+    Only -1 is a hole: entries <= -2 are demoted blocks (nanokv.kv.demote), real keys."""
     B, nb = block_ids.shape
     pos = torch.arange(nb * bs, device=block_ids.device)
     valid = pos.unsqueeze(0) < seq_len.unsqueeze(1)
-    not_hole = (block_ids >= 0).repeat_interleave(bs, dim=1)
+    not_hole = (block_ids != -1).repeat_interleave(bs, dim=1)
     return valid & not_hole
 
 

@@ -25,12 +25,15 @@ are rotated the same way before attention), so kernels need not know: scores are
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nanokv.kv.rotation import rotates
 from nanokv.kv.staging import StageTable
+
+if TYPE_CHECKING:
+    from nanokv.kv.demote import DemotedBlocks
 
 
 @dataclass
@@ -50,7 +53,8 @@ class LayerKVCache:
     rotate: bool = False  # keys (and queries) are Hadamard-rotated before store: part of the format
     monitor: Any = None  # nanokv.kv.monitor.CompressionMonitor sampling this layer's store error
     fake_quant: Any = None  # measurement only (nanokv.kv.fakequant): simulate a format on a 16-bit cache
-    demoted: torch.Tensor | None = None  # hybrid sparsity, int8 layers: [N] bool, block holds int4 (kv.demote)
+    # hybrid sparsity, int8 layers: this layer's INT4 demotion store, read for table entries <= -2 (kv.demote)
+    demoted: DemotedBlocks | None = None
     probe: Any = None  # nanokv.adaptive.probe.ErrorProbe: called with (layer, q, k, v) on each store
 
     @property

@@ -8,8 +8,8 @@ In order:
   3. measurement only: a FakeQuant simulating another format on a 16-bit cache;
   4. the compression monitor's sampled error of exactly the rows about to be stored;
   5. the adaptive controller's error probe (nanokv.adaptive.probe), which also needs q;
-  6. sparsity: clear the INT4-demotion flag of blocks stored again (nanokv.kv.demote), and feed the
-     step's attention probe when the runner set one (md.extras["attn_probe"], nanokv.sparsity.probe).
+  6. sparsity: feed the step's attention probe when the runner set one (md.extras["attn_probe"],
+     nanokv.sparsity.probe).
 int4 layers also rotate v (the format stores v R). `after_attention` is the matching hook after the
 step's attention: int4 blocks filled by the step are quantized there, and the output rotated back.
 Layers without any of these pay one attribute check each.
@@ -25,7 +25,6 @@ import torch
 
 from nanokv.kv.blockquant import quantize_filled
 from nanokv.kv.cache import LayerKVCache
-from nanokv.kv.demote import clear_on_store
 from nanokv.kv.rotation import maybe_rotate, rotation_matrix
 
 # layer -> (channels, factor): test hook state, process-wide (see key_outliers)
@@ -89,8 +88,6 @@ def before_store(layer: int, cache: LayerKVCache, md: Any, q: torch.Tensor, k: t
         cache.monitor.maybe_record(layer, cache.bits, k, v, cache.k.dtype if cache.bits >= 16 else k.dtype)
     if cache.probe is not None and not _capturing(k):
         cache.probe(layer, q, k, v)
-    if cache.demoted is not None:  # hybrid sparsity: a block stored again is a fresh int8 block
-        clear_on_store(cache, md.slot_mapping)
     attn_probe = md.extras.get("attn_probe") if getattr(md, "extras", None) else None
     if attn_probe is not None:  # sparsity (attention/hybrid): attention mass per block, nanokv.sparsity.probe
         attn_probe.record(layer, cache, md, q, k)

@@ -1,13 +1,14 @@
 """Resize one layer's paged KV tensors to another block count, in place, block ids unchanged.
 
-Every per-block tensor of the format (k, v [N, H, bs, D or D/2]; scales and zero points [N, H, bs];
-hybrid sparsity's ``demoted`` flags [N]) is reallocated with the new leading dimension N' and the
-first min(N, N') blocks are copied over. Blocks [N, N') of a grown cache are zero; a shrunk cache
-loses blocks [N', N), which the cache manager has already removed (none of them was referenced).
+Every per-block tensor of the format (k, v [N, H, bs, D or D/2]; scales and zero points [N, H, bs])
+is reallocated with the new leading dimension N' and the first min(N, N') blocks are copied over.
+Blocks [N, N') of a grown cache are zero; a shrunk cache loses blocks [N', N), which the cache
+manager has already removed (none of them was referenced).
 
 The LayerKVCache object itself stays (its fields are replaced): the runner's list, the compression
-monitor, the error probe and hybrid sparsity's list of int8 layers keep pointing at it. Captured
-CUDA graphs do not: they hold the old tensors' addresses and must be captured again.
+monitor, the error probe and hybrid sparsity's demotion store keep pointing at it (its slots are not
+block ids, so `demoted` keeps its size). Captured CUDA graphs do not: they hold the old tensors'
+addresses and must be captured again.
 Memory: one layer's old and new tensors coexist during its copy, then the old ones are dropped.
 """
 
@@ -17,7 +18,7 @@ import torch
 
 from nanokv.kv.cache import LayerKVCache
 
-BLOCK_FIELDS = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero", "demoted")
+BLOCK_FIELDS = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
 
 
 @torch.no_grad()

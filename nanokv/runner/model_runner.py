@@ -74,6 +74,7 @@ class ModelRunner:
         self._graph_model_len = 0  # max_model_len the graphs were captured for (re-capture after a resize)
         self.attn_probe: AttentionProbe | None = None  # sparsity: put into each step's metadata
         self.uploader = PinnedUploader(device)
+        self.demotion_store: Any = None  # hybrid sparsity: nanokv.kv.demote.DemotionStore over kv_caches
 
     def capture_cudagraphs(self, max_model_len: int) -> None:
         """Capture decode graphs (CUDA only, unless enforce_eager)."""

@@ -1,17 +1,20 @@
 """Block sparsity inside the engine: one call per step, after the scheduler published the step's
 blocks (Scheduler.update) and before sampling.
 
-For every sequence that ran this step it measures the blocks the sequence holds (live entries of
-its block table: the step's peak, new blocks included), folds the step's attention mass into the
-sequence's scores (attention / hybrid), then applies the policy's plan through the cache manager:
-dropped blocks go back to the pool (KVCacheManager.drop_blocks: -1 holes, nothing after the first
-hole is published), demoted blocks are unpublished and made private first
-(KVCacheManager.mark_lossy) and re-quantized INT8 -> INT4 in place in every int8 layer
-(nanokv.kv.demote). With s = 0 the engine gets no EngineSparsity at all.
+For every sequence that ran this step it measures the pool blocks the sequence holds (entries >= 0
+of its block table: the step's peak, new blocks included), folds the step's attention mass into
+the sequence's scores (attention / hybrid), then applies the policy's plan through the cache
+manager: dropped blocks go back to the pool (KVCacheManager.drop_blocks: -1 holes, nothing after
+the first hole is published); demoted blocks (hybrid) are copied as INT4 into a slot of the
+demotion store (nanokv.kv.demote), then their INT8 block goes back to the pool and the entry
+becomes -2 - slot (KVCacheManager.replace_with_external). The manager hands every slot back to the
+store when its sequence drops the entry, finishes, is aborted or preempted. With s = 0 the engine
+gets no EngineSparsity at all.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
@@ -21,6 +24,7 @@ from nanokv.sparsity.policies import SparsityParams
 from nanokv.sparsity.state import SequenceSparsity
 
 if TYPE_CHECKING:
+    from nanokv.kv.demote import DemotionStore
     from nanokv.sparsity.probe import AttentionProbe
 
 _KEEP_PEAKS = 4096  # per-request peaks remembered (most recent requests)
@@ -33,21 +37,27 @@ class EngineSparsity:
         self.runner = runner
         self.block_size = cache_manager.block_size
         self._states: dict[Hashable, tuple[list[int], SequenceSparsity]] = {}
-        self.peak_blocks: OrderedDict[str, int] = OrderedDict()  # request id -> most blocks held at once
+        self.peak_blocks: OrderedDict[str, int] = OrderedDict()  # request id -> most pool blocks held at once
         self.blocks_dropped = 0
-        self.blocks_demoted = 0  # block demotions (each covers every int8 layer)
-        self.demotions_refused = 0  # shared (prefix-hit) blocks left in INT8
+        self.blocks_demoted = 0  # block demotions (each covers every layer)
+        # demotions not done this step (the block stays INT8, retried next step): the block is shared
+        # with another sequence (a prefix hit: moving it would free nothing) / the store was full
+        self.demotions_refused = 0
+        self.demotions_store_full = 0
         self.probe: AttentionProbe | None = None
         if params.needs_scores:
             from nanokv.sparsity.probe import AttentionProbe
 
             self.probe = AttentionProbe()
             runner.attn_probe = self.probe
-        self.int8_layers: list[Any] = []
+        self.store: DemotionStore | None = None
         if params.demotes:
-            from nanokv.kv import demote
+            from nanokv.kv.demote import DemotionStore
 
-            self.int8_layers = [c for c in runner.kv_caches if demote.enable(c)]
+            slots = max(1, math.ceil(params.store_fraction * cache_manager.num_blocks))
+            self.store = DemotionStore(runner.kv_caches, slots)  # ConfigError unless every layer is int8
+            runner.demotion_store = self.store
+            cache_manager.set_external_release(self.store.release_code)
 
     def _state(self, seq_id: Hashable) -> SequenceSparsity:
         table = self.cm.block_table(seq_id)
@@ -86,23 +96,32 @@ class EngineSparsity:
         if plan.drop:
             self.cm.drop_blocks(seq_id, plan.drop)
             self.blocks_dropped += len(plan.drop)
-        done: list[int] = []
-        if plan.demote and self.int8_layers:
-            from nanokv.kv import demote
-
-            table = self.cm.block_table(seq_id)
-            phys = set(self.cm.mark_lossy(seq_id, plan.demote))
-            done = [i for i in plan.demote if table[i] in phys]
-            self.demotions_refused += len(plan.demote) - len(done)
-            for cache in self.int8_layers:
-                demote.demote(cache, [table[i] for i in done])
-            self.blocks_demoted += len(done)
+        done = self._demote(seq_id, plan.demote) if plan.demote and self.store is not None else []
         st.commit(plan.drop, done)
+
+    def _demote(self, seq_id: Hashable, logical: list[int]) -> list[int]:
+        """Move these blocks into the INT4 store; returns the logical indices really moved."""
+        from nanokv.kv.demote import code
+
+        assert self.store is not None
+        alone = self.cm.held_alone(seq_id, logical)
+        self.demotions_refused += len(logical) - len(alone)
+        slots = self.store.take(len(alone))
+        self.demotions_store_full += len(alone) - len(slots)
+        done = alone[:len(slots)]
+        table = self.cm.block_table(seq_id)
+        self.store.demote([table[i] for i in done], slots)  # copy first: the release may hand b out
+        for i, j in zip(done, slots):
+            self.cm.replace_with_external(seq_id, i, code(j))
+        self.blocks_demoted += len(done)
+        return done
 
     def stats(self) -> dict[str, Any]:
         return {"policy": self.params.policy, "sparsity": self.params.sparsity,
                 "blocks_dropped": self.blocks_dropped, "blocks_demoted": self.blocks_demoted,
-                "demotions_refused": self.demotions_refused,
+                "demotions_refused": self.demotions_refused, "demotions_store_full": self.demotions_store_full,
+                "demotion_slots": self.store.num_slots if self.store is not None else 0,
+                "demotion_slots_free": self.store.num_free() if self.store is not None else 0,
                 "max_peak_blocks": max(self.peak_blocks.values(), default=0)}
 
 
@@ -122,9 +141,9 @@ def attach(cfg: Any, cache_manager: Any, runner: Any) -> EngineSparsity | None:
         raise ConfigError("sparsity_policy", f"{params.policy!r} needs the attention probe, which is not wired "
                                              "for tensor parallelism yet; use streaming or interval")
     if params.demotes and getattr(runner.backend, "name", "torch") != "torch":
-        raise ConfigError("sparsity_policy", "hybrid reads INT4-demoted blocks in int8 layers, which only the "
-                                             "torch reference does for now; use attention_backend='torch'")
+        raise ConfigError("sparsity_policy", "hybrid reads demoted blocks from the INT4 demotion store, which "
+                                             "only the torch reference does for now; use attention_backend='torch'")
     if params.demotes and getattr(runner, "graphs", None) is not None:
-        # graph replays skip nanokv.kv.hooks, so a reused demoted block would keep its INT4 flag
+        # the store read selects the demoted entries of a step's tables (data-dependent shapes): not capturable
         raise ConfigError("sparsity_policy", "hybrid needs eager decode steps; set enforce_eager=True")
     return EngineSparsity(params, cache_manager, runner)

@@ -17,8 +17,9 @@ which of the other live blocks to keep first (at least `min_ranked` of them):
              floor((i + 1)(1 - s)) > floor(i (1 - s))), newest first among equals;
   attention  the highest accumulated attention mass (H2O-like; see nanokv.sparsity.probe);
   hybrid     as attention, and of the kept non-protected blocks the lowest-ranked fraction s is
-             demoted INT8 -> INT4 in place: by rank, the top tier stays INT8, the middle tier is
-             INT4, the bottom tier is dropped ((1-s)^2, s(1-s), s of the candidates).
+             demoted INT8 -> INT4 (moved into the INT4 demotion store, nanokv.kv.demote): by rank,
+             the top tier stays INT8, the middle tier is INT4, the bottom tier is dropped
+             ((1-s)^2, s(1-s), s of the candidates).
 
 Dropped blocks never come back and demoted blocks are never promoted: the caller only ever
 passes live blocks, so a plan is monotone over a sequence's life.
@@ -54,6 +55,13 @@ class SparsityParams:
     # one query gave the block (a needle read by one query keeps its score; a sum favours blocks
     # every query glances at, e.g. the sinks); "sum": H2O's total.
     score_mode: str = "max"
+    # hybrid, in the engine: slots of the INT4 demotion store as a fraction of the int8 pool's blocks
+    # at start-up, allocated next to the pool (a pool resize leaves the store as it is). A slot takes
+    # 0.55 of an int8 block's bytes (D = 64), so 0.5 costs ~27% more KV memory. At s = 0.5 and the
+    # default protected set a 2k-token sequence holds ~0.3 demoted blocks per int8 one, tending to
+    # s / (1 - s) for much longer ones. A full store leaves a block INT8, counted in
+    # EngineSparsity.demotions_store_full. The eval (one sequence at a time) sizes it to the pool.
+    store_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 <= float(self.sparsity) < 1.0:
@@ -64,6 +72,8 @@ class SparsityParams:
             raise ValueError(f"score_mode {self.score_mode!r}; allowed: {', '.join(SCORE_MODES)}")
         if min(self.sink_blocks, self.recent_blocks, self.min_ranked) < 0:
             raise ValueError("sink_blocks, recent_blocks and min_ranked must be >= 0")
+        if not 0.0 < float(self.store_fraction) <= 4.0:
+            raise ValueError(f"store_fraction must be in (0, 4], got {self.store_fraction!r}")
 
     @property
     def needs_scores(self) -> bool:
@@ -77,7 +87,7 @@ class SparsityParams:
 @dataclass
 class Plan:
     drop: list[int] = field(default_factory=list)  # logical block indices to release now
-    demote: list[int] = field(default_factory=list)  # logical block indices to re-quantize INT8 -> INT4
+    demote: list[int] = field(default_factory=list)  # logical block indices to move to INT4 (kv.demote)
 
     def __bool__(self) -> bool:
         return bool(self.drop or self.demote)

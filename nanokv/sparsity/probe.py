@@ -5,7 +5,7 @@ hook (nanokv.kv.hooks.before_store) calls `record` in every layer with the q and
 attended (after rotation, before the store). For each sequence in the step, `record` computes the
 softmax weights of the step's queries over the sequence's context exactly as attention does:
 cached positions [0, start) read back from the paged cache (holes masked, every format incl.
-demoted blocks, through the torch reference gather) and this step's keys [start, L) causally.
+blocks in hybrid's INT4 demotion store, through the torch reference gather) and this step's keys [start, L) causally.
 The weights are summed over heads and over each block's positions and accumulated over layers.
 
 `take()` then reduces over the step's queries, per sequence: the largest mass any one query gave
@@ -61,7 +61,7 @@ class AttentionProbe:
             kc, _ = gather_kv(cache, ids, torch.float32)  # [nb_ctx, H, bs, D]
             kc = kc.permute(1, 0, 2, 3).reshape(H, nb_ctx * bs, D)[:, :start]
             keys = torch.cat([kc, keys], dim=1)  # [H, L, D]
-            valid_ctx = (ids >= 0).repeat_interleave(bs)[:start]
+            valid_ctx = (ids != -1).repeat_interleave(bs)[:start]  # <= -2: demoted, still keys
         G = Hq // H
         qg = q.float().reshape(n, H, G, D).permute(1, 2, 0, 3)  # [H, G, n, D]
         out = torch.zeros(n, nb * bs, dtype=torch.float32, device=q.device)

@@ -5,8 +5,8 @@ engine (nanokv.sparsity.engine_hook) and the eval harness (nanokv.eval.sparse) b
 
     st.observe(step_mass)          # attention / hybrid: this step's mass per logical block
     p = st.plan(num_computed)      # which live full blocks to drop / demote now
-    ... apply p (release blocks / punch holes, re-quantize) ...
-    st.commit(dropped, demoted)    # what was really done (a shared block may refuse demotion)
+    ... apply p (release blocks / punch holes, move blocks to the INT4 demotion store) ...
+    st.commit(dropped, demoted)    # what was really done (a shared block or a full store refuses)
 """
 
 from __future__ import annotations
