@@ -172,6 +172,11 @@ def check_variants(sh: Shapes) -> None:
                               prefill_block_n=32)
         check_attention(sh, bits, "mixed", tiles2, " tiles2")
         check_attention(sh, bits, "decode", TritonConfig(words=False), " words=off")
+        check_attention(sh, bits, "decode", TritonConfig(quant_fold_k=False, quant_fold_v=False), " fold=off")
+        check_attention(sh, bits, "decode", TritonConfig(quant_fold_v=False), " fold_v=off")
+        check_attention(sh, bits, "decode", TritonConfig(quant_block_n=32, quant_warps=1, decode_splits=4), " w1s4")
+        check_attention(sh, bits, "decode", TritonConfig(quant_block_n=128, quant_warps=2, quant_stages=3,
+                                                         decode_splits=2), " bn128w2s2")
     check_attention(sh, 16, "decode", TritonConfig(decode_block_n=128, decode_warps=4, decode_splits=3),
                     " tiles2")
 
@@ -196,3 +201,4 @@ def check_graph_replay(sh: Shapes, bits: int) -> None:
     ref = reference.paged_attention(q.double(), cache, md, sh.scale)
     err = float((out.double() - ref).norm() / ref.norm())
     record_check(sh, f"decode graph replay bits={bits}", err if not out.isnan().any() else float("nan"), 1e-2)
+
