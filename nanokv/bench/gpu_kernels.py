@@ -194,11 +194,11 @@ def bench_prefill() -> None:
 QUANT_GRID = [(64, 4, 2, 1), (64, 2, 2, 1), (64, 2, 2, 2), (32, 2, 2, 2), (64, 4, 2, 2), (64, 4, 2, 4),
               (128, 4, 2, 2), (64, 4, 3, 2), (32, 1, 2, 4), (64, 2, 3, 2)]
 # A/B variants (fold_k, fold_v, maxnreg) on a few of those tiles; every QUANT_GRID row runs (True, True, 0)
-VARIANTS = {8: [((64, 4, 2, 1), (True, False, 0)), ((64, 4, 2, 2), (True, False, 0))],
+VARIANTS = {8: [((64, 4, 2, 1), (True, False, 0)), ((64, 4, 2, 2), (True, False, 0)),
+                ((64, 4, 2, 1), (True, True, 96)), ((64, 4, 2, 2), (True, True, 96))],
             4: [((64, 4, 2, 1), (False, False, 0)), ((64, 4, 2, 1), (True, False, 0)),
                 ((64, 4, 2, 2), (False, False, 0)), ((128, 4, 2, 2), (True, False, 0)),
-                ((64, 4, 2, 1), (True, True, 168)), ((64, 4, 2, 2), (True, True, 168)),
-                ((128, 4, 2, 2), (True, True, 168))]}
+                ((128, 4, 2, 1), (True, True, 168)), ((128, 4, 2, 2), (True, True, 168))]}
 
 
 def sweep(budget_s: float) -> None:

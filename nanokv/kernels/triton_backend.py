@@ -39,8 +39,9 @@ class TritonConfig:
     # int8/int4 decode: per-token V scales folded into the softmax weights (p * vs) @ codes instead
     # of dequantizing each V element (int4: only with quant_fold_k)
     quant_fold_v: bool = True
-    # registers per thread for int8/int4 decode, 0 = the compiler's choice (sm_90, 4 warps: folded
-    # int4 takes ~190, so 2 programs per SM; 168 fits 3 without spills in an offline compile)
+    # registers per thread for int8/int4 decode, 0 = the compiler's choice (sm_90, 4 warps, Triton 3.6,
+    # offline, no spills when capped: folded int4 at block_n 128 takes 222 = 2 programs per SM, 168
+    # fits 3; int8 at block_n 64 takes 110 = 4 per SM, 96 fits 5)
     quant_maxnreg: int = 0
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM
