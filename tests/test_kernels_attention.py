@@ -86,7 +86,7 @@ def step_kv(cache: LayerKVCache, md: AttentionMetadata) -> tuple[torch.Tensor, t
 
 
 def check(cache: LayerKVCache, md: AttentionMetadata, q: torch.Tensor, cfg: TritonConfig,
-          with_kv: bool = False) -> None:
+          with_kv: bool = False) -> float:
     D = q.shape[-1]
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
     k, v = step_kv(cache, md) if with_kv else (None, None)
@@ -96,6 +96,7 @@ def check(cache: LayerKVCache, md: AttentionMetadata, q: torch.Tensor, cfg: Trit
     err = ((out.float() - ref).norm() / ref.norm()).item()
     tol = 1e-5 if q.dtype == torch.float32 and DEV == "cpu" else 2e-3
     assert err < tol, f"relative error {err:.2e}"
+    return err
 
 
 def small_cfg(splits: int = 1, block_n: int = 16) -> TritonConfig:
@@ -124,6 +125,65 @@ def test_tile_vs_block_size(bs: int, block_n: int) -> None:
     """Tiles smaller than a block (part of one block) and larger (several blocks)."""
     cache, md, q = build_batch(8, torch.float32, bs, 2, 2, 32, [(40, 9)], [50, 130], holes=True, seed=bs)
     check(cache, md, q, small_cfg(splits=2, block_n=block_n))
+
+
+# quantized decode tiles (bs, block_n, splits, warps, dtype): tiles of several blocks (int4: row
+# groups, up to 16 blocks at bs 8), of part of a block, split-K incl. more splits than tiles, 1-4 warps
+QUANT_TILES = [(8, 32, 1, 1, torch.float16), (16, 64, 2, 2, torch.float16), (16, 128, 5, 4, torch.float16),
+               (32, 16, 3, 1, torch.float16), (8, 128, 16, 2, torch.float16), (16, 32, 4, 2, torch.float32)]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bs,block_n,splits,warps,dtype", QUANT_TILES)
+@pytest.mark.parametrize("G", [1, 2, 3])
+def test_quant_decode_tiles(bits: int, bs: int, block_n: int, splits: int, warps: int, dtype: torch.dtype,
+                            G: int) -> None:
+    cache, md, q = build_batch(bits, dtype, bs, 2, G, 32, [], [1, 9, 40, 70, 300], holes=True, seed=bs + G)
+    cfg = small_cfg(splits=splits, block_n=block_n)
+    cfg.quant_warps = warps
+    check(cache, md, q, cfg)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("fold_k,fold_v", [(True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("G", [2, 3])
+def test_quant_decode_fold_off(bits: int, fold_k: bool, fold_v: bool, G: int) -> None:
+    """The unfolded paths (the lead's A/B baselines) compute the same function."""
+    cache, md, q = build_batch(bits, torch.float16, 16, 2, G, 32, [], [5, 40, 130], holes=True, seed=G)
+    cfg = small_cfg(splits=2, block_n=64)
+    cfg.quant_fold_k, cfg.quant_fold_v = fold_k, fold_v
+    check(cache, md, q, cfg)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fold_v_peaked_softmax(bits: int) -> None:
+    """Sharp attention puts most p * v_scale products in fp16's subnormal range: the folded PV must
+    stay as close to the fp32 reference as per-element dequantization."""
+    cache, md, q = build_batch(bits, torch.float16, 16, 2, 2, 32, [], [300, 200], holes=False, seed=3)
+    q = q * 8  # scores ~ N(0, 64): weights spread over many orders of magnitude
+    errs = {}
+    for fold in (False, True):
+        cfg = small_cfg(block_n=64)
+        cfg.quant_fold_v = fold
+        errs[fold] = check(cache, md, q, cfg)
+    assert errs[True] < 1.5 * errs[False] + 1e-4, errs
+
+
+@pytest.mark.parametrize("fold_k", [True, False])
+@pytest.mark.parametrize("bs", [8, 16])
+def test_int4_decode_staged_before_newest_block(fold_k: bool, bs: int) -> None:
+    """In a runner decode step only a sequence's newest block is open; a block staged anywhere else
+    (here: a full block re-staged with new contents) must still be read from staging."""
+    cache, md, q = build_batch(4, torch.float16, bs, 2, 2, 32, [], [70, 100], holes=False, seed=bs)
+    assert cache.stage is not None
+    blk = int(md.block_tables[1, 2])  # a full block of sequence 1, three blocks before its newest
+    rows = blk * bs + torch.arange(bs)
+    cache.stage.plan(rows.numpy())
+    k, v = torch.randn(2, bs, 2, 32).to(torch.float16) * 3
+    reference.store_kvcache(k, v, cache, rows.to(DEV))  # into staging: the pool keeps the old codes
+    cfg = small_cfg(splits=2, block_n=32)
+    cfg.quant_fold_k = fold_k
+    check(cache, md, q, cfg)
 
 
 @pytest.mark.parametrize("bits,dtype", FORMATS)

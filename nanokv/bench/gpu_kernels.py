@@ -113,7 +113,8 @@ def decode_fn(cache: LayerKVCache, md: AttentionMetadata, cfg: TritonConfig) -> 
     bn, warps, stages = decode_tiles(cfg, cache.quantized)
     return lambda i: triton_decode.paged_decode(
         qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE, num_splits=splits,
-        block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm, words=cfg.words)
+        block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm, words=cfg.words, fold_k=cfg.quant_fold_k,
+        fold_v=cfg.quant_fold_v, maxnreg=cfg.quant_maxnreg if cache.quantized else 0)
 
 
 def bench_copy() -> None:
@@ -189,31 +190,42 @@ def bench_prefill() -> None:
                 bench_row(f"backend prefill (fresh -> sdpa route) {P}x{L}", ms, flops=fl)
 
 
+# quantized decode (block_n, warps, stages, splits), inline PTX on; the first is the baseline
+QUANT_GRID = [(64, 4, 2, 1), (64, 2, 2, 1), (64, 2, 2, 2), (32, 2, 2, 2), (64, 4, 2, 2), (64, 4, 2, 4),
+              (128, 4, 2, 2), (64, 4, 3, 2), (32, 1, 2, 4), (64, 2, 3, 2)]
+# A/B variants (fold_k, fold_v, maxnreg) on a few of those tiles; every QUANT_GRID row runs (True, True, 0)
+VARIANTS = {8: [((64, 4, 2, 1), (True, False, 0)), ((64, 4, 2, 2), (True, False, 0)),
+                ((64, 4, 2, 1), (True, True, 96)), ((64, 4, 2, 2), (True, True, 96))],
+            4: [((64, 4, 2, 1), (False, False, 0)), ((64, 4, 2, 1), (True, False, 0)),
+                ((64, 4, 2, 2), (False, False, 0)), ((128, 4, 2, 2), (True, False, 0)),
+                ((128, 4, 2, 1), (True, True, 168)), ((128, 4, 2, 2), (True, True, 168))]}
+
+
 def sweep(budget_s: float) -> None:
-    """Decode tile size x warps x pipeline depth x splits (x inline PTX for int8/int4), per shape."""
+    """Decode tile size x warps x pipeline depth x splits (x the int8/int4 folds), per shape."""
     bf16 = [(64, 4, 2, 1), (64, 8, 2, 1), (64, 4, 3, 1), (128, 4, 2, 1), (64, 8, 2, 2), (64, 4, 2, 2)]
-    quant = [(64, 4, 2, 1), (64, 8, 2, 1), (128, 4, 2, 1), (128, 8, 2, 1), (128, 8, 3, 1), (256, 8, 2, 1),
-             (64, 4, 3, 1), (32, 4, 2, 1), (64, 8, 2, 2), (128, 8, 2, 2)]
     for B, ctx in decode_shapes():
         for bits in (16, 8, 4):
             cache, md = make_batch(SH, bits, 16, [1] * B, [ctx] * B, 0, store=False)
-            grid = [(c, None) for c in bf16] if bits == 16 else [(c, a) for c in quant for a in (True, False)]
-            for (bn, w, st, splits), asm in grid[:2] if SMOKE else grid:
+            grid = [(c, (True, True, 0)) for c in (bf16 if bits == 16 else QUANT_GRID)] + VARIANTS.get(bits, [])
+            for (bn, w, st, splits), (fold_k, fold_v, nreg) in grid[:2] if SMOKE else grid:
                 if time.time() - T0 > budget_s:
                     RESULTS["errors"].append(f"sweep cut at B={B} bits={bits}: time budget")
                     return
+                asm = None if bits == 16 or SMOKE else True  # inline PTX: not in the CPU interpreter
                 cfg = TritonConfig(decode_block_n=bn, decode_warps=w, decode_stages=st, quant_block_n=bn,
-                                   quant_warps=w, quant_stages=st, decode_splits=splits, asm=asm)
+                                   quant_warps=w, quant_stages=st, decode_splits=splits, asm=asm,
+                                   quant_fold_k=fold_k, quant_fold_v=fold_v, quant_maxnreg=nreg)
                 try:
                     ms = timed(decode_fn(cache, md, cfg))
                 except Exception as e:  # a config that fails to compile (shared memory) is skipped
-                    RESULTS["errors"].append(f"sweep {bits},{bn},{w},{st},{splits}: {type(e).__name__}: {e}"
-                                             [:300])
+                    RESULTS["errors"].append(f"sweep {bits},{bn},{w},{st},{splits},fold={fold_k},{fold_v},{nreg}: "
+                                             f"{type(e).__name__}: {e}"[:300])
                     continue
                 gbs = kv_bytes(bits, B * ctx) / ms / 1e6
                 row = {"B": B, "ctx": ctx, "bits": bits, "block_n": bn, "warps": w, "stages": st,
-                       "splits": splits, "asm": asm, "us": ms * 1e3, "GB/s": gbs,
-                       "vs_sdpa": SDPA_MS[(B, ctx)] / ms}
+                       "splits": splits, "asm": asm, "fold_k": fold_k, "fold_v": fold_v, "maxnreg": nreg,
+                       "us": ms * 1e3, "GB/s": gbs, "vs_sdpa": SDPA_MS[(B, ctx)] / ms}
                 RESULTS["sweep"].append(row)
                 print("sweep", json.dumps(row), flush=True)
 
@@ -232,7 +244,8 @@ def summary() -> None:
             rows = [r for r in RESULTS["sweep"] if (r["B"], r["ctx"], r["bits"]) == key]
             for r in sorted(rows, key=lambda r: -r["GB/s"])[:3]:
                 print(f"sweep top B={B} ctx={ctx} bits={bits}: bn={r['block_n']} w={r['warps']} "
-                      f"st={r['stages']} splits={r['splits']} asm={r['asm']} {r['us']:.1f} us "
+                      f"st={r['stages']} splits={r['splits']} fold={r['fold_k']},{r['fold_v']} "
+                      f"maxnreg={r['maxnreg']} {r['us']:.1f} us "
                       f"{r['GB/s']:.0f} GB/s "
                       f"{r['vs_sdpa']:.2f}x sdpa")
     for e in RESULTS["errors"]:

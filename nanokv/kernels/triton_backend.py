@@ -33,6 +33,16 @@ class TritonConfig:
     quant_block_n: int = 64
     quant_warps: int = 4  # 8 warps ran int8/int4 decode 1.6x slower (register pressure)
     quant_stages: int = 2
+    # int4 decode: the per-block channel scales of the keys folded into the query, several blocks
+    # per tile in row groups (triton_decode_int4); False = per-element dequantization of key tiles
+    quant_fold_k: bool = True
+    # int8/int4 decode: per-token V scales folded into the softmax weights (p * vs) @ codes instead
+    # of dequantizing each V element (int4: only with quant_fold_k)
+    quant_fold_v: bool = True
+    # registers per thread for int8/int4 decode, 0 = the compiler's choice (sm_90, 4 warps, Triton 3.6,
+    # offline, no spills when capped: folded int4 at block_n 128 takes 222 = 2 programs per SM, 168
+    # fits 3; int8 at block_n 64 takes 110 = 4 per SM, 96 fits 5)
+    quant_maxnreg: int = 0
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM
     min_split_tokens: int = 256  # no split shorter than this (the merge would cost more than it saves)
@@ -186,5 +196,6 @@ class TritonBackend:
             triton_decode.paged_decode(
                 q[s0:s0 + nd], cache, md.block_tables[P:], md.seq_lens[P:], out[s0:s0 + nd], scale,
                 num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm,
-                words=cfg.words)
+                words=cfg.words, fold_k=cfg.quant_fold_k, fold_v=cfg.quant_fold_v,
+                maxnreg=cfg.quant_maxnreg if cache.quantized else 0)
         return out

@@ -8,6 +8,9 @@ Split-K: a sequence's tiles are divided among `num_splits` programs *inside* the
 seq_len), so the grid depends only on host-known sizes: no host syncs, CUDA-graph safe. With
 num_splits > 1 each program writes a normalized partial output plus its (max, sum) in base 2, and
 `_reduce_kernel` merges them.
+
+int4 caches go to triton_decode_int4 (key scales folded into the query, row groups) unless
+fold_k is off; this file's kernel serves 16-bit and int8 caches and the generic int4 path.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
 from nanokv.kernels.triton_dequant import use_asm, use_words
 from nanokv.kernels.triton_kvtile import (
     compute_dtype,
@@ -26,6 +30,7 @@ from nanokv.kernels.triton_kvtile import (
     qk_scores,
     stage_args,
     stage_rows,
+    store_decode,
     tile_rows,
 )
 from nanokv.kv.cache import LayerKVCache
@@ -44,7 +49,7 @@ def _decode_kernel(
     stride_kn, stride_kh, stride_ks, stride_sn, stride_sh, stride_bt,
     stride_cn, stride_ch, stride_stn, stride_sth,
     D: tl.constexpr, DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
-    CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr,
+    CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr, FOLD_V: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -85,25 +90,10 @@ def _decode_kernel(
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         p, m_i, l_i, acc_lo, acc_hi = online_softmax_step(s, m_i, l_i, acc_lo, acc_hi)
         acc_lo, acc_hi = pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid,
-                                       offs_d, d_mask, vst_ptr, strows, staged, DH, BITS, CDT, ASM, WORDS)
+                                       offs_d, d_mask, vst_ptr, strows, staged, DH, BITS, CDT, ASM, WORDS, FOLD_V)
 
-    inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)  # acc is 0 where l is: an all-hole context gives 0, not NaN
-    o_lo = acc_lo * inv_l[:, None]
-    o_hi = acc_hi * inv_l[:, None]
-    if SPLIT:
-        # part_o: [num_decodes, Hq, num_splits, D] fp32; part_ml: [2, num_decodes, Hq, num_splits]
-        Hq = tl.num_programs(1) * G
-        prow = (seq * Hq + heads) * num_splits + split  # [BLOCK_G]
-        po = part_o_ptr + prow[:, None].to(tl.int64) * D + offs_d[None, :]
-        tl.store(po, o_lo, mask=qm)
-        tl.store(po + DH, o_hi, mask=qm)
-        n_part = tl.num_programs(0) * Hq * num_splits
-        tl.store(part_ml_ptr + prow, m_i, mask=g_mask)
-        tl.store(part_ml_ptr + n_part + prow, l_i, mask=g_mask)
-    else:
-        o_rows = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_rows, o_lo.to(out_ptr.dtype.element_ty), mask=qm)
-        tl.store(o_rows + DH, o_hi.to(out_ptr.dtype.element_ty), mask=qm)
+    store_decode(acc_lo, acc_hi, m_i, l_i, offs_g, kvh, seq, split, num_splits, out_ptr, part_o_ptr, part_ml_ptr,
+                 stride_ot, stride_oh, D, DH, G, BLOCK_DH, SPLIT)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -148,9 +138,14 @@ def _scratch(device: torch.device, numel: int) -> torch.Tensor:
 def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 2, asm: bool | None = None,
-                 words: bool | None = None) -> torch.Tensor:
+                 words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
+                 maxnreg: int = 0) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
-    seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place."""
+    seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
+    fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
+    the generic kernel dequantizes each key tile. fold_v: int8/int4 V scales folded into the softmax
+    weights (int4 only together with fold_k). maxnreg > 0 caps registers per thread (ptxas
+    .maxnreg), e.g. 168 lets 3 programs of 4 warps share an SM."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
@@ -168,19 +163,21 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
         part_o, part_ml = buf[:B * Hq * num_splits * D], buf[B * Hq * num_splits * D:]
     else:
         part_o = part_ml = out  # unused
-    _decode_kernel[(B, H, num_splits)](
-        q, k, v, ks, vs, kz, vz, kst, vst, stage_of, block_tables, seq_lens, out, part_o, part_ml,
-        scale * LOG2E, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
-        vs.stride(0) if cache.quantized else 0, vs.stride(1) if cache.quantized else 0,
-        block_tables.stride(0), *strides,
-        D=D, DH=D // 2, G=G, BS=cache.block_size, CDT=cdt, ASM=use_asm(q.device) if asm is None else asm,
-        WORDS=words,
-        BITS=cache.bits if cache.quantized else 16,
-        BLOCK_G=max(16, next_pow2(G)), BLOCK_DH=max(16, next_pow2(D // 2)), BLOCK_N=block_n, SPLIT=split,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    args = (q, k, v, ks, vs, kz, vz, kst, vst, stage_of, block_tables, seq_lens, out, part_o, part_ml,
+            scale * LOG2E, num_splits,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
+            vs.stride(0) if cache.quantized else 0, vs.stride(1) if cache.quantized else 0,
+            block_tables.stride(0), *strides)
+    common = dict(D=D, DH=D // 2, G=G, BS=cache.block_size, CDT=cdt, WORDS=words, FOLD_V=fold_v,
+                  ASM=use_asm(q.device) if asm is None else asm, BLOCK_DH=max(16, next_pow2(D // 2)),
+                  BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, num_stages=num_stages,
+                  **({"maxnreg": maxnreg} if maxnreg > 0 else {}))
+    if cache.bits == 4 and fold_k:
+        decode_int4_kernel[(B, H, num_splits)](*args, **common, **int4_tiles(G, cache.block_size, block_n))
+    else:
+        _decode_kernel[(B, H, num_splits)](*args, **common, BITS=cache.bits if cache.quantized else 16,
+                                           BLOCK_G=max(16, next_pow2(G)))
     if split:
         _reduce_kernel[(B, Hq)](part_o, part_ml, out, num_splits, out.stride(0), out.stride(1),
                                 D=D, BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(D), num_warps=4)

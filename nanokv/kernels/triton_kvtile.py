@@ -7,9 +7,11 @@ finds its physical block through the block table, so any power-of-2 block size w
 Head dims are handled as two halves [0, D/2) and [D/2, D): that is what the int4 format packs
 into the low and high nibbles, and using it for every format keeps one code path. Quantized
 codes are never expanded to a full-precision copy of the cache: tiles are dequantized in
-registers (triton_dequant); int8 K scales multiply the score columns after the dot. int4 keys have
-a scale and zero per (block, channel), so their tiles are dequantized in registers before the dot,
-and tokens of open blocks (int4 staging, nanokv.kv.staging) are read in full precision instead.
+registers (triton_dequant); int8 K scales multiply the score columns after the dot, int8 V scales
+may fold into the softmax weights (decode). int4 keys have a scale and zero per (block, channel):
+here their tiles are dequantized in registers before the dot (prefill, and decode with fold_k off;
+triton_decode_int4 folds them into the query), and tokens of open blocks (int4 staging,
+nanokv.kv.staging) are read in full precision instead.
 """
 
 from __future__ import annotations
@@ -120,15 +122,18 @@ def stage_rows(stage_ptr, phys, valid, tok, kvh, stride_cn, stride_ch, stride_st
 def pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, offs_d, d_mask,
                   vst_ptr, strows, staged,
                   DH: tl.constexpr, BITS: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr,
-                  WORDS: tl.constexpr):
+                  WORDS: tl.constexpr, FOLD_V: tl.constexpr):
     """acc += p @ V for one tile. p: [BLOCK_M, BLOCK_N] fp32 (0 on invalid tokens); acc: fp32 halves.
 
-    V is dequantized in registers in the compute dtype (one packed multiply-add per element).
-    Folding the V scales into p instead would push p*s below fp16's range for small weights.
+    int8 with FOLD_V: the per-token V scale goes into p instead of into every V element,
+    acc += (p * vs[None, :]) @ codes: [BLOCK_M, BLOCK_N] multiplies instead of [BLOCK_N, D]; see
+    fold_v_weights for why fp16 holds p * vs. Otherwise (and always for int4 here, whose staged
+    tokens mix with quantized ones in a tile) V is dequantized in registers in the compute dtype
+    (one packed multiply-add per element).
     """
     m2 = valid[:, None] & d_mask[None, :]  # [BLOCK_N, BLOCK_DH]
+    pc = p.to(CDT)
     if BITS < 16:
-        vs = tl.load(vs_ptr + srows, mask=valid, other=0.0).to(CDT)[:, None]
         if WORDS:
             if BITS == 4:
                 c_lo, c_hi = load_code_words(v_ptr, rows, valid, 0, p.shape[1], acc_lo.shape[1], 4, ASM)
@@ -142,37 +147,91 @@ def pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, 
             c_lo = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0).to(CDT)
             c_hi = tl.load(v_ptr + rows[:, None] + DH + offs_d[None, :], mask=m2, other=0).to(CDT)
         if BITS == 4:
+            vs = tl.load(vs_ptr + srows, mask=valid, other=0.0).to(CDT)[:, None]
             vz = tl.load(vz_ptr + srows, mask=valid, other=0.0).to(CDT)[:, None]
             fm = staged[:, None] & d_mask[None, :]  # open blocks: full precision from staging
             f_lo = tl.load(vst_ptr + strows[:, None] + offs_d[None, :], mask=fm, other=0.0).to(CDT)
             f_hi = tl.load(vst_ptr + strows[:, None] + DH + offs_d[None, :], mask=fm, other=0.0).to(CDT)
             v_lo = tl.where(staged[:, None], f_lo, c_lo * vs + vz)
             v_hi = tl.where(staged[:, None], f_hi, c_hi * vs + vz)
+        elif FOLD_V:
+            pc = fold_v_weights(p, tl.load(vs_ptr + srows, mask=valid, other=0.0), CDT)
+            v_lo, v_hi = c_lo, c_hi
         else:
+            vs = tl.load(vs_ptr + srows, mask=valid, other=0.0).to(CDT)[:, None]
             v_lo = c_lo * vs
             v_hi = c_hi * vs
     else:
         v_lo = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
         v_hi = tl.load(v_ptr + rows[:, None] + DH + offs_d[None, :], mask=m2, other=0.0)
-    pc = p.to(CDT)
     acc_lo = tl.dot(pc, v_lo.to(CDT), acc_lo)
     acc_hi = tl.dot(pc, v_hi.to(CDT), acc_hi)
     return acc_lo, acc_hi
 
 
 @triton.jit
-def online_softmax_step(s, m_i, l_i, acc_lo, acc_hi):
-    """One flash-attention update in base 2. s: [BLOCK_M, BLOCK_N] fp32 scores already scaled by
-    softmax_scale * log2(e), -inf where masked. Rows whose keys are all masked so far keep m = -inf
-    and contribute nothing (the `m_safe` guard avoids -inf - -inf = NaN)."""
+def fold_v_weights(p, vs, CDT: tl.constexpr):
+    """p [BLOCK_M, BLOCK_N] fp32 softmax weights, vs [BLOCK_N] fp16 per-token V scales -> p * vs in
+    the compute dtype, the PV operand that multiplies raw codes.
+
+    The product is formed in fp32 and rounded once. Range: 0 <= p <= 1 (exp2 of s - rowmax) and vs
+    is an fp16 value, so p * vs <= 65504 never overflows. Below 2^-14 it is subnormal: absolute
+    error <= 2^-25 per code unit, i.e. <= 3.8e-6 per token for int8 (|code| <= 127) and 4.5e-7 for
+    int4 (<= 15), in output units before the division by l >= 1. That is 1e-3 of the quantization
+    step itself (vs / 2 per element), and measured against the unfolded path in
+    tests/test_kernels_attention.py (peaked softmax included).
+    """
+    return (p * vs.to(tl.float32)[None, :]).to(CDT)
+
+
+@triton.jit
+def softmax_update(s, m_i, l_i):
+    """One flash-attention update in base 2, accumulators left to the caller: returns (p, alpha,
+    m_new, l_new); the caller scales its accumulators by alpha[:, None]. s: [BLOCK_M, BLOCK_N] fp32
+    scores already scaled by softmax_scale * log2(e), -inf where masked. Rows whose keys are all
+    masked so far keep m = -inf and contribute nothing (the `m_safe` guard avoids -inf - -inf = NaN)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc_lo = acc_lo * alpha[:, None]
-    acc_hi = acc_hi * alpha[:, None]
-    return p, m_new, l_i, acc_lo, acc_hi
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def online_softmax_step(s, m_i, l_i, acc_lo, acc_hi):
+    """softmax_update with the two output halves rescaled: (p, m_new, l_new, acc_lo, acc_hi)."""
+    p, alpha, m_new, l_i = softmax_update(s, m_i, l_i)
+    return p, m_new, l_i, acc_lo * alpha[:, None], acc_hi * alpha[:, None]
+
+
+@triton.jit
+def store_decode(acc_lo, acc_hi, m_i, l_i, offs_g, kvh, seq, split, num_splits, out_ptr, part_o_ptr,
+                 part_ml_ptr, stride_ot, stride_oh, D: tl.constexpr, DH: tl.constexpr, G: tl.constexpr,
+                 BLOCK_DH: tl.constexpr, SPLIT: tl.constexpr):
+    """Decode epilogue for rows offs_g (query heads kvh * G + offs_g, those >= G are padding):
+    acc [ROWS, BLOCK_DH] fp32 halves, m_i and l_i [ROWS] in base 2. One split: out = acc / l.
+    Several: the normalized partial and (m, l), merged by triton_decode's reduce kernel."""
+    offs_d = tl.arange(0, BLOCK_DH)
+    g_mask = offs_g < G
+    heads = kvh * G + offs_g
+    qm = g_mask[:, None] & (offs_d < DH)[None, :]
+    inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)  # acc is 0 where l is: an all-hole context gives 0, not NaN
+    o_lo = acc_lo * inv_l[:, None]
+    o_hi = acc_hi * inv_l[:, None]
+    if SPLIT:
+        # part_o: [num_decodes, Hq, num_splits, D] fp32; part_ml: [2, num_decodes, Hq, num_splits]
+        Hq = tl.num_programs(1) * G
+        prow = (seq * Hq + heads) * num_splits + split  # [ROWS]
+        po = part_o_ptr + prow[:, None].to(tl.int64) * D + offs_d[None, :]
+        tl.store(po, o_lo, mask=qm)
+        tl.store(po + DH, o_hi, mask=qm)
+        n_part = tl.num_programs(0) * Hq * num_splits
+        tl.store(part_ml_ptr + prow, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + n_part + prow, l_i, mask=g_mask)
+    else:
+        o_rows = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_rows, o_lo.to(out_ptr.dtype.element_ty), mask=qm)
+        tl.store(o_rows + DH, o_hi.to(out_ptr.dtype.element_ty), mask=qm)
 
 
 def stage_args(cache) -> tuple:

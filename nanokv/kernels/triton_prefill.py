@@ -91,7 +91,7 @@ def _prefill_kernel(
         s = tl.where(keep, s * qk_scale, float("-inf"))
         p, m_i, l_i, acc_lo, acc_hi = online_softmax_step(s, m_i, l_i, acc_lo, acc_hi)
         acc_lo, acc_hi = pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid,
-                                       offs_d, d_mask, vst_ptr, strows, staged, DH, BITS, CDT, ASM, WORDS)
+                                       offs_d, d_mask, vst_ptr, strows, staged, DH, BITS, CDT, ASM, WORDS, False)
 
     inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)  # acc is 0 where l is
     o_rows = out_ptr + (q_start + t_local)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh

@@ -162,6 +162,7 @@ def check_all(sh: Shapes) -> None:
             check_attention(sh, b, kind)
     for b in (16, 8):
         check_graph_replay(sh, b)
+    check_int4_fill_graph(sh)
 
 
 def check_variants(sh: Shapes) -> None:
@@ -172,6 +173,11 @@ def check_variants(sh: Shapes) -> None:
                               prefill_block_n=32)
         check_attention(sh, bits, "mixed", tiles2, " tiles2")
         check_attention(sh, bits, "decode", TritonConfig(words=False), " words=off")
+        check_attention(sh, bits, "decode", TritonConfig(quant_fold_k=False, quant_fold_v=False), " fold=off")
+        check_attention(sh, bits, "decode", TritonConfig(quant_fold_v=False), " fold_v=off")
+        check_attention(sh, bits, "decode", TritonConfig(quant_block_n=32, quant_warps=1, decode_splits=4), " w1s4")
+        check_attention(sh, bits, "decode", TritonConfig(quant_block_n=128, quant_warps=2, quant_stages=3,
+                                                         decode_splits=2), " bn128w2s2")
     check_attention(sh, 16, "decode", TritonConfig(decode_block_n=128, decode_warps=4, decode_splits=3),
                     " tiles2")
 
@@ -196,3 +202,36 @@ def check_graph_replay(sh: Shapes, bits: int) -> None:
     ref = reference.paged_attention(q.double(), cache, md, sh.scale)
     err = float((out.double() - ref).norm() / ref.norm())
     record_check(sh, f"decode graph replay bits={bits}", err if not out.isnan().any() else float("nan"), 1e-2)
+
+
+def check_int4_fill_graph(sh: Shapes) -> None:
+    """int4 decode step in a CUDA graph: the device-side quantize-on-fill (triton_blockquant) leaves
+    the cache bit-identical to the eager torch path, and attention before it is unchanged."""
+    if sh.dev.type != "cuda":
+        return
+    from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe
+    B = 64
+    lens = (torch.randint(1, 257, (B,)) * 16 - torch.randint(0, 2, (B,)) * 5).tolist()  # half fill a block
+    cache, md = make_batch(sh, 4, 16, [1] * B, lens, 0)
+    assert cache.stage is not None
+    cache.stage.plan(md.slot_mapping.cpu().numpy())  # this step's fill list (the runner's plan)
+    names = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
+    before = [getattr(cache, n).clone() for n in names]
+    quantize_filled(cache)
+    eager = [getattr(cache, n).clone() for n in names]
+    for n, t in zip(names, before):
+        getattr(cache, n).copy_(t)
+    q = torch.randn(B, sh.H * sh.G, sh.D, device=sh.dev, dtype=sh.dtype)
+    out, be, g = torch.empty_like(q), TritonBackend(), torch.cuda.CUDAGraph()
+    be.paged_attention(q, cache, md, sh.scale, out=out)  # warm-up (compiles)
+    quantize_filled_graphsafe(cache, torch.full_like(md.slot_mapping, -1))  # compiles, writes nothing
+    with torch.cuda.graph(g):
+        be.paged_attention(q, cache, md, sh.scale, out=out)
+        quantize_filled_graphsafe(cache, md.slot_mapping)
+    ref = reference.paged_attention(q.double(), cache, md, sh.scale)
+    out.fill_(float("nan"))
+    g.replay()
+    err = float((out.double() - ref).norm() / ref.norm())
+    diff = sum(int((getattr(cache, n) != e).sum()) for n, e in zip(names, eager))
+    record_check(sh, "int4 fill graph", err if diff == 0 and not out.isnan().any() else float("nan"), 1e-2,
+                 f"filled={int(cache.stage.fill_blocks.numel())} cache_mismatches={diff}")

@@ -100,7 +100,13 @@ def after_attention(layer: int, cache: LayerKVCache, md: Any, o: torch.Tensor) -
     and rotates the output back (values are stored rotated); a simulated quantize-on-fill format
     (FakeQuant.on_fill) quantizes its filled blocks in place."""
     if cache.stage is not None:
-        quantize_filled(cache, layer)
+        if getattr(md, "extras", None) and md.extras.get("cuda_graph"):
+            # a captured decode step: the filled blocks are found on the device (no host list, no
+            # sync; the quality monitor, which syncs, samples eager steps only)
+            from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe
+            quantize_filled_graphsafe(cache, md.slot_mapping)
+        else:
+            quantize_filled(cache, layer)
     if cache.rotate_v:
         o = o @ rotation_matrix(o.shape[-1], o.dtype, o.device).T
     fq = cache.fake_quant

@@ -81,10 +81,11 @@ class ModelRunner:
         if self.device.type != "cuda" or self.cfg.enforce_eager:
             return
         self._graph_model_len = max_model_len
-        if self.stage is not None:
-            # int4 quantizes the blocks a step fills after its attention, a data-dependent number of
-            # blocks (nanokv.kv.blockquant): not capturable as is, so int4 decodes run eagerly
-            log.info("int4 KV layers: decode CUDA graphs off (blocks are quantized as they fill)")
+        if self.stage is not None and (self.backend.name != "triton" or os.environ.get("NANOKV_INT4_EAGER_DECODE")):
+            # int4 quantizes the blocks a step fills after its attention; inside a graph that is the
+            # Triton kernel of nanokv.kernels.triton_blockquant (blocks found on the device). The torch
+            # attention path syncs on staged blocks: without Triton (or when asked), int4 decodes run eagerly
+            log.info("int4 KV layers: decode CUDA graphs off")
             return
         max_bs = min(self.cfg.max_num_seqs, 512)
         max_blocks = -(-max_model_len // self.block_size)

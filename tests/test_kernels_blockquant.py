@@ -1,0 +1,69 @@
+"""Graph-safe int4 quantize-on-fill (Triton, blocks found on the device from the slot mapping) vs the
+eager torch path (nanokv.kv.blockquant.quantize_filled, from the host's fill list): identical caches.
+CPU: TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
+pytest.importorskip("triton")
+
+from nanokv.kernels import reference  # noqa: E402
+from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe  # noqa: E402
+from nanokv.kv.blockquant import quantize_filled  # noqa: E402
+from nanokv.kv.cache import LayerKVCache, allocate_layer_cache  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+H, D = 2, 32
+NAMES = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero", "k_stage", "v_stage")
+
+
+def _rows(n: int, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """[n, H, D]: channels of different scale plus a constant channel (scale underflows -> 1) and one
+    taking 0, 0.25, 7.5 (a block holding 0 and 7.5 has step 0.5, so 0.25 is a round-half-even tie)."""
+    x = torch.randn(n, H, D, generator=g) * torch.logspace(-1, 1, D)
+    x[:, :, 3] = 0.75
+    x[:, :, 5] = torch.tensor([0.0, 0.25, 7.5])[torch.randint(0, 3, (n, H), generator=g)]
+    return x.to(dtype)
+
+
+def _steps(bs: int, g: torch.Generator) -> list[list[tuple[int, int]]]:
+    """Per step, per sequence (first position, new tokens): three prompts in chunks, then decodes."""
+    steps = [[(0, 2 * bs + 3), (0, bs - 1), (0, 5)], [(2 * bs + 3, bs), (bs - 1, 1), (5, 2 * bs)]]
+    pos = [3 * bs + 3, bs, 2 * bs + 5]
+    for _ in range(bs + 3):
+        steps.append([(p, 1) for p in pos])
+        pos = [p + 1 for p in pos]
+    return steps
+
+
+@pytest.mark.parametrize("bs,dtype", [(8, torch.float32), (8, torch.float16), (16, torch.float16)])
+def test_graphsafe_fill_quant_equals_eager(dtype: torch.dtype, bs: int) -> None:
+    g = torch.Generator().manual_seed(bs)
+    nblk = 24
+    caches: list[LayerKVCache] = [allocate_layer_cache(4, nblk, H, bs, D, dtype, DEV, rotate=False)
+                                  for _ in range(2)]
+    tables = torch.randperm(nblk, generator=g).view(3, nblk // 3)  # each sequence's blocks, scattered
+    for step in _steps(bs, g):
+        slots = np.concatenate([tables[i, (np.arange(p, p + n) // bs)].numpy() * bs + np.arange(p, p + n) % bs
+                                for i, (p, n) in enumerate(step)])
+        k, v = _rows(len(slots), g, dtype), _rows(len(slots), g, dtype)
+        padded = torch.tensor(np.concatenate([slots, [-1, -1, -1]]), device=DEV)  # graph bucket padding
+        for c in caches:
+            assert c.stage is not None
+            c.stage.plan(slots)
+            reference.store_kvcache(k.to(DEV), v.to(DEV), c, torch.from_numpy(slots).to(DEV))
+        quantize_filled(caches[0])
+        quantize_filled_graphsafe(caches[1], padded)
+        for c in caches:
+            c.stage.finish()
+        for n in NAMES:
+            a, b = getattr(caches[0], n), getattr(caches[1], n)
+            assert torch.equal(a, b), n
+    assert int(caches[0].k_scale.count_nonzero()) > 0  # blocks were quantized at all
