@@ -201,11 +201,11 @@ VARIANTS = {8: [((64, 4, 2, 1), (True, False, 0)), ((64, 4, 2, 2), (True, False,
                 ((128, 4, 2, 1), (True, True, 168)), ((128, 4, 2, 2), (True, True, 168))]}
 
 
-def sweep(budget_s: float) -> None:
+def sweep(budget_s: float, bits_list: tuple[int, ...] = (16, 8, 4)) -> None:
     """Decode tile size x warps x pipeline depth x splits (x the int8/int4 folds), per shape."""
     bf16 = [(64, 4, 2, 1), (64, 8, 2, 1), (64, 4, 3, 1), (128, 4, 2, 1), (64, 8, 2, 2), (64, 4, 2, 2)]
     for B, ctx in decode_shapes():
-        for bits in (16, 8, 4):
+        for bits in bits_list:
             cache, md = make_batch(SH, bits, 16, [1] * B, [ctx] * B, 0, store=False)
             grid = [(c, (True, True, 0)) for c in (bf16 if bits == 16 else QUANT_GRID)] + VARIANTS.get(bits, [])
             for (bn, w, st, splits), (fold_k, fold_v, nreg) in grid[:2] if SMOKE else grid:
@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--budget", type=float, default=330.0, help="seconds after which the sweep stops")
+    ap.add_argument("--sweep-bits", default="16,8,4", help="cache formats the sweep covers (comma list)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         RESULTS["device"].update(name=p.name, sms=p.multi_processor_count)
     steps: list[Callable[[], None]] = [
         lambda: check_all(SH), lambda: check_variants(SH), bench_copy, bench_decode, bench_prefill,
-        lambda: sweep(args.budget)]
+        lambda: sweep(args.budget, tuple(int(b) for b in args.sweep_bits.split(",")))]
     for step in steps:
         try:
             step()

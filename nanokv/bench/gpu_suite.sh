@@ -26,7 +26,8 @@ for ph in $phases; do
       run profile_nofusion env NANOKV_NO_FUSION=1 python3 -m nanokv.bench.gpu_profile ;;
     parity) run parity python3 -m nanokv.bench.gpu_parity --out "$OUT/parity.json" ;;
     pool) run pool python3 -m nanokv.bench.gpu_pool --out "$OUT/pool.json" ;;
-    kernels) run kernels python3 -m nanokv.bench.gpu_kernels --out "$OUT" --budget 120 ;;
+    kernels) run kernels python3 -m nanokv.bench.gpu_kernels --out "$OUT" --budget ${KERNEL_BUDGET:-120} \
+      --sweep-bits ${SWEEP_BITS:-16,8,4} ;;
     nanovllm) run nanovllm $BENCH --workload nanovllm --out "$OUT/nanovllm.json" ;;
     longctx) run longctx_bf16 $BENCH --workload longctx --out "$OUT/longctx_bf16.json" ;;
     quant)
