@@ -30,9 +30,13 @@ class TritonConfig:
     decode_block_n: int = 64  # tokens per K/V tile (any multiple or fraction of the block size)
     decode_warps: int = 8
     decode_stages: int = 2
-    quant_block_n: int = 64
-    quant_warps: int = 4  # 8 warps ran int8/int4 decode 1.6x slower (register pressure)
+    # int8/int4 decode: small one-warp programs, at least quant_min_splits per sequence. Fastest of a
+    # 30-point sweep on the H200 at both bench shapes (docs/kernels.md, 2026-12-01): more programs in
+    # flight hide the latency of the in-register code expansion better than wider tiles
+    quant_block_n: int = 32
+    quant_warps: int = 1
     quant_stages: int = 2
+    quant_min_splits: int = 4
     # int4 decode: the per-block channel scales of the keys folded into the query, several blocks
     # per tile in row groups (triton_decode_int4); False = per-element dequantization of key tiles
     quant_fold_k: bool = True
@@ -69,7 +73,8 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[device]
 
 
-def choose_splits(cfg: TritonConfig, num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
+def choose_splits(cfg: TritonConfig, num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int,
+                  quantized: bool = False) -> int:
     """Split each sequence so that the grid has about programs_per_sm programs per SM.
 
     Only host-known sizes are used. Under a CUDA graph the count fixed at capture stays valid for
@@ -78,6 +83,8 @@ def choose_splits(cfg: TritonConfig, num_seqs: int, num_kv_heads: int, max_seq_l
     if cfg.decode_splits > 0:
         return cfg.decode_splits
     want = -(-cfg.programs_per_sm * sms // max(1, num_seqs * num_kv_heads))
+    if quantized:
+        want = max(want, cfg.quant_min_splits)
     by_len = max(1, max_seq_len // cfg.min_split_tokens)
     return max(1, min(want, by_len, cfg.max_splits))
 
@@ -191,7 +198,8 @@ class TritonBackend:
         nd = md.num_seqs - P
         if nd > 0:
             s0 = md.num_prefill_tokens
-            splits = choose_splits(cfg, nd, cache.num_kv_heads, md.max_seq_len, sm_count(q.device))
+            splits = choose_splits(cfg, nd, cache.num_kv_heads, md.max_seq_len, sm_count(q.device),
+                                   cache.quantized)
             bn, warps, stages = decode_tiles(cfg, cache.quantized)
             triton_decode.paged_decode(
                 q[s0:s0 + nd], cache, md.block_tables[P:], md.seq_lens[P:], out[s0:s0 + nd], scale,
