@@ -39,17 +39,21 @@ def build_batch(bits: int, dtype: torch.dtype, bs: int, H: int, G: int, D: int,
     cache = allocate_layer_cache(bits, nblk, H, bs, D, dtype, DEV)
     perm = torch.randperm(nblk, generator=g).tolist()
     tables = torch.full((len(specs), max(nbs) + 1), -1, dtype=torch.int32)  # +1: padded tables
-    new_slots = []
+    new_slots, new_kv = [], []
     for i, (c, n) in enumerate(specs):
         ids = [perm.pop() for _ in range(nbs[i])]
         tables[i, :nbs[i]] = torch.tensor(ids, dtype=torch.int32)
         pos = torch.arange(c + n)
         slots = torch.tensor(ids)[pos // bs] * bs + pos % bs
         kv = torch.randn(2, c + n, H, D, generator=g).to(dtype)
-        fill(cache, kv[0].to(DEV), kv[1].to(DEV), slots.to(DEV), c)
+        fill(cache, kv[0, :c].to(DEV), kv[1, :c].to(DEV), slots[:c].to(DEV))
+        new_kv.append((kv[0, c:], kv[1, c:]))
         new_slots.append(slots[c:])
         if holes and c // bs >= 1:
             tables[i, int(torch.randint(0, c // bs, (1,), generator=g))] = -1
+    # this step's tokens, all sequences at once (int4: every block they touch is open, staged)
+    step_k, step_v = (torch.cat(x).to(DEV) for x in zip(*new_kv))
+    fill(cache, step_k, step_v, torch.cat(new_slots).to(DEV), last=True)
     qsl = [0]
     for _, n in specs:
         qsl.append(qsl[-1] + n)
@@ -65,23 +69,26 @@ def build_batch(bits: int, dtype: torch.dtype, bs: int, H: int, G: int, D: int,
     return cache, md, q
 
 
-def fill(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, cached: int) -> None:
-    """Store a sequence's K/V [L, H, D] as the runner would have: int4 quantizes the blocks the cached
-    part filled and keeps the rest (partial blocks, this step's tokens) in full-precision staging."""
+def fill(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, last: bool = False) -> None:
+    """Store K/V [L, H, D] as the runner would have. int4: an earlier step (last=False) quantizes
+    the blocks it filled and frees their staging; this step's tokens (last=True) stay staged."""
     if cache.stage is None:
         reference.store_kvcache(k, v, cache, slots)
         return
-    for part in (slice(0, cached), slice(cached, None)):
-        cache.stage.plan(slots[part].cpu().numpy())
-        reference.store_kvcache(k[part], v[part], cache, slots[part])
-        if part.start == 0:  # earlier steps: their full blocks are quantized, staging freed
-            quantize_filled(cache)
-            cache.stage.finish()
+    cache.stage.plan(slots.cpu().numpy())
+    reference.store_kvcache(k, v, cache, slots)
+    if not last:
+        quantize_filled(cache)
+        cache.stage.finish()
 
 
 def step_kv(cache: LayerKVCache, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """This step's K/V as stored, [T, H, D] each, read back by slot (cache layout [N, H, bs, D])."""
     slots, bs = md.slot_mapping.long(), cache.block_size
+    if cache.stage is not None:  # int4: the step's blocks are open, read from staging
+        st = cache.stage.stage_of[slots // bs].long()
+        assert cache.k_stage is not None and cache.v_stage is not None and bool((st >= 0).all())
+        return cache.k_stage[st, :, slots % bs], cache.v_stage[st, :, slots % bs]
     return cache.k[slots // bs, :, slots % bs], cache.v[slots // bs, :, slots % bs]
 
 
@@ -222,9 +229,11 @@ def test_noncontiguous_query_and_all_hole_context() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("min_tokens", [1, 0])
-def test_fresh_prompts_sdpa_route(dtype: torch.dtype, min_tokens: int) -> None:
-    """Batches of fresh prompts (no cached prefix) may go to torch SDPA: same function either way."""
-    cache, md, q = build_batch(16, dtype, 8, 2, 2, 32, [(0, 21), (0, 9), (0, 40)], [], holes=False)
+@pytest.mark.parametrize("bits", [16, 4])
+def test_fresh_prompts_sdpa_route(dtype: torch.dtype, min_tokens: int, bits: int) -> None:
+    """Batches of fresh prompts (no cached prefix) may go to torch SDPA: same function either way
+    (int4: the prompt's own blocks are still staged in full precision)."""
+    cache, md, q = build_batch(bits, dtype, 8, 2, 2, 32, [(0, 21), (0, 9), (0, 40)], [], holes=False)
     cfg = small_cfg()
     cfg.sdpa_prefill_min_tokens = min_tokens
     assert bool(TritonBackend(cfg)._fresh(cache, md, step_kv(cache, md)[0])) == (min_tokens > 0)

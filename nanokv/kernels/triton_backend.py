@@ -166,10 +166,14 @@ class TritonBackend:
 
     def _fresh(self, cache: LayerKVCache, md: AttentionMetadata, k: torch.Tensor | None) -> list[int]:
         """Prefills that SDPA serves: whole prompts with no cached prefix, when this step's K/V are
-        at hand exactly as stored (16-bit cache of the model's dtype) and the longest is long
-        enough to pay off. The others go to the paged prefill kernel."""
+        at hand exactly as attention would read them and the longest is long enough to pay off.
+        Exact means a 16-bit cache of the model's dtype, or int4: a block is quantized only after
+        the step that fills it, so a fresh prompt reads itself from full-precision staging, which
+        holds k and v as given (already rotated). int8 quantizes on the store: the paged kernel.
+        The others go to the paged prefill kernel."""
         P, lim = md.num_prefills, self.config.sdpa_prefill_min_tokens
-        if lim <= 0 or k is None or cache.quantized or k.dtype != cache.k.dtype:
+        as_read = cache.k_stage if cache.stage is not None else (None if cache.quantized else cache.k)
+        if lim <= 0 or k is None or as_read is None or k.dtype != as_read.dtype:
             return []
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
         fresh = [i for i in range(P) if lens[i] == qsl[i + 1] - qsl[i]]
