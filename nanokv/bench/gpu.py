@@ -12,6 +12,7 @@ sequences whose output is longer than t, each reading input + t tokens of KV.
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from typing import Any
@@ -119,10 +120,20 @@ def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = Fals
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up: compile kernels, capture graphs
     eng.cache_manager.reset_prefix_cache()
     torch.cuda.synchronize()
+    gc_time = [0.0, 0.0, 0]  # start of the current collection, total seconds, full collections
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_time[0] = time.perf_counter()
+        else:
+            gc_time[1] += time.perf_counter() - gc_time[0]
+            gc_time[2] += info["generation"] == 2
+    gc.callbacks.append(on_gc)
     t = time.perf_counter()
     res = llm.generate(prompts, params, use_tqdm=True)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
+    gc.callbacks.remove(on_gc)
     total = sum(outs)
     assert all(len(r.token_ids) == o for r, o in zip(res, outs))
     bw = measure_copy_bandwidth(device)
@@ -135,12 +146,14 @@ def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = Fals
         "gpu": torch.cuda.get_device_name(device), "config": eng.config.to_dict(),
         "preemptions": eng.scheduler.num_preemptions, "kv_blocks": eng.cache_manager.num_blocks, **floor,
         "achieved_over_floor": floor["floor_seconds"] / dt,
+        "gc_seconds": gc_time[1], "gc_full_collections": gc_time[2],
     }
     if eng._timing is not None:
         out["step_timing"] = dict(eng._timing)
         print(f"  step timing: {eng._timing}")
     print(f"[{workload}] {len(prompts)} seqs, {total} output tokens in {dt:.2f} s = {total / dt:,.0f} tok/s")
-    print(f"  copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s")
+    print(f"  copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s; Python GC "
+          f"{gc_time[1]:.3f} s in the timed run ({gc_time[2]} full collections)")
     print(f"  roofline floor {floor['floor_seconds']:.2f} s ({floor['floor_output_tokens_per_s']:,.0f} tok/s);"
           f" achieved/floor = {out['achieved_over_floor']:.1%}")
     if compare:

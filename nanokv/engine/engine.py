@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -102,6 +103,7 @@ class Engine:
             dict.fromkeys(("steps", "schedule_s", "forward_s", "sample_postprocess_s"), 0.0)
             if os.environ.get("NANOKV_STEP_TIMING") else None)
         self._last_batch_size = 0
+        self._gc_freezes = 0 if os.environ.get("NANOKV_NO_GC_FREEZE") else 2  # see _freeze_gc
         self._async: AsyncStepper | None = None
         if cfg.async_scheduling or (cfg.async_scheduling is None and self.device.type == "cuda" and tp == 1
                                     and self.sparsity is None and not cfg.adaptive
@@ -193,6 +195,8 @@ class Engine:
         """Run one scheduler step. Returns an output per sampled token, or with `finished_only`
         (batch use: LLM.generate) only those of requests that finished, skipping the per-token
         output objects (about 4 us each, a millisecond a step at batch 256)."""
+        if self._gc_freezes:
+            self._freeze_gc()
         if self._async is not None:
             return self._async.step(finished_only)
         t0 = time.perf_counter()
@@ -229,6 +233,15 @@ class Engine:
             tm["forward_s"] += t2 - t1
             tm["sample_postprocess_s"] += t3 - t2
         return outputs
+
+    def _freeze_gc(self) -> None:
+        """At the first two steps (the second one catches what the first step's torch.compile made):
+        move every object alive now (model, compiled graphs, tokenizer: millions after torch.compile)
+        out of the cyclic GC's reach, as vLLM does after start-up. A full collection would otherwise
+        walk them all again, stalling the host at random steps; they live as long as the engine."""
+        self._gc_freezes -= 1
+        gc.collect()
+        gc.freeze()
 
     def _step_items(self, out: Any) -> tuple[list[tuple], list[int]]:
         """The runner's per-sequence items (token ids, computed, new, block table, is prefill),
