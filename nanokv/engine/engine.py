@@ -103,7 +103,9 @@ class Engine:
             dict.fromkeys(("steps", "schedule_s", "forward_s", "sample_postprocess_s"), 0.0)
             if os.environ.get("NANOKV_STEP_TIMING") else None)
         self._last_batch_size = 0
-        self._gc_freezes = 0 if os.environ.get("NANOKV_NO_GC_FREEZE") else 2  # see _freeze_gc
+        # see _freeze_gc; CUDA only: frozen objects are never collected, so a process that builds
+        # and drops many engines (the CPU test suite) would keep every dropped one's cycles alive
+        self._gc_freezes = 2 if self.device.type == "cuda" and not os.environ.get("NANOKV_NO_GC_FREEZE") else 0
         self._async: AsyncStepper | None = None
         if cfg.async_scheduling or (cfg.async_scheduling is None and self.device.type == "cuda" and tp == 1
                                     and self.sparsity is None and not cfg.adaptive
