@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -114,7 +115,8 @@ def decode_fn(cache: LayerKVCache, md: AttentionMetadata, cfg: TritonConfig) -> 
     return lambda i: triton_decode.paged_decode(
         qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE, num_splits=splits,
         block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm, words=cfg.words, fold_k=cfg.quant_fold_k,
-        fold_v=cfg.quant_fold_v, maxnreg=cfg.quant_maxnreg if cache.quantized else 0)
+        fold_v=cfg.quant_fold_v, maxnreg=cfg.quant_maxnreg if cache.quantized else 0,
+        qk_int8=cfg.quant_qk_int8, code_offset=cfg.quant_code_offset)
 
 
 def bench_copy() -> None:
@@ -193,38 +195,45 @@ def bench_prefill() -> None:
 # quantized decode (block_n, warps, stages, splits), inline PTX on; the first is the baseline
 QUANT_GRID = [(64, 4, 2, 1), (64, 2, 2, 1), (64, 2, 2, 2), (32, 2, 2, 2), (64, 4, 2, 2), (64, 4, 2, 4),
               (128, 4, 2, 2), (64, 4, 3, 2), (32, 1, 2, 4), (64, 2, 3, 2)]
-# A/B variants (fold_k, fold_v, maxnreg) on a few of those tiles; every QUANT_GRID row runs (True, True, 0)
-VARIANTS = {8: [((64, 4, 2, 1), (True, False, 0)), ((64, 4, 2, 2), (True, False, 0)),
-                ((64, 4, 2, 1), (True, True, 96)), ((64, 4, 2, 2), (True, True, 96))],
-            4: [((64, 4, 2, 1), (False, False, 0)), ((64, 4, 2, 1), (True, False, 0)),
-                ((64, 4, 2, 2), (False, False, 0)), ((128, 4, 2, 2), (True, False, 0)),
-                ((128, 4, 2, 1), (True, True, 168)), ((128, 4, 2, 2), (True, True, 168))]}
+# A/B variants (TritonConfig overrides) on a few of those tiles; every QUANT_GRID row runs the defaults
+Tile = tuple[int, int, int, int]  # block_n, warps, stages, splits
+_QK8: list[dict[str, Any]] = [dict(quant_qk_int8=True), dict(quant_code_offset=True),
+                              dict(quant_qk_int8=True, quant_code_offset=True)]
+VARIANTS: dict[int, list[tuple[Tile, dict[str, Any]]]] = {
+    8: [((64, 4, 2, 1), dict(quant_fold_v=False)), ((64, 4, 2, 1), dict(quant_maxnreg=96))]
+            + [(t, v) for t in ((32, 1, 2, 4), (64, 1, 2, 4), (64, 2, 2, 2), (64, 4, 2, 2)) for v in _QK8],
+            4: [((64, 4, 2, 1), dict(quant_fold_k=False, quant_fold_v=False)),
+                ((64, 4, 2, 1), dict(quant_fold_v=False)), ((128, 4, 2, 2), dict(quant_maxnreg=168))]
+            + [(t, v) for t in ((32, 1, 2, 4), (64, 1, 2, 4), (64, 2, 2, 2), (128, 4, 2, 2)) for v in _QK8]}
 
 
-def sweep(budget_s: float, bits_list: tuple[int, ...] = (16, 8, 4)) -> None:
-    """Decode tile size x warps x pipeline depth x splits (x the int8/int4 folds), per shape."""
+def sweep(budget_s: float, bits_list: tuple[int, ...] = (16, 8, 4), variants_only: bool = False) -> None:
+    """Decode tile size x warps x pipeline depth x splits (x the quantized-path variants), per shape."""
     bf16 = [(64, 4, 2, 1), (64, 8, 2, 1), (64, 4, 3, 1), (128, 4, 2, 1), (64, 8, 2, 2), (64, 4, 2, 2)]
     for B, ctx in decode_shapes():
         for bits in bits_list:
             cache, md = make_batch(SH, bits, 16, [1] * B, [ctx] * B, 0, store=False)
-            grid = [(c, (True, True, 0)) for c in (bf16 if bits == 16 else QUANT_GRID)] + VARIANTS.get(bits, [])
-            for (bn, w, st, splits), (fold_k, fold_v, nreg) in grid[:2] if SMOKE else grid:
+            base = bf16 if bits == 16 else QUANT_GRID
+            if variants_only:  # the default tiles, then the variants
+                d = TritonConfig()
+                base = [(d.quant_block_n, d.quant_warps, d.quant_stages, d.quant_min_splits)] if bits < 16 else []
+            grid: list[tuple[Tile, dict[str, Any]]] = [(c, {}) for c in base] + VARIANTS.get(bits, [])
+            for (bn, w, st, splits), over in grid[:2] if SMOKE else grid:
                 if time.time() - T0 > budget_s:
                     RESULTS["errors"].append(f"sweep cut at B={B} bits={bits}: time budget")
                     return
                 asm = None if bits == 16 or SMOKE else True  # inline PTX: not in the CPU interpreter
                 cfg = TritonConfig(decode_block_n=bn, decode_warps=w, decode_stages=st, quant_block_n=bn,
-                                   quant_warps=w, quant_stages=st, decode_splits=splits, asm=asm,
-                                   quant_fold_k=fold_k, quant_fold_v=fold_v, quant_maxnreg=nreg)
+                                   quant_warps=w, quant_stages=st, decode_splits=splits, asm=asm, **over)
                 try:
                     ms = timed(decode_fn(cache, md, cfg))
                 except Exception as e:  # a config that fails to compile (shared memory) is skipped
-                    RESULTS["errors"].append(f"sweep {bits},{bn},{w},{st},{splits},fold={fold_k},{fold_v},{nreg}: "
+                    RESULTS["errors"].append(f"sweep {bits},{bn},{w},{st},{splits},{over}: "
                                              f"{type(e).__name__}: {e}"[:300])
                     continue
                 gbs = kv_bytes(bits, B * ctx) / ms / 1e6
                 row = {"B": B, "ctx": ctx, "bits": bits, "block_n": bn, "warps": w, "stages": st,
-                       "splits": splits, "asm": asm, "fold_k": fold_k, "fold_v": fold_v, "maxnreg": nreg,
+                       "splits": splits, "asm": asm, "variant": over,
                        "us": ms * 1e3, "GB/s": gbs, "vs_sdpa": SDPA_MS[(B, ctx)] / ms}
                 RESULTS["sweep"].append(row)
                 print("sweep", json.dumps(row), flush=True)
@@ -242,10 +251,9 @@ def summary() -> None:
         for bits in (16, 8, 4):
             key = (B, ctx, bits)
             rows = [r for r in RESULTS["sweep"] if (r["B"], r["ctx"], r["bits"]) == key]
-            for r in sorted(rows, key=lambda r: -r["GB/s"])[:3]:
+            for r in sorted(rows, key=lambda r: -r["GB/s"])[:6]:
                 print(f"sweep top B={B} ctx={ctx} bits={bits}: bn={r['block_n']} w={r['warps']} "
-                      f"st={r['stages']} splits={r['splits']} fold={r['fold_k']},{r['fold_v']} "
-                      f"maxnreg={r['maxnreg']} {r['us']:.1f} us "
+                      f"st={r['stages']} splits={r['splits']} {r['variant']} {r['us']:.1f} us "
                       f"{r['GB/s']:.0f} GB/s "
                       f"{r['vs_sdpa']:.2f}x sdpa")
     for e in RESULTS["errors"]:
@@ -259,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--budget", type=float, default=330.0, help="seconds after which the sweep stops")
     ap.add_argument("--sweep-bits", default="16,8,4", help="cache formats the sweep covers (comma list)")
+    ap.add_argument("--variants-only", action="store_true", help="sweep: default tiles and the A/B variants")
+    ap.add_argument("--skip-prefill", action="store_true")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -269,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         p = torch.cuda.get_device_properties(DEV)
         RESULTS["device"].update(name=p.name, sms=p.multi_processor_count)
     steps: list[Callable[[], None]] = [
-        lambda: check_all(SH), lambda: check_variants(SH), bench_copy, bench_decode, bench_prefill,
-        lambda: sweep(args.budget, tuple(int(b) for b in args.sweep_bits.split(",")))]
+        lambda: check_all(SH), lambda: check_variants(SH), bench_copy, bench_decode,
+        *([] if args.skip_prefill else [bench_prefill]),
+        lambda: sweep(args.budget, tuple(int(b) for b in args.sweep_bits.split(",")), args.variants_only)]
     for step in steps:
         try:
             step()

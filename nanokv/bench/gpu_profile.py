@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="nanovllm")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--bits", type=int, default=16, choices=(16, 8, 4), help="KV cache format (8 / 4: compressed)")
     args = ap.parse_args(argv)
     from nanokv.engine.llm import LLM
     from nanokv.sampling import SamplingParams
@@ -78,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts, outs = make_workload(args.workload)
     err = check_fresh_prefill(torch.device("cuda"))
     print(f"fresh-prompt prefill (varlen flash) vs float64: relative error {err:.2e}")
-    llm = LLM(model="random:qwen3-0.6b", max_model_len=8192, max_num_batched_tokens=args.max_num_batched_tokens)
+    quant = dict(enable_compression=True, quantization_bitwidth=args.bits) if args.bits < 16 else {}
+    llm = LLM(model="random:qwen3-0.6b", max_model_len=8192, max_num_batched_tokens=args.max_num_batched_tokens,
+              **quant)
     eng = llm.engine
     warm = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 4
     llm.generate(prompts[:4], warm, use_tqdm=False)

@@ -47,6 +47,12 @@ class TritonConfig:
     # offline, no spills when capped: folded int4 at block_n 128 takes 222 = 2 programs per SM, 168
     # fits 3; int8 at block_n 64 takes 110 = 4 per SM, 96 fits 5)
     quant_maxnreg: int = 0
+    # int8/int4 decode: scores on int8 tensor cores, the query (int4: scale-folded per block) quantized
+    # per row to int8 so that key codes enter the dot with no conversion at all
+    quant_qk_int8: bool = False
+    # int8/int4 decode with fold_v: V codes enter the dot offset (code + 1152 / 1024, one fp16
+    # subtraction per two codes saved), the offset times the row sum of p * vs taken out once per row
+    quant_code_offset: bool = False
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM
     min_split_tokens: int = 256  # no split shorter than this (the merge would cost more than it saves)
@@ -60,6 +66,22 @@ class TritonConfig:
     sdpa_prefill_min_tokens: int = 256
     asm: bool | None = None  # inline-PTX code expansion (None: on NVIDIA GPUs)
     words: bool | None = None  # read quantized codes as int32 words (None: when the head dim allows)
+
+
+def config_from_env(cfg: TritonConfig) -> TritonConfig:
+    """Kernel A/B runs of whole benchmarks: NANOKV_TRITON="quant_qk_int8=1,quant_block_n=64" overrides
+    the defaults (bool / int fields only; an unknown name is an error naming the fields)."""
+    spec = os.environ.get("NANOKV_TRITON", "").strip()
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, val = item.partition("=")
+        cur = getattr(cfg, name, None) if name in TritonConfig.__dataclass_fields__ else None
+        if not isinstance(cur, (bool, int)):
+            ok = [f for f, v in vars(TritonConfig()).items() if isinstance(v, (bool, int))]
+            raise ValueError(f"NANOKV_TRITON: unknown field {name!r}; allowed: {', '.join(ok)}")
+        setattr(cfg, name, val.lower() in ("1", "true", "yes") if isinstance(cur, bool) else int(val))
+    if spec:
+        log.info("Triton config from NANOKV_TRITON: %s", cfg)
+    return cfg
 
 
 _SM_COUNT: dict[torch.device, int] = {}
@@ -156,7 +178,7 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, config: TritonConfig | None = None) -> None:
-        self.config = config or TritonConfig()
+        self.config = config or config_from_env(TritonConfig())
         # float32 caches are for exactness checks: full-precision dots, not Triton's tf32 default
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
@@ -209,5 +231,6 @@ class TritonBackend:
                 q[s0:s0 + nd], cache, md.block_tables[P:], md.seq_lens[P:], out[s0:s0 + nd], scale,
                 num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm,
                 words=cfg.words, fold_k=cfg.quant_fold_k, fold_v=cfg.quant_fold_v,
+                qk_int8=cfg.quant_qk_int8, code_offset=cfg.quant_code_offset,
                 maxnreg=cfg.quant_maxnreg if cache.quantized else 0)
         return out
