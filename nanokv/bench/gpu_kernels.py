@@ -197,13 +197,18 @@ QUANT_GRID = [(64, 4, 2, 1), (64, 2, 2, 1), (64, 2, 2, 2), (32, 2, 2, 2), (64, 4
               (128, 4, 2, 2), (64, 4, 3, 2), (32, 1, 2, 4), (64, 2, 3, 2)]
 # A/B variants (TritonConfig overrides) on a few of those tiles; every QUANT_GRID row runs the defaults
 Tile = tuple[int, int, int, int]  # block_n, warps, stages, splits
-_QK8: list[dict[str, Any]] = [dict(quant_qk_int8=True), dict(quant_code_offset=True),
-                              dict(quant_qk_int8=True, quant_code_offset=True)]
+
+
+def _v(**over: Any) -> dict[str, Any]:
+    return over
+
+_QK8: list[dict[str, Any]] = [_v(quant_qk_int8=True), _v(quant_code_offset=True),
+                              _v(quant_qk_int8=True, quant_code_offset=True)]
 VARIANTS: dict[int, list[tuple[Tile, dict[str, Any]]]] = {
-    8: [((64, 4, 2, 1), dict(quant_fold_v=False)), ((64, 4, 2, 1), dict(quant_maxnreg=96))]
+    8: [((64, 4, 2, 1), _v(quant_fold_v=False)), ((64, 4, 2, 1), _v(quant_maxnreg=96))]
             + [(t, v) for t in ((32, 1, 2, 4), (64, 1, 2, 4), (64, 2, 2, 2), (64, 4, 2, 2)) for v in _QK8],
-            4: [((64, 4, 2, 1), dict(quant_fold_k=False, quant_fold_v=False)),
-                ((64, 4, 2, 1), dict(quant_fold_v=False)), ((128, 4, 2, 2), dict(quant_maxnreg=168))]
+            4: [((64, 4, 2, 1), _v(quant_fold_k=False, quant_fold_v=False)),
+                ((64, 4, 2, 1), _v(quant_fold_v=False)), ((128, 4, 2, 2), _v(quant_maxnreg=168))]
             + [(t, v) for t in ((32, 1, 2, 4), (64, 1, 2, 4), (64, 2, 2, 2), (128, 4, 2, 2)) for v in _QK8]}
 
 
