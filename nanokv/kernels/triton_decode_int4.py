@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nanokv.kernels.triton_dequant import load_code_words, load_codes_i8, quantize_rows_i8
+from nanokv.kernels.triton_dequant import load_code_words, load_nibbles_i8, quantize_rows_i8
 from nanokv.kernels.triton_kvtile import fold_v_weights, softmax_update, stage_rows, store_decode, tile_rows
 
 
@@ -128,7 +128,7 @@ def decode_int4_kernel(
             qs_lo, qs_hi, bias = _fold_query(q_lo, q_hi, ks_ptr, kz_ptr, bt_row, start // BS + j_r, used, hi, kvh,
                                              stride_cn, stride_ch, offs_d, d_mask, DH, BS, tl.float32)
             q8_lo, q8_hi, q_sc = quantize_rows_i8(qs_lo, qs_hi)
-            c_lo, c_hi = load_codes_i8(k_ptr, rows, valid, 0, BLOCK_DH, 4, ASM)
+            c_lo, c_hi = load_nibbles_i8(k_ptr, rows, valid, BLOCK_DH, ASM)
             si = tl.dot(q8_hi, tl.trans(c_hi), tl.dot(q8_lo, tl.trans(c_lo)))  # [BLOCK_G, BLOCK_N] int32
             s = si.to(tl.float32) * q_sc[:, None] + bias[:, None]
         else:

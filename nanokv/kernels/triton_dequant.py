@@ -166,17 +166,23 @@ def _nibbles_asm(x, HIGH: tl.constexpr):
 
 
 @triton.jit
-def load_codes_i8(c_ptr, rows, valid, HALF: tl.constexpr, BLOCK_DH: tl.constexpr, BITS: tl.constexpr,
-                  ASM: tl.constexpr):
-    """Codes as int8 tensor-core operands, no conversion: int8 -> [BLOCK_N, BLOCK_DH] of half HALF;
-    int4 -> (low, high nibbles) as int8 0..15. c_ptr: the raw cache (int8 or uint8 elements)."""
+def load_codes_i8(c_ptr, rows, valid, HALF: tl.constexpr, BLOCK_DH: tl.constexpr):
+    """int8 codes of head-dim half HALF as a [BLOCK_N, BLOCK_DH] int8 tensor-core operand, no conversion.
+    c_ptr: the raw int8 cache; rows: [BLOCK_N] element offsets of each token's code row."""
     offs = tl.arange(0, BLOCK_DH)
-    if BITS == 8:
-        return tl.load(c_ptr + rows[:, None] + HALF * BLOCK_DH + offs[None, :], mask=valid[:, None], other=0)
+    return tl.load(c_ptr + rows[:, None] + HALF * BLOCK_DH + offs[None, :], mask=valid[:, None], other=0)
+
+
+@triton.jit
+def load_nibbles_i8(c_ptr, rows, valid, BLOCK_DH: tl.constexpr, ASM: tl.constexpr):
+    """int4 codes as int8 operands 0..15: (low nibbles = dims [0, D/2), high = [D/2, D)), each
+    [BLOCK_N, BLOCK_DH]. c_ptr: the raw packed uint8 cache."""
+    offs = tl.arange(0, BLOCK_DH)
     x = tl.load(c_ptr + rows[:, None] + offs[None, :], mask=valid[:, None], other=0)  # uint8
     if ASM:
         return _nibbles_asm(x, False), _nibbles_asm(x, True)
-    return (x & 15).to(tl.int8), (x >> 4).to(tl.int8)
+    else:
+        return (x & 15).to(tl.int8), (x >> 4).to(tl.int8)
 
 
 @triton.jit
