@@ -202,8 +202,7 @@ Tile = tuple[int, int, int, int]  # block_n, warps, stages, splits
 def _v(**over: Any) -> dict[str, Any]:
     return over
 
-_QK8: list[dict[str, Any]] = [_v(quant_qk_int8=True), _v(quant_code_offset=True),
-                              _v(quant_qk_int8=True, quant_code_offset=True)]
+_QK8: list[dict[str, Any]] = [_v(quant_qk_int8=True)]
 VARIANTS: dict[int, list[tuple[Tile, dict[str, Any]]]] = {
     8: [((64, 4, 2, 1), _v(quant_fold_v=False)), ((64, 4, 2, 1), _v(quant_maxnreg=96))]
             + [(t, v) for t in ((32, 1, 2, 4), (64, 1, 2, 4), (64, 2, 2, 2), (64, 4, 2, 2)) for v in _QK8],

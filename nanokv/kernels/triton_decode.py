@@ -101,7 +101,8 @@ def _decode_kernel(
         if QI8:
             k8_lo = load_codes_i8(k_ptr, rows, valid, 0, BLOCK_DH)
             k8_hi = load_codes_i8(k_ptr, rows, valid, 1, BLOCK_DH)
-            si = tl.dot(q8_hi, tl.trans(k8_hi), tl.dot(q8_lo, tl.trans(k8_lo)))  # [BLOCK_G, BLOCK_N] int32
+            si = tl.dot(q8_lo, tl.trans(k8_lo), out_dtype=tl.int32)  # [BLOCK_G, BLOCK_N] int32, exact
+            si = tl.dot(q8_hi, tl.trans(k8_hi), si, out_dtype=tl.int32)
             ksc = tl.load(ks_ptr + srows, mask=valid, other=0.0).to(tl.float32)
             s = si.to(tl.float32) * q_sc[:, None] * ksc[None, :]
         else:

@@ -129,7 +129,8 @@ def decode_int4_kernel(
                                              stride_cn, stride_ch, offs_d, d_mask, DH, BS, tl.float32)
             q8_lo, q8_hi, q_sc = quantize_rows_i8(qs_lo, qs_hi)
             c_lo, c_hi = load_nibbles_i8(k_ptr, rows, valid, BLOCK_DH, ASM)
-            si = tl.dot(q8_hi, tl.trans(c_hi), tl.dot(q8_lo, tl.trans(c_lo)))  # [BLOCK_G, BLOCK_N] int32
+            si = tl.dot(q8_lo, tl.trans(c_lo), out_dtype=tl.int32)  # [BLOCK_G, BLOCK_N] int32, exact
+            si = tl.dot(q8_hi, tl.trans(c_hi), si, out_dtype=tl.int32)
             s = si.to(tl.float32) * q_sc[:, None] + bias[:, None]
         else:
             qs_lo, qs_hi, bias = _fold_query(q_lo, q_hi, ks_ptr, kz_ptr, bt_row, start // BS + j_r, used, hi, kvh,
