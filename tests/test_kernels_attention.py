@@ -162,64 +162,6 @@ def test_quant_decode_fold_off(bits: int, fold_k: bool, fold_v: bool, G: int) ->
     check(cache, md, q, cfg)
 
 
-def _unpack4(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x & 15, x >> 4], -1).double()
-
-
-def ref_decode_qk8(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Decode-only batch, float64: the scores of qk_int8 (int8: the query rows quantized; int4: q * s
-    quantized per (row, block), plus the exact q . z; staged tokens in full precision), softmax, V."""
-    from nanokv.kv.quant import quantize_query_int8
-    bs, H = cache.block_size, cache.num_kv_heads
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    for i, L in enumerate(md.seq_lens_cpu):
-        ids = md.block_tables[i, :(L + bs - 1) // bs].cpu()
-        k, v = reference.gather_kv(cache, ids.clamp_min(0).to(DEV), torch.float64)  # [nb, H, bs, D]
-        for hq in range(q.shape[1]):
-            h = hq // (q.shape[1] // H)
-            qd = q[i, hq].double().cpu()
-            scores = []
-            for j, b in enumerate(ids.tolist()):
-                if b < 0:
-                    scores.append(torch.full((bs,), float("-inf"), dtype=torch.float64))
-                    continue
-                if cache.bits == 8:
-                    c, sc = quantize_query_int8(q[i, hq].float().cpu())
-                    kj = cache.k[b, h].double().cpu() * cache.k_scale[b, h].double().cpu()[:, None]
-                    scores.append((c.double() * sc.double()) @ kj.T)
-                elif int(cache.stage.stage_of[b]) >= 0:
-                    scores.append(k[j, h].cpu() @ qd)
-                else:
-                    s_ch, z_ch = cache.k_scale[b, h].float().cpu(), cache.k_zero[b, h].float().cpu()
-                    c, sc = quantize_query_int8(q[i, hq].float().cpu() * s_ch)
-                    codes = _unpack4(cache.k[b, h].cpu())  # [bs, D]
-                    bias = (q[i, hq].float().cpu() * z_ch.float()).sum().double()
-                    scores.append(sc.double() * (codes @ c.double()) + bias)
-            s = torch.cat(scores)[:L] * scale
-            p = torch.softmax(s, 0)
-            out[i, hq] = p @ v[:, h].reshape(-1, v.shape[-1])[:L].cpu()
-    return out
-
-
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("qk8,offset", [(True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("G", [2, 3])
-def test_quant_decode_qk_int8_and_code_offset(bits: int, qk8: bool, offset: bool, G: int) -> None:
-    """qk_int8 computes exactly its documented function (ref_decode_qk8), code offsets change nothing."""
-    cache, md, q = build_batch(bits, torch.float16, 16, 2, G, 32, [], [5, 40, 130], holes=True, seed=G + bits)
-    cfg = small_cfg(splits=2, block_n=32)
-    cfg.quant_qk_int8, cfg.quant_code_offset = qk8, offset
-    out = torch.full_like(q, float("nan"))
-    TritonBackend(cfg).paged_attention(q, cache, md, 32 ** -0.5, out=out)
-    ref = ref_decode_qk8(q, cache, md, 32 ** -0.5) if qk8 else reference.paged_attention(
-        q.float(), cache, md, 32 ** -0.5).double().cpu()
-    err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
-    assert err < 2e-3, f"relative error {err:.2e}"
-    if qk8:  # and the quantized query really is in play: the exact-q reference is farther away
-        exact = reference.paged_attention(q.float(), cache, md, 32 ** -0.5).double().cpu()
-        assert ((exact - ref).norm() / ref.norm()).item() > 1e-4
-
-
 @pytest.mark.parametrize("bits", [8, 4])
 def test_fold_v_peaked_softmax(bits: int) -> None:
     """Sharp attention puts most p * v_scale products in fp16's subnormal range: the folded PV must

@@ -115,8 +115,7 @@ def decode_fn(cache: LayerKVCache, md: AttentionMetadata, cfg: TritonConfig) -> 
     return lambda i: triton_decode.paged_decode(
         qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE, num_splits=splits,
         block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm, words=cfg.words, fold_k=cfg.quant_fold_k,
-        fold_v=cfg.quant_fold_v, maxnreg=cfg.quant_maxnreg if cache.quantized else 0,
-        qk_int8=cfg.quant_qk_int8, code_offset=cfg.quant_code_offset)
+        fold_v=cfg.quant_fold_v, maxnreg=cfg.quant_maxnreg if cache.quantized else 0)
 
 
 def bench_copy() -> None:
@@ -195,20 +194,18 @@ def bench_prefill() -> None:
 # quantized decode (block_n, warps, stages, splits), inline PTX on; the first is the baseline
 QUANT_GRID = [(64, 4, 2, 1), (64, 2, 2, 1), (64, 2, 2, 2), (32, 2, 2, 2), (64, 4, 2, 2), (64, 4, 2, 4),
               (128, 4, 2, 2), (64, 4, 3, 2), (32, 1, 2, 4), (64, 2, 3, 2)]
-# A/B variants (TritonConfig overrides) on a few of those tiles; every QUANT_GRID row runs the defaults
 Tile = tuple[int, int, int, int]  # block_n, warps, stages, splits
 
 
 def _v(**over: Any) -> dict[str, Any]:
     return over
 
-_QK8: list[dict[str, Any]] = [_v(quant_qk_int8=True)]
+
+# A/B variants (TritonConfig overrides) on a few of those tiles; every QUANT_GRID row runs the defaults
 VARIANTS: dict[int, list[tuple[Tile, dict[str, Any]]]] = {
-    8: [((64, 4, 2, 1), _v(quant_fold_v=False)), ((64, 4, 2, 1), _v(quant_maxnreg=96))]
-            + [(t, v) for t in ((32, 1, 2, 4), (64, 1, 2, 4), (64, 2, 2, 2), (64, 4, 2, 2)) for v in _QK8],
-            4: [((64, 4, 2, 1), _v(quant_fold_k=False, quant_fold_v=False)),
-                ((64, 4, 2, 1), _v(quant_fold_v=False)), ((128, 4, 2, 2), _v(quant_maxnreg=168))]
-            + [(t, v) for t in ((32, 1, 2, 4), (64, 1, 2, 4), (64, 2, 2, 2), (128, 4, 2, 2)) for v in _QK8]}
+    8: [((64, 4, 2, 1), _v(quant_fold_v=False)), ((64, 4, 2, 1), _v(quant_maxnreg=96))],
+    4: [((64, 4, 2, 1), _v(quant_fold_k=False, quant_fold_v=False)), ((64, 4, 2, 1), _v(quant_fold_v=False)),
+        ((128, 4, 2, 2), _v(quant_maxnreg=168))]}
 
 
 def sweep(budget_s: float, bits_list: tuple[int, ...] = (16, 8, 4), variants_only: bool = False) -> None:

@@ -132,16 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     # re-store each sequence's last computed token (same K/V again): a valid decode step whose slots exist
     items = [(s.token_ids, s.num_computed_tokens - 1, 1, eng.cache_manager.block_table(s.seq_id), False)
              for s in sched]
-    t0 = time.perf_counter()
-    ids, pos, md, _ = runner.build_metadata(items)
-    torch.cuda.synchronize()
-    print(f"build_metadata: {(time.perf_counter() - t0) * 1e3:.2f} ms (host, incl. copies)")
-    if runner.graphs is not None:
-        ms = _events_ms(lambda: runner.graphs.run(ids, pos, md))
-        print(f"decode graph replay (batch {len(items)}): {ms:.2f} ms")
-    hidden = torch.randn(len(items), eng.model_config.hidden_size, device=runner.device, dtype=runner.dtype)
-    ms = _events_ms(lambda: runner.model.compute_logits(hidden).argmax(-1))
-    print(f"logits + argmax: {ms:.2f} ms")
+    with torch.inference_mode():  # the runner's metadata buffers are inference tensors
+        t0 = time.perf_counter()
+        ids, pos, md, _ = runner.build_metadata(items)
+        torch.cuda.synchronize()
+        print(f"build_metadata: {(time.perf_counter() - t0) * 1e3:.2f} ms (host, incl. copies)")
+        if runner.graphs is not None:
+            ms = _events_ms(lambda: runner.graphs.run(ids, pos, md))
+            print(f"decode graph replay (batch {len(items)}): {ms:.2f} ms")
+        hidden = torch.randn(len(items), eng.model_config.hidden_size, device=runner.device, dtype=runner.dtype)
+        ms = _events_ms(lambda: runner.model.compute_logits(hidden).argmax(-1))
+        print(f"logits + argmax: {ms:.2f} ms")
 
     prof = cProfile.Profile()
     prof.enable()

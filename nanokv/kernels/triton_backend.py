@@ -47,12 +47,6 @@ class TritonConfig:
     # offline, no spills when capped: folded int4 at block_n 128 takes 222 = 2 programs per SM, 168
     # fits 3; int8 at block_n 64 takes 110 = 4 per SM, 96 fits 5)
     quant_maxnreg: int = 0
-    # int8/int4 decode: scores on int8 tensor cores, the query (int4: scale-folded per block) quantized
-    # per row to int8 so that key codes enter the dot with no conversion at all
-    quant_qk_int8: bool = False
-    # int8/int4 decode with fold_v: V codes enter the dot offset (code + 1152 / 1024, one fp16
-    # subtraction per two codes saved), the offset times the row sum of p * vs taken out once per row
-    quant_code_offset: bool = False
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM
     min_split_tokens: int = 256  # no split shorter than this (the merge would cost more than it saves)
@@ -69,7 +63,7 @@ class TritonConfig:
 
 
 def config_from_env(cfg: TritonConfig) -> TritonConfig:
-    """Kernel A/B runs of whole benchmarks: NANOKV_TRITON="quant_qk_int8=1,quant_block_n=64" overrides
+    """Kernel A/B runs of whole benchmarks: NANOKV_TRITON="quant_fold_v=0,quant_block_n=64" overrides
     the defaults (bool / int fields only; an unknown name is an error naming the fields)."""
     spec = os.environ.get("NANOKV_TRITON", "").strip()
     for item in filter(None, (x.strip() for x in spec.split(","))):
@@ -231,6 +225,5 @@ class TritonBackend:
                 q[s0:s0 + nd], cache, md.block_tables[P:], md.seq_lens[P:], out[s0:s0 + nd], scale,
                 num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm,
                 words=cfg.words, fold_k=cfg.quant_fold_k, fold_v=cfg.quant_fold_v,
-                qk_int8=cfg.quant_qk_int8, code_offset=cfg.quant_code_offset,
                 maxnreg=cfg.quant_maxnreg if cache.quantized else 0)
         return out

@@ -20,21 +20,14 @@ import triton
 import triton.language as tl
 
 from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
-from nanokv.kernels.triton_dequant import (
-    load_code_words,
-    load_codes_i8,
-    quantize_rows_i8,
-    use_asm,
-    use_words,
-)
+from nanokv.kernels.triton_dequant import use_asm, use_words
 from nanokv.kernels.triton_kvtile import (
     compute_dtype,
-    fold_v_weights,
     kv_meta_args,
     next_pow2,
+    online_softmax_step,
     pv_accumulate,
     qk_scores,
-    softmax_update,
     stage_args,
     stage_rows,
     store_decode,
@@ -57,11 +50,8 @@ def _decode_kernel(
     stride_cn, stride_ch, stride_stn, stride_sth,
     D: tl.constexpr, DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
     CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr, FOLD_V: tl.constexpr,
-    QI8: tl.constexpr, OFFSET: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    # int8 only: QI8 scores on int8 tensor cores (q quantized per row here, k_ptr the raw int8 codes);
-    # OFFSET (with FOLD_V and WORDS) V codes enter the dot as code + 1152, the bias removed at the end
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -81,12 +71,9 @@ def _decode_kernel(
     qm = g_mask[:, None] & d_mask[None, :]
     q_lo = tl.load(q_rows, mask=qm, other=0.0).to(CDT)  # [BLOCK_G, BLOCK_DH]
     q_hi = tl.load(q_rows + DH, mask=qm, other=0.0).to(CDT)
-    if QI8:
-        q8_lo, q8_hi, q_sc = quantize_rows_i8(q_lo.to(tl.float32), q_hi.to(tl.float32))
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    z_i = tl.zeros([BLOCK_G], tl.float32)  # OFFSET: sum of the PV operand's rows, times the offset at the end
     acc_lo = tl.zeros([BLOCK_G, BLOCK_DH], tl.float32)
     acc_hi = tl.zeros([BLOCK_G, BLOCK_DH], tl.float32)
     bt_row = bt_ptr + seq * stride_bt
@@ -98,31 +85,12 @@ def _decode_kernel(
         if BITS == 4:  # per-channel key scales; open blocks read from full-precision staging
             crows, strows, staged = stage_rows(stage_ptr, phys, valid, tok, kvh, stride_cn, stride_ch,
                                                stride_stn, stride_sth, BS, D)
-        if QI8:
-            k8_lo = load_codes_i8(k_ptr, rows, valid, 0, BLOCK_DH)
-            k8_hi = load_codes_i8(k_ptr, rows, valid, 1, BLOCK_DH)
-            si = tl.dot(q8_lo, tl.trans(k8_lo), out_dtype=tl.int32)  # [BLOCK_G, BLOCK_N] int32, exact
-            si = tl.dot(q8_hi, tl.trans(k8_hi), si, out_dtype=tl.int32)
-            ksc = tl.load(ks_ptr + srows, mask=valid, other=0.0).to(tl.float32)
-            s = si.to(tl.float32) * q_sc[:, None] * ksc[None, :]
-        else:
-            s = qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
-                          kst_ptr, crows, strows, staged, DH, BITS, ASM, WORDS)
+        s = qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
+                      kst_ptr, crows, strows, staged, DH, BITS, ASM, WORDS)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        p, alpha, m_i, l_i = softmax_update(s, m_i, l_i)
-        acc_lo = acc_lo * alpha[:, None]
-        acc_hi = acc_hi * alpha[:, None]
-        if OFFSET:
-            pc = fold_v_weights(p, tl.load(vs_ptr + srows, mask=valid, other=0.0), CDT)
-            z_i = z_i * alpha + tl.sum(pc.to(tl.float32), axis=1)
-            acc_lo = tl.dot(pc, load_code_words(v_ptr, rows, valid, 0, BLOCK_N, BLOCK_DH, 8, ASM, True), acc_lo)
-            acc_hi = tl.dot(pc, load_code_words(v_ptr, rows, valid, 1, BLOCK_N, BLOCK_DH, 8, ASM, True), acc_hi)
-        else:
-            acc_lo, acc_hi = pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, offs_d,
-                                           d_mask, vst_ptr, strows, staged, DH, BITS, CDT, ASM, WORDS, FOLD_V)
-    if OFFSET:
-        acc_lo = acc_lo - 1152.0 * z_i[:, None]
-        acc_hi = acc_hi - 1152.0 * z_i[:, None]
+        p, m_i, l_i, acc_lo, acc_hi = online_softmax_step(s, m_i, l_i, acc_lo, acc_hi)
+        acc_lo, acc_hi = pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid,
+                                       offs_d, d_mask, vst_ptr, strows, staged, DH, BITS, CDT, ASM, WORDS, FOLD_V)
 
     store_decode(acc_lo, acc_hi, m_i, l_i, offs_g, kvh, seq, split, num_splits, out_ptr, part_o_ptr, part_ml_ptr,
                  stride_ot, stride_oh, D, DH, G, BLOCK_DH, SPLIT)
@@ -171,16 +139,13 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 2, asm: bool | None = None,
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
-                 maxnreg: int = 0, qk_int8: bool = False, code_offset: bool = False) -> torch.Tensor:
+                 maxnreg: int = 0) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
     the generic kernel dequantizes each key tile. fold_v: int8/int4 V scales folded into the softmax
     weights (int4 only together with fold_k). maxnreg > 0 caps registers per thread (ptxas
-    .maxnreg), e.g. 168 lets 3 programs of 4 warps share an SM. qk_int8: quantized caches score on
-    int8 tensor cores, the (int4: scale-folded) query quantized per row to int8 (nanokv.kv.quant);
-    code_offset: V codes biased in the dot, the bias taken out per row (with fold_v and word reads).
-    Both need D / 2 a power of 2 >= 16; they are ignored where they do not apply."""
+    .maxnreg), e.g. 168 lets 3 programs of 4 warps share an SM."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
@@ -192,11 +157,6 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     cdt = compute_dtype(q.dtype, cache.bits)
     words = use_words(cache.quantized, cdt, D) if words is None else words
     k, v = (cache.k.view(torch.int32), cache.v.view(torch.int32)) if words else (cache.k, cache.v)
-    half_ok = D // 2 >= 16 and (D // 2) & (D // 2 - 1) == 0
-    qk_int8 = qk_int8 and cache.quantized and half_ok and (cache.bits == 8 or fold_k)
-    code_offset = code_offset and cache.quantized and words and fold_v and (cache.bits == 8 or fold_k)
-    if qk_int8:
-        k = cache.k  # int8 / packed uint8 codes straight into the tensor cores
     split = num_splits > 1
     if split:
         buf = _scratch(q.device, B * Hq * num_splits * (D + 2))
@@ -211,8 +171,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
             block_tables.stride(0), *strides)
     common = dict(D=D, DH=D // 2, G=G, BS=cache.block_size, CDT=cdt, WORDS=words, FOLD_V=fold_v,
                   ASM=use_asm(q.device) if asm is None else asm, BLOCK_DH=max(16, next_pow2(D // 2)),
-                  BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, num_stages=num_stages, QI8=qk_int8,
-                  OFFSET=code_offset,
+                  BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, num_stages=num_stages,
                   **({"maxnreg": maxnreg} if maxnreg > 0 else {}))
     if cache.bits == 4 and fold_k:
         decode_int4_kernel[(B, H, num_splits)](*args, **common, **int4_tiles(G, cache.block_size, block_n))

@@ -28,17 +28,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nanokv.kernels.triton_dequant import load_code_words, load_nibbles_i8, quantize_rows_i8
+from nanokv.kernels.triton_dequant import load_code_words
 from nanokv.kernels.triton_kvtile import fold_v_weights, softmax_update, stage_rows, store_decode, tile_rows
 
 
 @triton.jit
 def _codes4(c_ptr, rows, valid, offs_d, d_mask, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr,
-            CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr, OFFSET: tl.constexpr = False):
-    """int4 code tile as two [BLOCK_N, BLOCK_DH] halves in the compute dtype (codes 0..15, exact;
-    plus 1024 with OFFSET, word reads only)."""
+            CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr):
+    """int4 code tile as two [BLOCK_N, BLOCK_DH] halves in the compute dtype (codes 0..15, exact)."""
     if WORDS:
-        c_lo, c_hi = load_code_words(c_ptr, rows, valid, 0, BLOCK_N, BLOCK_DH, 4, ASM, OFFSET)
+        c_lo, c_hi = load_code_words(c_ptr, rows, valid, 0, BLOCK_N, BLOCK_DH, 4, ASM)
     else:
         packed = tl.load(c_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0)
         c_lo, c_hi = (packed & 15).to(CDT), (packed >> 4).to(CDT)
@@ -51,8 +50,7 @@ def _fold_query(q_lo, q_hi, ks_ptr, kz_ptr, bt_row, blk_r, used, hi, kvh, stride
     """Per-row scaled query and bias for the row groups' blocks blk_r [BLOCK_G] (logical indices;
     `used` [BLOCK_G]: the tile has that block).
 
-    q_lo, q_hi: [BLOCK_G, BLOCK_DH] fp32. Returns (q * s) halves in CDT (fp32 passes them unrounded,
-    for the int8 quantization of QI8) and q . z [BLOCK_G] fp32.
+    q_lo, q_hi: [BLOCK_G, BLOCK_DH] fp32. Returns (q * s) halves in CDT and q . z [BLOCK_G] fp32.
     fp32 products: a channel's zero can be far larger than its step (the bias keeps it exactly).
     Rows whose block is past the context read zeros (their scores are masked by the caller).
     """
@@ -79,13 +77,10 @@ def decode_int4_kernel(
     stride_cn, stride_ch, stride_stn, stride_sth,
     D: tl.constexpr, DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr,
     CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr, FOLD_V: tl.constexpr,
-    QI8: tl.constexpr, OFFSET: tl.constexpr,
     ROWG: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr,
     TAIL_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    # ROWG = next_pow2(G) rows per row group, BLOCK_G // ROWG groups >= BLOCK_N // BS blocks per tile.
-    # QI8: the folded query rows quantized to int8, key codes into int8 tensor cores (k_ptr: raw bytes);
-    # OFFSET (with FOLD_V and WORDS): V codes enter the dot as code + 1024, the bias goes into z_i
+    # ROWG = next_pow2(G) rows per row group, BLOCK_G // ROWG groups >= BLOCK_N // BS blocks per tile
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -124,32 +119,20 @@ def decode_int4_kernel(
         phys64 = tl.where(valid, phys, 0).to(tl.int64)
         rows = phys64 * stride_kn + kvh * stride_kh + (tok % BS) * stride_ks
         srows = phys64 * stride_sn + kvh * stride_sh + tok % BS
-        if QI8:
-            qs_lo, qs_hi, bias = _fold_query(q_lo, q_hi, ks_ptr, kz_ptr, bt_row, start // BS + j_r, used, hi, kvh,
-                                             stride_cn, stride_ch, offs_d, d_mask, DH, BS, tl.float32)
-            q8_lo, q8_hi, q_sc = quantize_rows_i8(qs_lo, qs_hi)
-            c_lo, c_hi = load_nibbles_i8(k_ptr, rows, valid, BLOCK_DH, ASM)
-            si = tl.dot(q8_lo, tl.trans(c_lo), out_dtype=tl.int32)  # [BLOCK_G, BLOCK_N] int32, exact
-            si = tl.dot(q8_hi, tl.trans(c_hi), si, out_dtype=tl.int32)
-            s = si.to(tl.float32) * q_sc[:, None] + bias[:, None]
-        else:
-            qs_lo, qs_hi, bias = _fold_query(q_lo, q_hi, ks_ptr, kz_ptr, bt_row, start // BS + j_r, used, hi, kvh,
-                                             stride_cn, stride_ch, offs_d, d_mask, DH, BS, CDT)
-            c_lo, c_hi = _codes4(k_ptr, rows, valid, offs_d, d_mask, BLOCK_N, BLOCK_DH, CDT, ASM, WORDS)
-            s = tl.dot(qs_hi, tl.trans(c_hi), tl.dot(qs_lo, tl.trans(c_lo))) + bias[:, None]
+        qs_lo, qs_hi, bias = _fold_query(q_lo, q_hi, ks_ptr, kz_ptr, bt_row, start // BS + j_r, used, hi, kvh,
+                                         stride_cn, stride_ch, offs_d, d_mask, DH, BS, CDT)
+        c_lo, c_hi = _codes4(k_ptr, rows, valid, offs_d, d_mask, BLOCK_N, BLOCK_DH, CDT, ASM, WORDS)
+        s = tl.dot(qs_hi, tl.trans(c_hi), tl.dot(qs_lo, tl.trans(c_lo))) + bias[:, None]
         own = (jc[None, :] == j_r[:, None]) & valid[None, :]  # [BLOCK_G, BLOCK_N]
         p, alpha, m_i, l_i = softmax_update(tl.where(own, s * qk_scale, float("-inf")), m_i, l_i)
         acc_lo = acc_lo * alpha[:, None]
         acc_hi = acc_hi * alpha[:, None]
-        v_lo, v_hi = _codes4(v_ptr, rows, valid, offs_d, d_mask, BLOCK_N, BLOCK_DH, CDT, ASM, WORDS, OFFSET)
+        v_lo, v_hi = _codes4(v_ptr, rows, valid, offs_d, d_mask, BLOCK_N, BLOCK_DH, CDT, ASM, WORDS)
         vs = tl.load(vs_ptr + srows, mask=valid, other=0.0)  # [BLOCK_N] fp16
         vz = tl.load(vz_ptr + srows, mask=valid, other=0.0)
         if FOLD_V:
             pv = fold_v_weights(p, vs, CDT)
-            zt = p * vz.to(tl.float32)[None, :]
-            if OFFSET:  # the dot added 1024 * pv to every output dim
-                zt = zt - 1024.0 * pv.to(tl.float32)
-            z_i = z_i * alpha + tl.sum(zt, axis=1)
+            z_i = z_i * alpha + tl.sum(p * vz.to(tl.float32)[None, :], axis=1)
         else:  # per-element dequantization in the compute dtype (the generic path's math)
             pv = p.to(CDT)
             v_lo = v_lo * vs.to(CDT)[:, None] + vz.to(CDT)[:, None]

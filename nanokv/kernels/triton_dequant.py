@@ -34,37 +34,38 @@ def use_words(quantized: bool, cdt: tl.dtype, head_dim: int) -> bool:
 
 
 @triton.jit
-def _byte_f16(w, SHIFT: tl.constexpr, NIBBLE: tl.constexpr, OFFSET: tl.constexpr):
-    """One code lane of each int32 word -> fp16, exactly (OFFSET: code + code_offset(bits) instead)."""
+def _byte_f16(w, SHIFT: tl.constexpr, NIBBLE: tl.constexpr):
+    """One code lane of each int32 word -> fp16, exactly."""
     if NIBBLE:
-        x = (((w >> SHIFT) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        return x if OFFSET else x - 1024.0
+        return (((w >> SHIFT) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
     else:  # (b & 0xFF) ^ 0x6480 = 0x64 high byte | (b ^ 0x80); value 1024 + b + 128 for signed b
-        x = (((w >> SHIFT) & 0xFF) ^ 0x6480).to(tl.int16).to(tl.float16, bitcast=True)
-        return x if OFFSET else x - 1152.0
+        return (((w >> SHIFT) & 0xFF) ^ 0x6480).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
 
 
-def code_offset(bits: int) -> float:
-    """What OFFSET tiles add to every code (the fp16 exponent splice without its subtraction)."""
-    return 1024.0 if bits == 4 else 1152.0
-
-
-def _asm8(sub: bool) -> tl.constexpr:
-    return tl.constexpr("""{
+@triton.jit
+def _int8_word_asm(w):
+    """int32 word of 4 int8 codes -> 4 fp16 (code j of the word in output j)."""
+    return tl.inline_asm_elementwise(
+        """{
         .reg .b32 t, z, c, a, b;
         mov.b32 z, 0x64646464;
         mov.b32 c, 0x64806480;
         xor.b32 t, $4, 0x80808080;
         prmt.b32 a, t, z, 0x4140;
         prmt.b32 b, t, z, 0x4342;
-        """ + ("sub.f16x2 a, a, c; sub.f16x2 b, b, c;" if sub else "") + """
+        sub.f16x2 a, a, c;
+        sub.f16x2 b, b, c;
         mov.b32 {$0, $1}, a;
         mov.b32 {$2, $3}, b;
-        }""")
+        }""",
+        "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
 
 
-def _asm4(sub: bool) -> tl.constexpr:
-    return tl.constexpr("""{
+@triton.jit
+def _int4_word_asm(w):
+    """int32 word of 4 packed bytes -> 8 fp16: low nibbles of bytes 0..3, then high nibbles."""
+    return tl.inline_asm_elementwise(
+        """{
         .reg .b32 x, y, t, z, m, o, a, b, c, d;
         mov.b32 z, 0;
         mov.b32 m, 0x000F000F;
@@ -77,44 +78,16 @@ def _asm4(sub: bool) -> tl.constexpr:
         lop3.b32 c, t, m, o, 0xEA;
         shr.b32 t, y, 4;
         lop3.b32 d, t, m, o, 0xEA;
-        """ + ("sub.f16x2 a, a, o; sub.f16x2 b, b, o; sub.f16x2 c, c, o; sub.f16x2 d, d, o;" if sub else "")
-                        + """
+        sub.f16x2 a, a, o;
+        sub.f16x2 b, b, o;
+        sub.f16x2 c, c, o;
+        sub.f16x2 d, d, o;
         mov.b32 {$0, $1}, a;
         mov.b32 {$2, $3}, b;
         mov.b32 {$4, $5}, c;
         mov.b32 {$6, $7}, d;
-        }""")
-
-
-# int8: bias to unsigned (xor 0x80), splice each byte under an 0x64 high byte (prmt), subtract 1152
-ASM8_SUB = _asm8(True)
-ASM8_OFF = _asm8(False)
-# int4: spread the bytes to 16-bit lanes (prmt), mask a nibble under 0x6400 (lop3), subtract 1024
-ASM4_SUB = _asm4(True)
-ASM4_OFF = _asm4(False)
-
-
-@triton.jit
-def _int8_word_asm(w, OFFSET: tl.constexpr):
-    """int32 word of 4 int8 codes -> 4 fp16 (code j of the word in output j; + 1152 with OFFSET)."""
-    if OFFSET:
-        return tl.inline_asm_elementwise(ASM8_OFF, "=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 4, is_pure=True,
-                                         pack=1)
-    else:
-        return tl.inline_asm_elementwise(ASM8_SUB, "=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 4, is_pure=True,
-                                         pack=1)
-
-
-@triton.jit
-def _int4_word_asm(w, OFFSET: tl.constexpr):
-    """int32 word of 4 packed bytes -> 8 fp16: low nibbles of bytes 0..3, then high nibbles
-    (+ 1024 with OFFSET)."""
-    if OFFSET:
-        return tl.inline_asm_elementwise(ASM4_OFF, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 8,
-                                         is_pure=True, pack=1)
-    else:
-        return tl.inline_asm_elementwise(ASM4_SUB, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 8,
-                                         is_pure=True, pack=1)
+        }""",
+        "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -125,11 +98,9 @@ def _interleave4(o0, o1, o2, o3, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr):
 
 @triton.jit
 def load_code_words(c_ptr, rows, valid, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr,
-                    BITS: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr = False):
+                    BITS: tl.constexpr, ASM: tl.constexpr):
     """One quantized K or V tile as fp16: int8 -> [BLOCK_N, BLOCK_DH] of head-dim half HALF;
     int4 -> (dims [0, D/2), dims [D/2, D)) from the low and high nibbles.
-    OFFSET: every code plus code_offset(BITS), one fp16 subtraction per two codes saved; the caller
-    removes code_offset * (sum of the other operand's row) once per row (exact products, fp32 sums).
 
     c_ptr: int32 view of the codes; rows: [BLOCK_N] byte offsets of each token's code row;
     valid: [BLOCK_N] (masked rows read as zeros)."""
@@ -138,64 +109,18 @@ def load_code_words(c_ptr, rows, valid, HALF: tl.constexpr, BLOCK_N: tl.constexp
                 mask=valid[:, None], other=0)  # [BLOCK_N, BLOCK_DH / 4] int32
     if BITS == 8:
         if ASM:
-            o0, o1, o2, o3 = _int8_word_asm(w, OFFSET)
+            o0, o1, o2, o3 = _int8_word_asm(w)
         else:
-            o0, o1, o2, o3 = _byte_f16(w, 0, False, OFFSET), _byte_f16(w, 8, False, OFFSET), \
-                _byte_f16(w, 16, False, OFFSET), _byte_f16(w, 24, False, OFFSET)
+            o0, o1, o2, o3 = _byte_f16(w, 0, False), _byte_f16(w, 8, False), _byte_f16(w, 16, False), \
+                _byte_f16(w, 24, False)
         return _interleave4(o0, o1, o2, o3, BLOCK_N, BLOCK_DH)
     else:
         if ASM:
-            l0, l1, l2, l3, h0, h1, h2, h3 = _int4_word_asm(w, OFFSET)
+            l0, l1, l2, l3, h0, h1, h2, h3 = _int4_word_asm(w)
         else:
-            l0, l1, l2, l3 = _byte_f16(w, 0, True, OFFSET), _byte_f16(w, 8, True, OFFSET), \
-                _byte_f16(w, 16, True, OFFSET), _byte_f16(w, 24, True, OFFSET)
-            h0, h1, h2, h3 = _byte_f16(w, 4, True, OFFSET), _byte_f16(w, 12, True, OFFSET), \
-                _byte_f16(w, 20, True, OFFSET), _byte_f16(w, 28, True, OFFSET)
+            l0, l1, l2, l3 = _byte_f16(w, 0, True), _byte_f16(w, 8, True), _byte_f16(w, 16, True), \
+                _byte_f16(w, 24, True)
+            h0, h1, h2, h3 = _byte_f16(w, 4, True), _byte_f16(w, 12, True), _byte_f16(w, 20, True), \
+                _byte_f16(w, 28, True)
         lo = _interleave4(l0, l1, l2, l3, BLOCK_N, BLOCK_DH)
         return lo, _interleave4(h0, h1, h2, h3, BLOCK_N, BLOCK_DH)
-
-
-@triton.jit
-def _nibbles_asm(x, HIGH: tl.constexpr):
-    """uint8 [..] packed nibbles -> int8 low (HIGH False) or high nibbles, four bytes per 32-bit op."""
-    if HIGH:
-        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
-                                         "=r,r", [x], dtype=tl.int8, is_pure=True, pack=4)
-    return tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [x], dtype=tl.int8, is_pure=True,
-                                     pack=4)
-
-
-@triton.jit
-def load_codes_i8(c_ptr, rows, valid, HALF: tl.constexpr, BLOCK_DH: tl.constexpr):
-    """int8 codes of head-dim half HALF as a [BLOCK_N, BLOCK_DH] int8 tensor-core operand, no conversion.
-    c_ptr: the raw int8 cache; rows: [BLOCK_N] element offsets of each token's code row."""
-    offs = tl.arange(0, BLOCK_DH)
-    return tl.load(c_ptr + rows[:, None] + HALF * BLOCK_DH + offs[None, :], mask=valid[:, None], other=0)
-
-
-@triton.jit
-def load_nibbles_i8(c_ptr, rows, valid, BLOCK_DH: tl.constexpr, ASM: tl.constexpr):
-    """int4 codes as int8 operands 0..15: (low nibbles = dims [0, D/2), high = [D/2, D)), each
-    [BLOCK_N, BLOCK_DH]. c_ptr: the raw packed uint8 cache."""
-    offs = tl.arange(0, BLOCK_DH)
-    x = tl.load(c_ptr + rows[:, None] + offs[None, :], mask=valid[:, None], other=0)  # uint8
-    if ASM:
-        return _nibbles_asm(x, False), _nibbles_asm(x, True)
-    else:
-        return (x & 15).to(tl.int8), (x >> 4).to(tl.int8)
-
-
-@triton.jit
-def quantize_rows_i8(x_lo, x_hi):
-    """fp32 row halves [R, BLOCK_DH] -> int8 halves and the fp32 scale per row [R] (symmetric,
-    absmax / 127, round half away from zero; all-zero rows get scale 1). Same math as
-    nanokv.kv.quant.quantize_query_int8 on the CPU."""
-    amax = tl.maximum(tl.max(tl.abs(x_lo), axis=1), tl.max(tl.abs(x_hi), axis=1))
-    sc = tl.where(amax > 0, amax / 127.0, 1.0)
-    lo = x_lo / sc[:, None]
-    hi = x_hi / sc[:, None]
-    lo = tl.where(lo >= 0, tl.floor(lo + 0.5), -tl.floor(0.5 - lo))
-    hi = tl.where(hi >= 0, tl.floor(hi + 0.5), -tl.floor(0.5 - hi))
-    lo = tl.minimum(tl.maximum(lo, -127.0), 127.0).to(tl.int8)
-    hi = tl.minimum(tl.maximum(hi, -127.0), 127.0).to(tl.int8)
-    return lo, hi, sc

@@ -85,15 +85,3 @@ def dequantize_int4_channels(packed: torch.Tensor, scale: torch.Tensor, zero: to
     """packed [..., bs, D/2], scale and zero [..., D] -> [..., bs, D]."""
     q = torch.cat([(packed & 0xF).float(), (packed >> 4).float()], dim=-1)
     return (q * scale.float().unsqueeze(-2) + zero.float().unsqueeze(-2)).to(dtype)
-
-
-def quantize_query_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query rows for int8 tensor-core scores: x [..., D] -> (codes [..., D] as float, fp32 scale [...]).
-    Symmetric, absmax / 127 in fp32 (no fp16 rounding of the scale), round half away from zero, all-zero
-    rows scale 1: the same arithmetic as the decode kernels' quantize_rows_i8."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    y = xf / scale.unsqueeze(-1)
-    codes = (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp_(-127, 127)
-    return codes, scale

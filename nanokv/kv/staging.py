@@ -30,6 +30,17 @@ import numpy as np
 import torch
 
 
+def _to_device(x: np.ndarray | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host array on the device without waiting: from pinned memory, non-blocking on CUDA.
+    A pageable copy would block the host until every kernel queued before it ran (the copy is
+    stream-ordered), so one per step serialized the host with the device and undid async scheduling.
+    The pinned block is not reused before its copy completes (torch's caching host allocator)."""
+    t = torch.as_tensor(np.asarray(x, dtype=np.int64)).to(dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class StageTable:
     """Host bookkeeping block id -> staging slot, mirrored in a device map read by store/attention."""
 
@@ -62,15 +73,15 @@ class StageTable:
         if new.size:
             ids = [self._take() for _ in range(new.size)]
             self._host[new] = ids
-            self.stage_of[torch.from_numpy(new).to(self.stage_of.device)] = torch.tensor(
-                ids, dtype=torch.int32).to(self.stage_of.device)
+            dev = self.stage_of.device
+            self.stage_of[_to_device(new, torch.int64, dev)] = _to_device(ids, torch.int32, dev)
         self._set_filling(np.unique(written[written % bs == bs - 1] // bs))
 
     def _set_filling(self, blocks: np.ndarray) -> None:
         self._filling = blocks
         dev = self.stage_of.device
-        self.fill_blocks = torch.from_numpy(blocks).to(dev)
-        self.fill_slots = torch.from_numpy(self._host[blocks]).to(dev)
+        self.fill_blocks = _to_device(blocks, torch.int64, dev)
+        self.fill_slots = _to_device(self._host[blocks], torch.int64, dev)
 
     def finish(self) -> None:
         """After the step: blocks filled by it are now in the quantized pool; free their slots."""
@@ -79,7 +90,7 @@ class StageTable:
             return
         self._free.extend(int(s) for s in self._host[done])
         self._host[done] = -1
-        self.stage_of[torch.from_numpy(done).to(self.stage_of.device)] = -1
+        self.stage_of[_to_device(done, torch.int64, self.stage_of.device)] = -1
         self._set_filling(np.empty(0, dtype=np.int64))
 
     def resize(self, num_blocks: int) -> None:
@@ -102,7 +113,7 @@ class StageTable:
                 self._free.append(int(self._host[b]))
                 self._host[b] = -1
             if stale:
-                self.stage_of[torch.tensor(stale, device=self.stage_of.device)] = -1
+                self.stage_of[_to_device(stale, torch.int64, self.stage_of.device)] = -1
         if not self._free:
             raise RuntimeError(
                 f"KV staging full: {self.num_slots} open blocks staged at once; raise max_num_seqs-based "
