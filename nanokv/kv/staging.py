@@ -30,19 +30,18 @@ import numpy as np
 import torch
 
 
-def _to_device(x: np.ndarray | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host array on the device without waiting: from pinned memory, non-blocking on CUDA.
-    A pageable copy would block the host until every kernel queued before it ran (the copy is
-    stream-ordered), so one per step serialized the host with the device and undid async scheduling.
-    The pinned block is not reused before its copy completes (torch's caching host allocator)."""
-    t = torch.as_tensor(np.asarray(x, dtype=np.int64)).to(dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Outside the runner's steps (tests, resize): a plain copy."""
+    return torch.from_numpy(x).to(device)
 
 
 class StageTable:
-    """Host bookkeeping block id -> staging slot, mirrored in a device map read by store/attention."""
+    """Host bookkeeping block id -> staging slot, mirrored in a device map read by store/attention.
+
+    Changes to the device map are queued as (blocks to clear, blocks to set, their slots) and
+    applied in that order: at once by default, or, for the runner (`defer=True`), sent with the
+    step's metadata in its one pinned copy (`pending` then `apply`), so a step costs no extra copy
+    and never waits for the device."""
 
     def __init__(self, num_blocks: int, num_slots: int, block_size: int, device: torch.device | str):
         self.block_size = block_size
@@ -52,50 +51,77 @@ class StageTable:
         self._host = np.full(num_blocks, -1, dtype=np.int64)
         self._free = list(range(num_slots - 1, -1, -1))
         self._filling: np.ndarray = np.empty(0, dtype=np.int64)  # blocks this step fills
-        # the same on the device, with their staging slots: [F] int64 each (read by quantize_filled)
-        self.fill_blocks = torch.empty(0, dtype=torch.int64, device=device)
-        self.fill_slots = torch.empty(0, dtype=torch.int64, device=device)
+        self._clear: list[np.ndarray] = []  # queued device-map updates, see the class doc
+        self._set: list[np.ndarray] = []
         self.block_free: Callable[[int], bool] | None = None  # set by the owner of the cache manager
 
     @property
     def num_staged(self) -> int:
         return self.num_slots - len(self._free)
 
-    def plan(self, slots: np.ndarray) -> None:
+    @property
+    def fill_blocks(self) -> torch.Tensor:
+        """[F] int64 on the device: the blocks this step fills (read by the eager quantize_filled)."""
+        return torch.from_numpy(self._filling).to(self.stage_of.device)
+
+    @property
+    def fill_slots(self) -> torch.Tensor:
+        """[F] int64 on the device: their staging slots."""
+        return torch.from_numpy(self._host[self._filling]).to(self.stage_of.device)
+
+    def plan(self, slots: np.ndarray, defer: bool = False) -> None:
         """slots: [T] this step's cache slots (block * bs + offset; -1 = not stored)."""
         bs = self.block_size
         written = slots[slots >= 0]
         if written.size == 0:
-            self._set_filling(np.empty(0, dtype=np.int64))
-            return
-        blocks = np.unique(written // bs)
-        new = blocks[self._host[blocks] < 0]
-        if new.size:
-            ids = [self._take() for _ in range(new.size)]
-            self._host[new] = ids
-            dev = self.stage_of.device
-            self.stage_of[_to_device(new, torch.int64, dev)] = _to_device(ids, torch.int32, dev)
-        self._set_filling(np.unique(written[written % bs == bs - 1] // bs))
+            self._filling = np.empty(0, dtype=np.int64)
+        else:
+            blocks = np.unique(written // bs)
+            new = blocks[self._host[blocks] < 0]
+            if new.size:
+                self._host[new] = [self._take() for _ in range(new.size)]
+                self._set.append(new)
+            self._filling = np.unique(written[written % bs == bs - 1] // bs)
+        if not defer:
+            self.flush()
 
-    def _set_filling(self, blocks: np.ndarray) -> None:
-        self._filling = blocks
-        dev = self.stage_of.device
-        self.fill_blocks = _to_device(blocks, torch.int64, dev)
-        self.fill_slots = _to_device(self._host[blocks], torch.int64, dev)
-
-    def finish(self) -> None:
+    def finish(self, defer: bool = False) -> None:
         """After the step: blocks filled by it are now in the quantized pool; free their slots."""
         done = self._filling
-        if done.size == 0:
-            return
-        self._free.extend(int(s) for s in self._host[done])
-        self._host[done] = -1
-        self.stage_of[_to_device(done, torch.int64, self.stage_of.device)] = -1
-        self._set_filling(np.empty(0, dtype=np.int64))
+        if done.size:
+            self._free.extend(int(s) for s in self._host[done])
+            self._host[done] = -1
+            self._clear.append(done)
+            self._filling = np.empty(0, dtype=np.int64)
+        if not defer:
+            self.flush()
+
+    def pending(self) -> list[np.ndarray]:
+        """The queued device-map updates as int64 arrays [clear blocks, set blocks, their slots], and
+        the queue emptied; the caller brings them to the device and hands them to `apply`."""
+        clear = np.concatenate(self._clear) if self._clear else np.empty(0, dtype=np.int64)
+        put = np.concatenate(self._set) if self._set else np.empty(0, dtype=np.int64)
+        self._clear, self._set = [], []
+        # a block cleared and set again in one batch keeps its set value (clears go first); the slot
+        # of a set block is the host's current one
+        return [clear.astype(np.int64), put.astype(np.int64), self._host[put].astype(np.int64)]
+
+    def apply(self, clear: torch.Tensor, put: torch.Tensor, slot: torch.Tensor) -> None:
+        """Device tensors from `pending`: stream-ordered updates of the map, no host sync."""
+        if clear.numel():
+            self.stage_of[clear] = -1
+        if put.numel():
+            self.stage_of[put] = slot.to(torch.int32)
+
+    def flush(self) -> None:
+        if self._clear or self._set:
+            dev = self.stage_of.device
+            self.apply(*(_to_device(a, dev) for a in self.pending()))
 
     def resize(self, num_blocks: int) -> None:
         """KV pool resize (nanokv.adaptive pool rule): ids below both sizes keep their slots; slots
         of removed ids (only free blocks are removed) go back to the free list."""
+        self.flush()
         n = min(num_blocks, self._host.shape[0])
         self._free.extend(int(x) for x in self._host[n:] if x >= 0)
         host = np.full(num_blocks, -1, dtype=np.int64)
@@ -113,7 +139,7 @@ class StageTable:
                 self._free.append(int(self._host[b]))
                 self._host[b] = -1
             if stale:
-                self.stage_of[_to_device(stale, torch.int64, self.stage_of.device)] = -1
+                self._clear.append(np.asarray(stale, dtype=np.int64))
         if not self._free:
             raise RuntimeError(
                 f"KV staging full: {self.num_slots} open blocks staged at once; raise max_num_seqs-based "

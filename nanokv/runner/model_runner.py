@@ -191,11 +191,16 @@ class ModelRunner:
         num_prefill_tokens = int(lens[:num_prefills].sum())
         qsl_list = qsl.tolist()
         seq_lens = ends.tolist()
+        stage_upd: list[np.ndarray] = []
         if self.stage is not None:  # int4: staging slots for every block this step writes
-            self.stage.plan(slots)
+            self.stage.plan(slots, defer=True)
+            stage_upd = self.stage.pending()  # its device-map updates travel in the same copy
         ids, pos, slot_t, qsl_t, lens_t, tables_t, *extra_t = self.uploader.upload(
             [np.asarray(input_ids, dtype=np.int64), positions, slots, qsl.astype(np.int32),
-             ends.astype(np.int32), tables, *(extra or [])])
+             ends.astype(np.int32), tables, *(extra or []), *stage_upd])
+        if self.stage is not None:
+            self.stage.apply(*extra_t[-3:])
+            extra_t = extra_t[:-3]
         md = AttentionMetadata(
             slot_mapping=slot_t,
             query_start_loc=qsl_t,
@@ -232,7 +237,7 @@ class ModelRunner:
             return self._run(ids, pos, md, items, logits_rows, all_logits)
         finally:
             if self.stage is not None:  # blocks filled by this step are quantized: free their staging
-                self.stage.finish()
+                self.stage.finish(defer=True)  # (the device map changes with the next step's copy)
 
     def _run(self, ids, pos, md, items, logits_rows, all_logits) -> torch.Tensor | None:
         with forward_context(md, self.kv_caches):
