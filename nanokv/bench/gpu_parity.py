@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", default="parity.json")
+    ap.add_argument("--bits", type=int, default=16, choices=(16, 8, 4), help="KV cache format on both sides")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="GPU model dtypes to compare (comma list)")
     args = ap.parse_args(argv)
 
     from nanokv.engine.llm import LLM
@@ -28,12 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(0, 10000) for _ in range(rng.randint(40, 300))] for _ in range(args.num_prompts)]
     p = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=1)
-    common = dict(model=args.model, max_model_len=1024, num_gpu_blocks=256, block_size=16)
+    common: dict = dict(model=args.model, max_model_len=1024, num_gpu_blocks=256, block_size=16)
+    if args.bits < 16:
+        common.update(enable_compression=True, quantization_bitwidth=args.bits)
     res: dict = {}
     cpu = LLM(device="cpu", dtype="float32", attention_backend="torch", **common)
     ref = cpu.generate(prompts, p, use_tqdm=False)
     del cpu
-    for dtype in ("float32", "bfloat16"):
+    for dtype in args.dtypes.split(","):
         gpu = LLM(device="cuda", dtype=dtype, attention_backend="triton", **common)
         outs = gpu.generate(prompts, p, use_tqdm=False)
         # second pass: the prompts now hit the prefix cache (paged prefill over a cached prefix)
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                       "tokens_before_first_divergence": agree,
                       "first_token_logprob_max_abs_diff": lp_err,
                       "cuda_graphs": gpu.engine.runner.graphs is not None}
-        print(f"[parity {dtype}] identical greedy sequences vs CPU fp32 reference: {same}/{len(prompts)}"
+        print(f"[parity {dtype} kv{args.bits}] identical greedy sequences vs CPU fp32 reference: {same}/{len(prompts)}"
               f" (with prefix hits {same2}/{len(prompts)}); first divergence at {agree};"
               f" first-token logprob max |diff| {lp_err:.2e}")
         del gpu

@@ -94,16 +94,27 @@ def before_store(layer: int, cache: LayerKVCache, md: Any, q: torch.Tensor, k: t
     return q, k, v
 
 
+def _monitor_fill(layer: int, cache: LayerKVCache) -> None:
+    """The quality monitor's sample of an int4 fill (eager steps): the first block this step fills,
+    read from staging before it is freed (record_blocks samples one call in `every` itself)."""
+    assert cache.stage is not None and cache.k_stage is not None and cache.v_stage is not None
+    first = cache.stage.first_fill()
+    if first is not None:
+        cache.monitor.record_blocks(layer, cache.k_stage[first:first + 1], cache.v_stage[first:first + 1])
+
+
 def after_attention(layer: int, cache: LayerKVCache, md: Any, o: torch.Tensor) -> torch.Tensor:
     """o [T, Hq, D]: the step's attention output -> the same in the model's basis. Called by the
     attention layer after attention: int4 quantizes the blocks this step filled (once, from staging)
     and rotates the output back (values are stored rotated); a simulated quantize-on-fill format
     (FakeQuant.on_fill) quantizes its filled blocks in place."""
     if cache.stage is not None:
-        if getattr(md, "extras", None) and md.extras.get("cuda_graph"):
-            # a captured decode step: the filled blocks are found on the device (no host list, no
-            # sync; the quality monitor, which syncs, samples eager steps only)
+        if cache.k.is_cuda:
+            # one Triton kernel finds the filled blocks on the device (no host list, no copy, no sync;
+            # bit for bit the torch quantize_filled): in captured decode steps and in eager steps alike
             from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe
+            if cache.monitor is not None and not _capturing(o):
+                _monitor_fill(layer, cache)
             quantize_filled_graphsafe(cache, md.slot_mapping)
         else:
             quantize_filled(cache, layer)

@@ -69,6 +69,10 @@ class StageTable:
         """[F] int64 on the device: their staging slots."""
         return torch.from_numpy(self._host[self._filling]).to(self.stage_of.device)
 
+    def first_fill(self) -> int | None:
+        """Staging slot of the first block this step fills (host bookkeeping), None if it fills none."""
+        return int(self._host[self._filling[0]]) if self._filling.size else None
+
     def plan(self, slots: np.ndarray, defer: bool = False) -> None:
         """slots: [T] this step's cache slots (block * bs + offset; -1 = not stored)."""
         bs = self.block_size
