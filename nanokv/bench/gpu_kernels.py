@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-bits", default="16,8,4", help="cache formats the sweep covers (comma list)")
     ap.add_argument("--variants-only", action="store_true", help="sweep: default tiles and the A/B variants")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--checks-only", action="store_true", help="correctness checks, no timing")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -283,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         lambda: check_all(SH), lambda: check_variants(SH), bench_copy, bench_decode,
         *([] if args.skip_prefill else [bench_prefill]),
         lambda: sweep(args.budget, tuple(int(b) for b in args.sweep_bits.split(",")), args.variants_only)]
+    if args.checks_only:
+        steps = steps[:2]
     for step in steps:
         try:
             step()

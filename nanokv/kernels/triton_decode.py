@@ -28,6 +28,7 @@ from nanokv.kernels.triton_kvtile import (
     online_softmax_step,
     pv_accumulate,
     qk_scores,
+    split_range,
     stage_args,
     stage_rows,
     store_decode,
@@ -55,11 +56,7 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    # this split's token range [lo, hi), whole tiles, derived on device from seq_len
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    lo = split * tiles_per_split * BLOCK_N
-    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+    _, lo, hi = split_range(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_DH)

@@ -29,7 +29,14 @@ import triton
 import triton.language as tl
 
 from nanokv.kernels.triton_dequant import load_code_words
-from nanokv.kernels.triton_kvtile import fold_v_weights, softmax_update, stage_rows, store_decode, tile_rows
+from nanokv.kernels.triton_kvtile import (
+    fold_v_weights,
+    softmax_update,
+    split_range,
+    stage_rows,
+    store_decode,
+    tile_rows,
+)
 
 
 @triton.jit
@@ -84,10 +91,7 @@ def decode_int4_kernel(
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    lo = split * tiles_per_split * BLOCK_N
-    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+    seq_len, lo, hi = split_range(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
     newest = (tl.maximum(seq_len - 1, 0) // BS) * BS  # first position of the newest (open) block
 
     offs_r = tl.arange(0, BLOCK_G)

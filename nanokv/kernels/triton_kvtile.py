@@ -50,6 +50,17 @@ def tile_rows(bt_row_ptr, tok, hi, kvh, stride_n, stride_h, stride_s, BS: tl.con
 
 
 @triton.jit
+def split_range(seq_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
+    """Decode: (seq_len, lo, hi), this program's token range [lo, hi) of its sequence in whole tiles,
+    derived on the device from seq_len (so a captured graph stays valid for any lengths)."""
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+    return seq_len, lo, hi
+
+
+@triton.jit
 def qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
               kst_ptr, crows, strows, staged,
               DH: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr):

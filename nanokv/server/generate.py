@@ -146,6 +146,16 @@ def _new_entries(out: Any) -> list[dict]:
     return out.logprobs[-len(out.new_token_ids):] if out.logprobs and out.new_token_ids else []
 
 
+async def collect_released(request: Request, aengine: AsyncEngine,
+                           stream: RequestStream) -> tuple[Any, dict[int, str]] | None:
+    """A non-streaming request's (output, texts), its stream released whatever happens; None when
+    the client went away before the end."""
+    try:
+        return await collect(request, stream)
+    finally:
+        aengine.release(stream)
+
+
 async def completions(request: Request, aengine: AsyncEngine, info: ModelInfo) -> Response:
     req = parse_body(await request.body(), CompletionRequest)
     prompt, params = completion_inputs(req, info)
@@ -175,10 +185,7 @@ async def completions(request: Request, aengine: AsyncEngine, info: ModelInfo) -
 
         return sse_response(aengine, stream, chunks, final)
 
-    try:
-        result = await collect(request, stream)
-    finally:
-        aengine.release(stream)
+    result = await collect_released(request, aengine, stream)
     if result is None:
         return Response(status_code=499)  # client closed the request; nobody reads this
     out, texts = result
@@ -223,12 +230,9 @@ async def chat_completions(request: Request, aengine: AsyncEngine, info: ModelIn
 
         return sse_response(aengine, stream, chunks, final)
 
-    try:
-        result = await collect(request, stream)
-    finally:
-        aengine.release(stream)
+    result = await collect_released(request, aengine, stream)
     if result is None:
-        return Response(status_code=499)
+        return Response(status_code=499)  # client closed the request; nobody reads this
     out, texts = result
     lp = chat_logprobs(out.logprobs or [], texts) if want_lp else None
     message = AssistantMessage(content=out.text)
