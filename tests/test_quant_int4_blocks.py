@@ -89,3 +89,28 @@ def test_staging_slots_of_ended_sequences_are_reclaimed():
         assert "staging full" in str(e)
     else:
         raise AssertionError("expected the staging pool to be full")
+
+
+def test_deferred_stage_map_is_applied_before_reads_between_steps():
+    """The runner defers the staging map's device updates to the next step's metadata copy; a read
+    between steps (re-formatting a layer) must first apply them, or a block quantized by the last
+    step would still be read from (and written to) staging."""
+    from nanokv.kv import blockquant
+    bs, D = 4, 8
+    cache = allocate_layer_cache(4, 3, 1, bs, D, torch.float32, "cpu")
+    st = cache.stage
+    assert st is not None
+    slots = np.arange(bs)  # one step fills block 0
+    st.plan(slots, defer=True)
+    st.apply(*(torch.from_numpy(a) for a in st.pending()))  # as build_metadata does
+    k, v = torch.randn(2, bs, 1, D)
+    reference.store_kvcache(k, v, cache, torch.arange(bs))
+    quantize_filled(cache)
+    st.finish(defer=True)
+    assert int(st.stage_of[0]) >= 0  # not applied yet: it travels with the next step
+    kg, _ = blockquant.gather(cache, torch.tensor([0]), torch.float32)
+    assert int(st.stage_of[0]) == -1 and st.num_staged == 0
+    codes, s, z = quant.quantize_int4_channels(k.permute(1, 0, 2)[None])  # [1, H, bs, D]
+    want = quant.dequantize_int4_channels(codes, s, z, torch.float32)
+    assert torch.equal(kg, want)  # the quantized block, not the full-precision staging copy
+    assert not torch.equal(kg[0, 0], k.permute(1, 0, 2)[0])

@@ -40,6 +40,7 @@ def gather(cache: LayerKVCache, ids: torch.Tensor, dtype: torch.dtype) -> tuple[
     k = quant.dequantize_int4_channels(cache.k[ids], ks[ids], kz[ids], dtype)
     v = quant.dequantize_int4(cache.v[ids], vs[ids], vz[ids], dtype)
     assert cache.stage is not None
+    cache.stage.flush()  # read between steps (re-formatting): the runner's deferred map updates first
     st = cache.stage.stage_of[ids].long()  # [..., nb]
     staged = st >= 0
     if bool(staged.any()):
@@ -70,6 +71,7 @@ def write_blocks(cache: LayerKVCache, ids: torch.Tensor, k: torch.Tensor, v: tor
     precision. Blocks the staging table holds open go to staging, the others are quantized."""
     k_stage, v_stage, ks, kz, vs, vz = _parts(cache)
     assert cache.stage is not None
+    cache.stage.flush()  # between steps: the runner's deferred map updates first
     st = cache.stage.stage_of[ids].long()
     open_ = st >= 0
     k_stage[st[open_]], v_stage[st[open_]] = k[open_].to(k_stage.dtype), v[open_].to(v_stage.dtype)
