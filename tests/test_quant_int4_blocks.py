@@ -114,3 +114,22 @@ def test_deferred_stage_map_is_applied_before_reads_between_steps():
     want = quant.dequantize_int4_channels(codes, s, z, torch.float32)
     assert torch.equal(kg, want)  # the quantized block, not the full-precision staging copy
     assert not torch.equal(kg[0, 0], k.permute(1, 0, 2)[0])
+
+
+def test_stage_map_updates_follow_the_host_state_in_any_order():
+    """Queued changes of one block in one batch (staged, freed, staged again) leave the device map
+    equal to the host bookkeeping."""
+    st = StageTable(6, 6, 4, "cpu")
+    st.plan(np.array([0, 1, 2, 3, 4]), defer=True)  # blocks 0 (filled) and 1 staged
+    st.finish(defer=True)  # block 0 freed before anything reached the device
+    st.apply(*(torch.from_numpy(a) for a in st.pending()))
+    assert st.stage_of.tolist() == [-1, int(st._host[1]), -1, -1, -1, -1]
+    st.finish(defer=True)
+    st.plan(np.array([0, 1, 2, 3, 8]), defer=True)  # block 0 staged again and filled, block 2 staged
+    st.finish(defer=True)  # block 0 freed again in the same batch
+    st.plan(np.array([4]), defer=True)
+    st.apply(*(torch.from_numpy(a) for a in st.pending()))
+    assert st.stage_of.tolist() == st._host.astype(np.int32).tolist()
+    assert int(st.stage_of[0]) == -1 and int(st.stage_of[2]) >= 0
+    st.finish(defer=True)  # nothing filled: no change
+    assert st.pending()[0].size == 0

@@ -38,8 +38,8 @@ def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
 class StageTable:
     """Host bookkeeping block id -> staging slot, mirrored in a device map read by store/attention.
 
-    Changes to the device map are queued as (blocks to clear, blocks to set, their slots) and
-    applied in that order: at once by default, or, for the runner (`defer=True`), sent with the
+    Changed blocks are queued and sent as (blocks to clear, blocks to set, their slots), each block
+    with its current host state: at once by default, or, for the runner (`defer=True`), sent with the
     step's metadata in its one pinned copy (`pending` then `apply`), so a step costs no extra copy
     and never waits for the device."""
 
@@ -103,15 +103,14 @@ class StageTable:
     def pending(self) -> list[np.ndarray]:
         """The queued device-map updates as int64 arrays [clear blocks, set blocks, their slots], and
         the queue emptied; the caller brings them to the device and hands them to `apply`."""
-        clear = np.concatenate(self._clear) if self._clear else np.empty(0, dtype=np.int64)
-        put = np.concatenate(self._set) if self._set else np.empty(0, dtype=np.int64)
+        touched = np.unique(np.concatenate([np.empty(0, dtype=np.int64), *self._clear, *self._set]))
         self._clear, self._set = [], []
-        # a block cleared and set again in one batch keeps its set value (clears go first); the slot
-        # of a set block is the host's current one
-        return [clear.astype(np.int64), put.astype(np.int64), self._host[put].astype(np.int64)]
+        # every touched block gets the host's current state, whatever the order of the changes
+        slot = self._host[touched]
+        return [touched[slot < 0], touched[slot >= 0], slot[slot >= 0]]
 
     def apply(self, clear: torch.Tensor, put: torch.Tensor, slot: torch.Tensor) -> None:
-        """Device tensors from `pending`: stream-ordered updates of the map, no host sync."""
+        """Device tensors from `pending` (disjoint block sets): stream-ordered updates, no host sync."""
         if clear.numel():
             self.stage_of[clear] = -1
         if put.numel():
