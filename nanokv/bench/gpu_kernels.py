@@ -197,15 +197,11 @@ QUANT_GRID = [(64, 4, 2, 1), (64, 2, 2, 1), (64, 2, 2, 2), (32, 2, 2, 2), (64, 4
 Tile = tuple[int, int, int, int]  # block_n, warps, stages, splits
 
 
-def _v(**over: Any) -> dict[str, Any]:
-    return over
-
-
 # A/B variants (TritonConfig overrides) on a few of those tiles; every QUANT_GRID row runs the defaults
 VARIANTS: dict[int, list[tuple[Tile, dict[str, Any]]]] = {
-    8: [((64, 4, 2, 1), _v(quant_fold_v=False)), ((64, 4, 2, 1), _v(quant_maxnreg=96))],
-    4: [((64, 4, 2, 1), _v(quant_fold_k=False, quant_fold_v=False)), ((64, 4, 2, 1), _v(quant_fold_v=False)),
-        ((128, 4, 2, 2), _v(quant_maxnreg=168))]}
+    8: [((64, 4, 2, 1), {"quant_fold_v": False}), ((64, 4, 2, 1), {"quant_maxnreg": 96})],
+    4: [((64, 4, 2, 1), {"quant_fold_k": False, "quant_fold_v": False}), ((64, 4, 2, 1), {"quant_fold_v": False}),
+        ((128, 4, 2, 2), {"quant_maxnreg": 168})]}
 
 
 def sweep(budget_s: float, bits_list: tuple[int, ...] = (16, 8, 4), variants_only: bool = False) -> None:

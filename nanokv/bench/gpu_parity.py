@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                       "tokens_before_first_divergence": agree,
                       "first_token_logprob_max_abs_diff": lp_err,
                       "cuda_graphs": gpu.engine.runner.graphs is not None}
-        print(f"[parity {dtype} kv{args.bits}] identical greedy sequences vs CPU fp32 reference: {same}/{len(prompts)}"
+        print(f"[parity {dtype} kv{args.bits}] identical greedy sequences vs CPU fp32 reference: "
+              f"{same}/{len(prompts)}"
               f" (with prefix hits {same2}/{len(prompts)}); first divergence at {agree};"
               f" first-token logprob max |diff| {lp_err:.2e}")
         del gpu

@@ -30,11 +30,6 @@ import numpy as np
 import torch
 
 
-def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Outside the runner's steps (tests, resize): a plain copy."""
-    return torch.from_numpy(x).to(device)
-
-
 class StageTable:
     """Host bookkeeping block id -> staging slot, mirrored in a device map read by store/attention.
 
@@ -117,9 +112,9 @@ class StageTable:
             self.stage_of[put] = slot.to(torch.int32)
 
     def flush(self) -> None:
+        """Apply the queue now, with plain copies (outside the runner's steps: tests, resize, reads)."""
         if self._clear or self._set:
-            dev = self.stage_of.device
-            self.apply(*(_to_device(a, dev) for a in self.pending()))
+            self.apply(*(torch.from_numpy(a).to(self.stage_of.device) for a in self.pending()))
 
     def resize(self, num_blocks: int) -> None:
         """KV pool resize (nanokv.adaptive pool rule): ids below both sizes keep their slots; slots
