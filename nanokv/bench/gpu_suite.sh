@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything the GPU issues measure.
-#   bash nanokv/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf] [pool]
+#   bash nanokv/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf] [pool] [ncu]
 # Results: $OUT/*.json and $OUT/suite.log; a summary table is printed last.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -35,6 +35,13 @@ for ph in $phases; do
         --out "$OUT/longctx_int8.json"
       run longctx_int4 $BENCH --workload longctx --enable-compression --quantization-bitwidth 4 \
         --out "$OUT/longctx_int4.json" ;;
+    ncu)  # Nsight Compute of one decode call per format (64 x 4096): stall reasons, memory, SASS
+      for b in 16 8 4; do
+        run ncu_$b ncu --clock-control none --set full --import-source yes -k regex:"_decode_kernel|decode_int4" \
+          --launch-skip 2 --launch-count 1 -f -o "$OUT/ncu_$b" python3 -m nanokv.bench.decode_probe --bits $b
+        ncu --import "$OUT/ncu_$b.ncu-rep" --page details > "$OUT/ncu_${b}_details.txt" 2>&1
+        ncu --import "$OUT/ncu_$b.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${b}_sass.csv" 2>&1
+      done ;;
     hf) run hf $BENCH --workload nanovllm --compare hf --num-seqs 64 --out "$OUT/nanovllm_hf64.json" ;;
   esac
 done
