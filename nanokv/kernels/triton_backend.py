@@ -47,6 +47,9 @@ class TritonConfig:
     # offline, no spills when capped: folded int4 at block_n 128 takes 222 = 2 programs per SM, 168
     # fits 3; int8 at block_n 64 takes 110 = 4 per SM, 96 fits 5)
     quant_maxnreg: int = 0
+    # int8/int4 decode: rescale the accumulators only when a row's running max grows by more than
+    # this (base-2 exponent; 0 = after every tile). Saves the [16, D] fp32 rescale of the padded rows
+    quant_lazy_tau: int = 0
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM
     min_split_tokens: int = 256  # no split shorter than this (the merge would cost more than it saves)
@@ -62,10 +65,9 @@ class TritonConfig:
     words: bool | None = None  # read quantized codes as int32 words (None: when the head dim allows)
 
 
-def config_from_env(cfg: TritonConfig) -> TritonConfig:
-    """Kernel A/B runs of whole benchmarks: NANOKV_TRITON="quant_fold_v=0,quant_block_n=64" overrides
-    the defaults (bool / int fields only; an unknown name is an error naming the fields)."""
-    spec = os.environ.get("NANOKV_TRITON", "").strip()
+def apply_overrides(cfg: TritonConfig, spec: str) -> TritonConfig:
+    """"quant_fold_v=0,quant_block_n=64" -> cfg with those bool / int fields set (an unknown name is
+    an error naming the allowed fields)."""
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, _, val = item.partition("=")
         cur = getattr(cfg, name, None) if name in TritonConfig.__dataclass_fields__ else None
@@ -73,6 +75,14 @@ def config_from_env(cfg: TritonConfig) -> TritonConfig:
             ok = [f for f, v in vars(TritonConfig()).items() if isinstance(v, (bool, int))]
             raise ValueError(f"NANOKV_TRITON: unknown field {name!r}; allowed: {', '.join(ok)}")
         setattr(cfg, name, val.lower() in ("1", "true", "yes") if isinstance(cur, bool) else int(val))
+    return cfg
+
+
+def config_from_env(cfg: TritonConfig) -> TritonConfig:
+    """Kernel A/B runs of whole benchmarks: NANOKV_TRITON="quant_fold_v=0,quant_block_n=64" overrides
+    the defaults (apply_overrides)."""
+    spec = os.environ.get("NANOKV_TRITON", "").strip()
+    apply_overrides(cfg, spec)
     if spec:
         log.info("Triton config from NANOKV_TRITON: %s", cfg)
     return cfg
@@ -225,5 +235,6 @@ class TritonBackend:
                 q[s0:s0 + nd], cache, md.block_tables[P:], md.seq_lens[P:], out[s0:s0 + nd], scale,
                 num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm,
                 words=cfg.words, fold_k=cfg.quant_fold_k, fold_v=cfg.quant_fold_v,
-                maxnreg=cfg.quant_maxnreg if cache.quantized else 0)
+                maxnreg=cfg.quant_maxnreg if cache.quantized else 0,
+                lazy_tau=cfg.quant_lazy_tau if cache.quantized else 0)
         return out

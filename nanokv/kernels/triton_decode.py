@@ -24,6 +24,7 @@ from nanokv.kernels.triton_dequant import use_asm, use_words
 from nanokv.kernels.triton_kvtile import (
     compute_dtype,
     kv_meta_args,
+    lazy_softmax_update,
     next_pow2,
     online_softmax_step,
     pv_accumulate,
@@ -52,6 +53,7 @@ def _decode_kernel(
     D: tl.constexpr, DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
     CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr, FOLD_V: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    LAZY_TAU: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -85,7 +87,13 @@ def _decode_kernel(
         s = qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
                       kst_ptr, crows, strows, staged, DH, BITS, ASM, WORDS)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        p, m_i, l_i, acc_lo, acc_hi = online_softmax_step(s, m_i, l_i, acc_lo, acc_hi)
+        if LAZY_TAU > 0:
+            p, alpha, m_i, l_i, grow = lazy_softmax_update(s, m_i, l_i, LAZY_TAU)
+            if grow:
+                acc_lo = acc_lo * alpha[:, None]
+                acc_hi = acc_hi * alpha[:, None]
+        else:
+            p, m_i, l_i, acc_lo, acc_hi = online_softmax_step(s, m_i, l_i, acc_lo, acc_hi)
         acc_lo, acc_hi = pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid,
                                        offs_d, d_mask, vst_ptr, strows, staged, DH, BITS, CDT, ASM, WORDS, FOLD_V)
 
@@ -136,13 +144,14 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 2, asm: bool | None = None,
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
-                 maxnreg: int = 0) -> torch.Tensor:
+                 maxnreg: int = 0, lazy_tau: int = 0) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
     the generic kernel dequantizes each key tile. fold_v: int8/int4 V scales folded into the softmax
     weights (int4 only together with fold_k). maxnreg > 0 caps registers per thread (ptxas
-    .maxnreg), e.g. 168 lets 3 programs of 4 warps share an SM."""
+    .maxnreg), e.g. 168 lets 3 programs of 4 warps share an SM. lazy_tau > 0: accumulators are
+    rescaled only when a row's running max grows by more than lazy_tau (base 2), 0 = every tile."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
@@ -168,7 +177,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
             block_tables.stride(0), *strides)
     common = dict(D=D, DH=D // 2, G=G, BS=cache.block_size, CDT=cdt, WORDS=words, FOLD_V=fold_v,
                   ASM=use_asm(q.device) if asm is None else asm, BLOCK_DH=max(16, next_pow2(D // 2)),
-                  BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, num_stages=num_stages,
+                  BLOCK_N=block_n, SPLIT=split, LAZY_TAU=lazy_tau, num_warps=num_warps, num_stages=num_stages,
                   **({"maxnreg": maxnreg} if maxnreg > 0 else {}))
     if cache.bits == 4 and fold_k:
         decode_int4_kernel[(B, H, num_splits)](*args, **common, **int4_tiles(G, cache.block_size, block_n))

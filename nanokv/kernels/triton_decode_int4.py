@@ -31,6 +31,7 @@ import triton.language as tl
 from nanokv.kernels.triton_dequant import load_code_words
 from nanokv.kernels.triton_kvtile import (
     fold_v_weights,
+    lazy_softmax_update,
     softmax_update,
     split_range,
     stage_rows,
@@ -85,7 +86,7 @@ def decode_int4_kernel(
     D: tl.constexpr, DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr,
     CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr, FOLD_V: tl.constexpr,
     ROWG: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr,
-    TAIL_N: tl.constexpr, SPLIT: tl.constexpr,
+    TAIL_N: tl.constexpr, SPLIT: tl.constexpr, LAZY_TAU: tl.constexpr,
 ):
     # ROWG = next_pow2(G) rows per row group, BLOCK_G // ROWG groups >= BLOCK_N // BS blocks per tile
     seq = tl.program_id(0)
@@ -128,9 +129,16 @@ def decode_int4_kernel(
         c_lo, c_hi = _codes4(k_ptr, rows, valid, offs_d, d_mask, BLOCK_N, BLOCK_DH, CDT, ASM, WORDS)
         s = tl.dot(qs_hi, tl.trans(c_hi), tl.dot(qs_lo, tl.trans(c_lo))) + bias[:, None]
         own = (jc[None, :] == j_r[:, None]) & valid[None, :]  # [BLOCK_G, BLOCK_N]
-        p, alpha, m_i, l_i = softmax_update(tl.where(own, s * qk_scale, float("-inf")), m_i, l_i)
-        acc_lo = acc_lo * alpha[:, None]
-        acc_hi = acc_hi * alpha[:, None]
+        s = tl.where(own, s * qk_scale, float("-inf"))
+        if LAZY_TAU > 0:
+            p, alpha, m_i, l_i, grow = lazy_softmax_update(s, m_i, l_i, LAZY_TAU)
+            if grow:
+                acc_lo = acc_lo * alpha[:, None]
+                acc_hi = acc_hi * alpha[:, None]
+        else:
+            p, alpha, m_i, l_i = softmax_update(s, m_i, l_i)
+            acc_lo = acc_lo * alpha[:, None]
+            acc_hi = acc_hi * alpha[:, None]
         v_lo, v_hi = _codes4(v_ptr, rows, valid, offs_d, d_mask, BLOCK_N, BLOCK_DH, CDT, ASM, WORDS)
         vs = tl.load(vs_ptr + srows, mask=valid, other=0.0)  # [BLOCK_N] fp16
         vz = tl.load(vz_ptr + srows, mask=valid, other=0.0)

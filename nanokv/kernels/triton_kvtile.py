@@ -209,6 +209,21 @@ def softmax_update(s, m_i, l_i):
 
 
 @triton.jit
+def lazy_softmax_update(s, m_i, l_i, TAU: tl.constexpr):
+    """softmax_update that keeps each row's reference max until some row's max grows by more than
+    TAU (base 2; FlashAttention-4's conditional rescaling). Returns (p, alpha, m_ref, l_new, grow):
+    when grow is False alpha is exactly 1 (or 0 on rows with no key yet, whose accumulators are 0),
+    so the caller may skip rescaling its accumulators. p <= 2^TAU instead of 1."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    grow = tl.max(m_new - m_i, axis=0) > TAU  # a first key gives +inf; no key yet: NaN, compares False
+    m_ref = tl.where(grow, m_new, m_i)
+    m_safe = tl.where(m_ref == float("-inf"), 0.0, m_ref)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_ref, l_i * alpha + tl.sum(p, axis=1), grow
+
+
+@triton.jit
 def online_softmax_step(s, m_i, l_i, acc_lo, acc_hi):
     """softmax_update with the two output halves rescaled: (p, m_new, l_new, acc_lo, acc_hi)."""
     p, alpha, m_new, l_i = softmax_update(s, m_i, l_i)
