@@ -24,7 +24,7 @@ def compiled_resources() -> list[str]:
     """Registers, spills and shared memory of every decode kernel compiled so far in this process."""
     out = []
     for fn in (triton_decode._decode_kernel, triton_decode_int4.decode_int4_kernel):
-        for dev_cache in fn.device_caches.values():
+        for dev_cache in getattr(fn, "device_caches", {}).values():  # none under the interpreter
             for k in dev_cache[0].values():
                 out.append(f"{fn.__name__}: regs {k.n_regs} spills {k.n_spills} smem {k.metadata.shared}")
     return out
@@ -32,6 +32,7 @@ def compiled_resources() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes (a rehearsal)")
     ap.add_argument("--bits", type=int, default=8, choices=(16, 8, 4))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
@@ -39,19 +40,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--time", action="store_true", help="also time it (CUDA graph of 20 calls, median)")
     ap.add_argument("--variants", default="", help="';'-separated override lists; '' = defaults")
+    ap.add_argument("--engine-like", action="store_true",
+                    help="lengths spread over [ctx/2, ctx], K/V written by the store (int4: newest blocks "
+                         "staged, as in a decode step); also times the int4 quantize-on-fill kernel")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    cache, md = make_batch(SH, args.bits, args.block_size, [1] * args.batch, [args.ctx] * args.batch, 0,
-                           store=False)
+    B, bs = args.batch, args.block_size
+    lens = [args.ctx - (i * args.ctx // (2 * B)) for i in range(B)] if args.engine_like else [args.ctx] * B
+    cache, md = make_batch(SH, args.bits, bs, [1] * B, lens, 0, store=args.engine_like)
+    if args.engine_like and cache.stage is not None:
+        from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe
+        slots = torch.tensor([(int(md.block_tables[i, (L - 1) // bs]) * bs + (L - 1) % bs) for i, L in
+                              enumerate(lens)], device=cache.k.device)
+        fills = sum((L - 1) % bs == bs - 1 for L in lens)
+        ms = timed(lambda i: quantize_filled_graphsafe(cache, slots))
+        print(f"int4 fill kernel, {B} tokens x {cache.num_kv_heads} heads, {fills} blocks filled: {ms * 1e3:.1f} us")
     for spec in args.variants.split(";"):
         fn = decode_fn(cache, md, apply_overrides(config_from_env(TritonConfig()), spec))
         for i in range(args.calls):
             fn(i)
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         if args.time:
             ms = timed(fn)
-            gbs = kv_bytes(args.bits, args.batch * args.ctx) / ms / 1e6
-            print(f"decode_probe bits={args.bits} B={args.batch} ctx={args.ctx} [{spec}]: "
+            gbs = kv_bytes(args.bits, sum(lens)) / ms / 1e6
+            print(f"decode_probe bits={args.bits} B={B} ctx={args.ctx}{' engine-like' * args.engine_like} [{spec}]: "
                   f"{ms * 1e3:.1f} us {gbs:.0f} GB/s", flush=True)
     if args.time:
         print("\n".join(compiled_resources()))

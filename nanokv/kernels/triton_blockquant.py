@@ -3,10 +3,10 @@
 nanokv.kv.blockquant.quantize_filled (torch, the eager path and the reference) quantizes the blocks
 a step filled from the host's list of them, a data-dependent count. Here the list is derived on
 the device from the step's slot mapping instead: a token whose slot is the last of its block
-(slot % bs == bs - 1) filled that block, exactly the blocks StageTable.plan lists. Grid (T, H): one
-program per (step token, KV head); programs of tokens that fill nothing (and padding rows, slot -1)
-mask every load and store, so the launch has a fixed shape for a fixed T (a captured decode graph's
-batch bucket) and costs almost nothing on the 15 of 16 decode steps that fill no block.
+(slot % bs == bs - 1) filled that block, exactly the blocks StageTable.plan lists. Grid (T, H, 2):
+one program per (step token, KV head, keys or values); programs of tokens that fill nothing (and
+padding rows, slot -1) skip all work, so the launch has a fixed shape for a fixed T (a captured
+decode graph's batch bucket) and costs little: in a decode step about 1 in bs sequences fills a block.
 
 Bit for bit nanokv.kv.quant: keys per channel over the block's bs tokens, values per token, both
 asymmetric; IEEE division (div_rn), fp16 rounding of scale and zero, round-half-even, underflowed
@@ -36,6 +36,8 @@ def _fill_quant_kernel(
     stride_stn, stride_sth, stride_cn, stride_ch, stride_kn, stride_kh, stride_vn, stride_vh,
     BS: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr,
 ):
+    # grid (T, H, 2): the keys (axis 2 = 0) and the values (1) of a block are separate programs, so
+    # each program's chain of dependent loads, reductions and stores is half as long
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -43,46 +45,42 @@ def _fill_quant_kernel(
     blk = tl.where(fills, slot // BS, 0)
     st = tl.load(stage_ptr + blk, mask=fills, other=-1).to(tl.int64)
     ok = fills & (st >= 0)  # a filled block is always staged (StageTable.plan): guard anyway
-    offs_t = tl.arange(0, BS)
-    offs_d = tl.arange(0, BLOCK_DH)
-    d_ok = offs_d < DH
-    # masks built by comparison (a scalar bool & a tensor is not a bool tensor in the interpreter)
-    t_ok = offs_t < tl.where(ok, BS, 0)  # [BS]: all False when nothing is filled
-    m2 = t_ok[:, None] & d_ok[None, :]  # [BS, BLOCK_DH]
-    src = tl.where(ok, st, 0) * stride_stn + h * stride_sth + offs_t[:, None] * (2 * DH) + offs_d[None, :]
-    crow = blk * stride_kn + h * stride_kh + offs_t[:, None] * DH + offs_d[None, :]  # packed codes [bs, D/2]
-
-    # keys: one scale/zero per channel over the block's tokens (KIVI)
-    k_lo = tl.load(kst_ptr + src, mask=m2, other=0.0).to(tl.float32)  # dims [0, D/2)
-    k_hi = tl.load(kst_ptr + src + DH, mask=m2, other=0.0).to(tl.float32)  # dims [D/2, D)
-    lo_l, lo_h = tl.min(k_lo, axis=0), tl.min(k_hi, axis=0)  # [BLOCK_DH]
-    sc_l = _safe_scale(tl.div_rn(tl.max(k_lo, axis=0) - lo_l, 15.0).to(tl.float16))
-    sc_h = _safe_scale(tl.div_rn(tl.max(k_hi, axis=0) - lo_h, 15.0).to(tl.float16))
-    z_l, z_h = lo_l.to(tl.float16), lo_h.to(tl.float16)
-    packed = _codes(k_lo, z_l[None, :], sc_l[None, :]) | (_codes(k_hi, z_h[None, :], sc_h[None, :]) << 4)
-    tl.store(kc_ptr + crow, packed.to(tl.uint8), mask=m2)
-    cm = offs_d < tl.where(ok, DH, 0)
-    meta = blk * stride_cn + h * stride_ch + offs_d  # [BLOCK_DH] into [N, H, D]
-    tl.store(ks_ptr + meta, sc_l, mask=cm)
-    tl.store(ks_ptr + meta + DH, sc_h, mask=cm)
-    tl.store(kz_ptr + meta, z_l, mask=cm)
-    tl.store(kz_ptr + meta + DH, z_h, mask=cm)
-
-    # values: one scale/zero per token over its D dims
-    v_lo = tl.load(vst_ptr + src, mask=m2, other=0.0).to(tl.float32)
-    v_hi = tl.load(vst_ptr + src + DH, mask=m2, other=0.0).to(tl.float32)
-    big = float("inf")
-    lo_v = tl.minimum(tl.min(tl.where(d_ok[None, :], v_lo, big), axis=1),
-                      tl.min(tl.where(d_ok[None, :], v_hi, big), axis=1))  # [BS]
-    hi_v = tl.maximum(tl.max(tl.where(d_ok[None, :], v_lo, -big), axis=1),
-                      tl.max(tl.where(d_ok[None, :], v_hi, -big), axis=1))
-    sc_v = _safe_scale(tl.div_rn(hi_v - lo_v, 15.0).to(tl.float16))
-    z_v = lo_v.to(tl.float16)
-    packed = _codes(v_lo, z_v[:, None], sc_v[:, None]) | (_codes(v_hi, z_v[:, None], sc_v[:, None]) << 4)
-    tl.store(vc_ptr + crow, packed.to(tl.uint8), mask=m2)
-    vmeta = blk * stride_vn + h * stride_vh + offs_t  # [BS] into [N, H, bs]
-    tl.store(vs_ptr + vmeta, sc_v, mask=t_ok)
-    tl.store(vz_ptr + vmeta, z_v, mask=t_ok)
+    if ok:  # most programs (tokens that fill no block, padding rows) end here
+        offs_t = tl.arange(0, BS)
+        offs_d = tl.arange(0, BLOCK_DH)
+        d_ok = offs_d < DH
+        m2 = (offs_t < BS)[:, None] & d_ok[None, :]  # [BS, BLOCK_DH]
+        src = st * stride_stn + h * stride_sth + offs_t[:, None] * (2 * DH) + offs_d[None, :]
+        crow = blk * stride_kn + h * stride_kh + offs_t[:, None] * DH + offs_d[None, :]  # packed codes [bs, D/2]
+        if tl.program_id(2) == 0:  # keys: one scale/zero per channel over the block's tokens (KIVI)
+            k_lo = tl.load(kst_ptr + src, mask=m2, other=0.0).to(tl.float32)  # dims [0, D/2)
+            k_hi = tl.load(kst_ptr + src + DH, mask=m2, other=0.0).to(tl.float32)  # dims [D/2, D)
+            lo_l, lo_h = tl.min(k_lo, axis=0), tl.min(k_hi, axis=0)  # [BLOCK_DH]
+            sc_l = _safe_scale(tl.div_rn(tl.max(k_lo, axis=0) - lo_l, 15.0).to(tl.float16))
+            sc_h = _safe_scale(tl.div_rn(tl.max(k_hi, axis=0) - lo_h, 15.0).to(tl.float16))
+            z_l, z_h = lo_l.to(tl.float16), lo_h.to(tl.float16)
+            packed = _codes(k_lo, z_l[None, :], sc_l[None, :]) | (_codes(k_hi, z_h[None, :], sc_h[None, :]) << 4)
+            tl.store(kc_ptr + crow, packed.to(tl.uint8), mask=m2)
+            meta = blk * stride_cn + h * stride_ch + offs_d  # [BLOCK_DH] into [N, H, D]
+            tl.store(ks_ptr + meta, sc_l, mask=d_ok)
+            tl.store(ks_ptr + meta + DH, sc_h, mask=d_ok)
+            tl.store(kz_ptr + meta, z_l, mask=d_ok)
+            tl.store(kz_ptr + meta + DH, z_h, mask=d_ok)
+        else:  # values: one scale/zero per token over its D dims
+            v_lo = tl.load(vst_ptr + src, mask=m2, other=0.0).to(tl.float32)
+            v_hi = tl.load(vst_ptr + src + DH, mask=m2, other=0.0).to(tl.float32)
+            big = float("inf")
+            lo_v = tl.minimum(tl.min(tl.where(d_ok[None, :], v_lo, big), axis=1),
+                              tl.min(tl.where(d_ok[None, :], v_hi, big), axis=1))  # [BS]
+            hi_v = tl.maximum(tl.max(tl.where(d_ok[None, :], v_lo, -big), axis=1),
+                              tl.max(tl.where(d_ok[None, :], v_hi, -big), axis=1))
+            sc_v = _safe_scale(tl.div_rn(hi_v - lo_v, 15.0).to(tl.float16))
+            z_v = lo_v.to(tl.float16)
+            packed = _codes(v_lo, z_v[:, None], sc_v[:, None]) | (_codes(v_hi, z_v[:, None], sc_v[:, None]) << 4)
+            tl.store(vc_ptr + crow, packed.to(tl.uint8), mask=m2)
+            vmeta = blk * stride_vn + h * stride_vh + offs_t  # [BS] into [N, H, bs]
+            tl.store(vs_ptr + vmeta, sc_v)
+            tl.store(vz_ptr + vmeta, z_v)
 
 
 def quantize_filled_graphsafe(cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
@@ -96,7 +94,7 @@ def quantize_filled_graphsafe(cache: LayerKVCache, slot_mapping: torch.Tensor) -
     if T == 0:
         return
     assert cache.k_stage.is_contiguous() and cache.k.is_contiguous() and bs & (bs - 1) == 0
-    _fill_quant_kernel[(T, H)](
+    _fill_quant_kernel[(T, H, 2)](
         slot_mapping, cache.stage.stage_of, cache.k_stage, cache.v_stage, cache.k, cache.v,
         cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero,
         cache.k_stage.stride(0), cache.k_stage.stride(1), cache.k_scale.stride(0), cache.k_scale.stride(1),
