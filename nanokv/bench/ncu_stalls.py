@@ -1,0 +1,59 @@
+"""Summarize an Nsight Compute source-page export: warp-stall reasons and the executed instruction mix.
+
+  ncu --import X.ncu-rep --page source --csv --print-source sass > X.csv
+  python -m nanokv.bench.ncu_stalls X.csv [--loop-count N]
+
+--loop-count N: also list the opcodes of the instructions executed exactly N times (e.g. the number
+of (program, tile) iterations of a kernel's main loop), per iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+
+
+def _num(x: str) -> int:
+    return int(x) if x not in ("", "-") else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv")
+    ap.add_argument("--loop-count", type=int, default=0)
+    args = ap.parse_args(argv)
+    with open(args.csv) as f:
+        rows = list(csv.reader(f))
+    hdr = rows[1]
+    ix = {h: i for i, h in enumerate(hdr)}
+    data = [r for r in rows[2:] if len(r) >= len(hdr)]
+    stall_cols = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
+    stalls = collections.Counter({h: sum(_num(r[ix[h]]) for r in data) for h in stall_cols})
+    total = sum(stalls.values()) or 1
+    print(f"{rows[0][1]}: {total} stall samples")
+    for name, v in stalls.most_common(10):
+        print(f"  {name:24s} {100 * v / total:5.1f}%")
+    ops: collections.Counter[str] = collections.Counter()
+    loop: collections.Counter[str] = collections.Counter()
+    for r in data:
+        words = r[ix["Source"]].split()
+        if not words:
+            continue
+        op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+        n = _num(r[ix["Instructions Executed"]])
+        ops[op.split(".")[0]] += n
+        if args.loop_count and n == args.loop_count:
+            loop[op] += 1
+    executed = sum(ops.values()) or 1
+    print(f"executed warp instructions: {executed}")
+    for name, v in ops.most_common(12):
+        print(f"  {name:10s} {100 * v / executed:5.1f}%")
+    if loop:
+        print(f"main loop: {sum(loop.values())} instructions per iteration")
+        print("  " + ", ".join(f"{k} {v}" for k, v in loop.most_common(16)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
