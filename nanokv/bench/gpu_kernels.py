@@ -116,7 +116,7 @@ def decode_fn(cache: LayerKVCache, md: AttentionMetadata, cfg: TritonConfig) -> 
         qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE, num_splits=splits,
         block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm, words=cfg.words, fold_k=cfg.quant_fold_k,
         fold_v=cfg.quant_fold_v, maxnreg=cfg.quant_maxnreg if cache.quantized else 0,
-        lazy_tau=cfg.quant_lazy_tau if cache.quantized else 0)
+        lazy_tau=cfg.quant_lazy_tau if cache.quantized else 0, min_rows=cfg.quant_min_rows)
 
 
 def bench_copy() -> None:

@@ -50,6 +50,9 @@ class TritonConfig:
     # int8/int4 decode: rescale the accumulators only when a row's running max grows by more than
     # this (base-2 exponent; 0 = after every tile). Saves the [16, D] fp32 rescale of the padded rows
     quant_lazy_tau: int = 0
+    # int8/int4 decode: query rows of a KV group padded to at least this many (16 = a whole MMA
+    # tile; smaller lets Triton pad inside the instruction, with fewer accumulator registers)
+    quant_min_rows: int = 16
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM
     min_split_tokens: int = 256  # no split shorter than this (the merge would cost more than it saves)
@@ -236,5 +239,5 @@ class TritonBackend:
                 num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm,
                 words=cfg.words, fold_k=cfg.quant_fold_k, fold_v=cfg.quant_fold_v,
                 maxnreg=cfg.quant_maxnreg if cache.quantized else 0,
-                lazy_tau=cfg.quant_lazy_tau if cache.quantized else 0)
+                lazy_tau=cfg.quant_lazy_tau if cache.quantized else 0, min_rows=cfg.quant_min_rows)
         return out

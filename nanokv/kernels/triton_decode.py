@@ -144,14 +144,16 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 2, asm: bool | None = None,
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
-                 maxnreg: int = 0, lazy_tau: int = 0) -> torch.Tensor:
+                 maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
     the generic kernel dequantizes each key tile. fold_v: int8/int4 V scales folded into the softmax
     weights (int4 only together with fold_k). maxnreg > 0 caps registers per thread (ptxas
     .maxnreg), e.g. 168 lets 3 programs of 4 warps share an SM. lazy_tau > 0: accumulators are
-    rescaled only when a row's running max grows by more than lazy_tau (base 2), 0 = every tile."""
+    rescaled only when a row's running max grows by more than lazy_tau (base 2), 0 = every tile.
+    min_rows: quantized caches pad the G query rows of a KV group to at least this many (16 = one
+    MMA tile; fewer lets Triton pad inside the instruction with fewer accumulator registers)."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
@@ -180,10 +182,11 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                   BLOCK_N=block_n, SPLIT=split, LAZY_TAU=lazy_tau, num_warps=num_warps, num_stages=num_stages,
                   **({"maxnreg": maxnreg} if maxnreg > 0 else {}))
     if cache.bits == 4 and fold_k:
-        decode_int4_kernel[(B, H, num_splits)](*args, **common, **int4_tiles(G, cache.block_size, block_n))
+        decode_int4_kernel[(B, H, num_splits)](*args, **common,
+                                               **int4_tiles(G, cache.block_size, block_n, min_rows))
     else:
         _decode_kernel[(B, H, num_splits)](*args, **common, BITS=cache.bits if cache.quantized else 16,
-                                           BLOCK_G=max(16, next_pow2(G)))
+                                           BLOCK_G=max(min_rows if cache.quantized else 16, next_pow2(G)))
     if split:
         _reduce_kernel[(B, Hq)](part_o, part_ml, out, num_splits, out.stride(0), out.stride(1),
                                 D=D, BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(D), num_warps=4)

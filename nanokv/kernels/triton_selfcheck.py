@@ -179,6 +179,7 @@ def check_variants(sh: Shapes) -> None:
         check_attention(sh, bits, "decode", TritonConfig(quant_block_n=128, quant_warps=2, quant_stages=3,
                                                          decode_splits=2), " bn128w2s2")
         check_attention(sh, bits, "decode", TritonConfig(quant_lazy_tau=8), " lazy8")
+        check_attention(sh, bits, "decode", TritonConfig(quant_min_rows=1), " rows1")
     check_attention(sh, 16, "decode", TritonConfig(decode_block_n=128, decode_warps=4, decode_splits=3),
                     " tiles2")
 
