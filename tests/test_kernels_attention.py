@@ -188,9 +188,9 @@ def test_quant_decode_lazy_rescale(bits: int, tau: int, scale: float) -> None:
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("min_rows,G,block_n", [(1, 2, 32), (1, 3, 16), (4, 2, 64), (8, 1, 32)])
+@pytest.mark.parametrize("min_rows,G,block_n", [(1, 2, 32), (1, 3, 16), (4, 2, 64), (8, 1, 32), (16, 2, 32)])
 def test_quant_decode_fewer_padded_rows(bits: int, min_rows: int, G: int, block_n: int) -> None:
-    """Query rows padded to fewer than 16 (Triton pads inside the MMA): the same function."""
+    """Query rows padded to fewer than 16 (Triton pads inside the MMA) or to 16: the same function."""
     cache, md, q = build_batch(bits, torch.float16, 16, 2, G, 32, [], [1, 9, 130, 300], holes=True, seed=G)
     cfg = small_cfg(splits=2, block_n=block_n)
     cfg.quant_min_rows = min_rows

@@ -33,6 +33,7 @@ from nanokv.kernels.triton_backend import (  # noqa: E402
     TritonConfig,
     choose_splits,
     decode_tiles,
+    quant_rows,
     sm_count,
 )
 from nanokv.kernels.triton_selfcheck import Shapes, check_all, check_variants, make_batch  # noqa: E402
@@ -116,7 +117,7 @@ def decode_fn(cache: LayerKVCache, md: AttentionMetadata, cfg: TritonConfig) -> 
         qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE, num_splits=splits,
         block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm, words=cfg.words, fold_k=cfg.quant_fold_k,
         fold_v=cfg.quant_fold_v, maxnreg=cfg.quant_maxnreg if cache.quantized else 0,
-        lazy_tau=cfg.quant_lazy_tau if cache.quantized else 0, min_rows=cfg.quant_min_rows)
+        lazy_tau=cfg.quant_lazy_tau if cache.quantized else 0, min_rows=quant_rows(cfg, cache.bits))
 
 
 def bench_copy() -> None:

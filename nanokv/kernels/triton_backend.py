@@ -51,8 +51,10 @@ class TritonConfig:
     # this (base-2 exponent; 0 = after every tile). Saves the [16, D] fp32 rescale of the padded rows
     quant_lazy_tau: int = 0
     # int8/int4 decode: query rows of a KV group padded to at least this many (16 = a whole MMA
-    # tile; smaller lets Triton pad inside the instruction, with fewer accumulator registers)
-    quant_min_rows: int = 16
+    # tile; smaller lets Triton pad inside the instruction, with fewer accumulator registers).
+    # 0 = by format, as measured on the H200 (docs/kernels.md, session 5): int4 1 (14-15% faster
+    # than 16 at both probe shapes), int8 16 (1 was 9% slower at 64 x 4096, equal on ragged lengths)
+    quant_min_rows: int = 0
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM
     min_split_tokens: int = 256  # no split shorter than this (the merge would cost more than it saves)
@@ -116,6 +118,11 @@ def choose_splits(cfg: TritonConfig, num_seqs: int, num_kv_heads: int, max_seq_l
         want = max(want, cfg.quant_min_splits)
     by_len = max(1, max_seq_len // cfg.min_split_tokens)
     return max(1, min(want, by_len, cfg.max_splits))
+
+
+def quant_rows(cfg: TritonConfig, bits: int) -> int:
+    """Minimum padded query rows of the quantized decode kernels (TritonConfig.quant_min_rows)."""
+    return cfg.quant_min_rows or (1 if bits == 4 else 16)
 
 
 def decode_tiles(cfg: TritonConfig, quantized: bool) -> tuple[int, int, int]:
@@ -239,5 +246,5 @@ class TritonBackend:
                 num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm,
                 words=cfg.words, fold_k=cfg.quant_fold_k, fold_v=cfg.quant_fold_v,
                 maxnreg=cfg.quant_maxnreg if cache.quantized else 0,
-                lazy_tau=cfg.quant_lazy_tau if cache.quantized else 0, min_rows=cfg.quant_min_rows)
+                lazy_tau=cfg.quant_lazy_tau if cache.quantized else 0, min_rows=quant_rows(cfg, cache.bits))
         return out
