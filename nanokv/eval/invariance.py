@@ -2,8 +2,8 @@
 
   python -m nanokv.eval.invariance [--bits 16,8,4] [--prompts 6] [--max-tokens 48] [--json FILE]
 
-For each KV format, greedy continuations of Shakespeare passages (the eval corpus, about 400 tokens
-each) are generated three ways on one engine setup: whole prompts in one step (the reference),
+For each KV format, greedy continuations of passages of the eval corpus (1,500 characters, about
+470 tokens each) are generated three ways on one engine setup: whole prompts in one step (the reference),
 again on the same engine (full blocks now come from the prefix cache), and on a fresh engine that
 prefills in chunks of 64 tokens. Reported per way: sequences identical to the reference, and where
 each one first differs.
@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--corpus", default=None, help="text file (default: the eval's held-out play)")
     args = ap.parse_args(argv)
-    _, text = read_corpus(None)
+    _, text = read_corpus(args.corpus)
     n = args.prompts
     prompts = [text[len(text) * (i + 1) // (n + 1):][:1500] for i in range(n)]
     p = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -194,8 +194,9 @@ def decode_int4_kernel(
 
 def int4_tiles(G: int, block_size: int, block_n: int, min_rows: int = 16) -> dict[str, int]:
     """Launch constants of the folded int4 decode: ROWG rows per row group (G padded to a power of
-    2), enough groups for the tile's blocks (BLOCK_G >= 16 for the tensor cores), TAIL_N tokens per
-    staged-tile (>= 16 for the dot, <= 64 to bound registers)."""
+    2), one group per block of the tile, BLOCK_G >= min_rows (below 16 Triton pads the MMA rows
+    itself, with fewer accumulator registers), TAIL_N tokens per staged-tile (>= 16 for the dot,
+    <= 64 to bound registers)."""
     rowg = triton.next_power_of_2(G)
     return {"ROWG": rowg, "BLOCK_G": max(min_rows, rowg * max(1, block_n // block_size)),
             "TAIL_N": max(16, min(block_size, 64))}

@@ -186,7 +186,8 @@ def fold_v_weights(p, vs, CDT: tl.constexpr):
     the compute dtype, the PV operand that multiplies raw codes.
 
     The product is formed in fp32 and rounded once. Range: 0 <= p <= 1 (exp2 of s - rowmax) and vs
-    is an fp16 value, so p * vs <= 65504 never overflows. Below 2^-14 it is subnormal: absolute
+    is an fp16 value, so p * vs <= 65504 never overflows (with lazy rescaling p <= 2^tau: overflow
+    would need vs > 65504 / 2^tau, i.e. |V| above 32k for int8 at tau 8). Below 2^-14 it is subnormal: absolute
     error <= 2^-25 per code unit, i.e. <= 3.8e-6 per token for int8 (|code| <= 127) and 4.5e-7 for
     int4 (<= 15), in output units before the division by l >= 1. That is 1e-3 of the quantization
     step itself (vs / 2 per element), and measured against the unfolded path in
