@@ -23,10 +23,9 @@ from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
 from nanokv.kernels.triton_dequant import use_asm, use_words
 from nanokv.kernels.triton_kvtile import (
     compute_dtype,
+    decode_softmax_step,
     kv_meta_args,
-    lazy_softmax_update,
     next_pow2,
-    online_softmax_step,
     pv_accumulate,
     qk_scores,
     split_range,
@@ -87,13 +86,7 @@ def _decode_kernel(
         s = qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
                       kst_ptr, crows, strows, staged, DH, BITS, ASM, WORDS)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        if LAZY_TAU > 0:
-            p, alpha, m_i, l_i, grow = lazy_softmax_update(s, m_i, l_i, LAZY_TAU)
-            if grow:
-                acc_lo = acc_lo * alpha[:, None]
-                acc_hi = acc_hi * alpha[:, None]
-        else:
-            p, m_i, l_i, acc_lo, acc_hi = online_softmax_step(s, m_i, l_i, acc_lo, acc_hi)
+        p, _alpha, m_i, l_i, acc_lo, acc_hi = decode_softmax_step(s, m_i, l_i, acc_lo, acc_hi, LAZY_TAU)
         acc_lo, acc_hi = pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid,
                                        offs_d, d_mask, vst_ptr, strows, staged, DH, BITS, CDT, ASM, WORDS, FOLD_V)
 

@@ -30,8 +30,8 @@ import triton.language as tl
 
 from nanokv.kernels.triton_dequant import load_code_words
 from nanokv.kernels.triton_kvtile import (
+    decode_softmax_step,
     fold_v_weights,
-    lazy_softmax_update,
     softmax_update,
     split_range,
     stage_rows,
@@ -130,15 +130,7 @@ def decode_int4_kernel(
         s = tl.dot(qs_hi, tl.trans(c_hi), tl.dot(qs_lo, tl.trans(c_lo))) + bias[:, None]
         own = (jc[None, :] == j_r[:, None]) & valid[None, :]  # [BLOCK_G, BLOCK_N]
         s = tl.where(own, s * qk_scale, float("-inf"))
-        if LAZY_TAU > 0:
-            p, alpha, m_i, l_i, grow = lazy_softmax_update(s, m_i, l_i, LAZY_TAU)
-            if grow:
-                acc_lo = acc_lo * alpha[:, None]
-                acc_hi = acc_hi * alpha[:, None]
-        else:
-            p, alpha, m_i, l_i = softmax_update(s, m_i, l_i)
-            acc_lo = acc_lo * alpha[:, None]
-            acc_hi = acc_hi * alpha[:, None]
+        p, alpha, m_i, l_i, acc_lo, acc_hi = decode_softmax_step(s, m_i, l_i, acc_lo, acc_hi, LAZY_TAU)
         v_lo, v_hi = _codes4(v_ptr, rows, valid, offs_d, d_mask, BLOCK_N, BLOCK_DH, CDT, ASM, WORDS)
         vs = tl.load(vs_ptr + srows, mask=valid, other=0.0)  # [BLOCK_N] fp16
         vz = tl.load(vz_ptr + srows, mask=valid, other=0.0)

@@ -225,6 +225,22 @@ def lazy_softmax_update(s, m_i, l_i, TAU: tl.constexpr):
 
 
 @triton.jit
+def decode_softmax_step(s, m_i, l_i, acc_lo, acc_hi, LAZY_TAU: tl.constexpr):
+    """The decode kernels' online-softmax update: (p, alpha, m, l, acc_lo, acc_hi), the accumulators
+    rescaled after every tile, or with LAZY_TAU > 0 only when lazy_softmax_update asks for it."""
+    if LAZY_TAU > 0:
+        p, alpha, m_i, l_i, grow = lazy_softmax_update(s, m_i, l_i, LAZY_TAU)
+        if grow:
+            acc_lo = acc_lo * alpha[:, None]
+            acc_hi = acc_hi * alpha[:, None]
+    else:
+        p, alpha, m_i, l_i = softmax_update(s, m_i, l_i)
+        acc_lo = acc_lo * alpha[:, None]
+        acc_hi = acc_hi * alpha[:, None]
+    return p, alpha, m_i, l_i, acc_lo, acc_hi
+
+
+@triton.jit
 def online_softmax_step(s, m_i, l_i, acc_lo, acc_hi):
     """softmax_update with the two output halves rescaled: (p, m_new, l_new, acc_lo, acc_hi)."""
     p, alpha, m_new, l_i = softmax_update(s, m_i, l_i)
