@@ -1,0 +1,91 @@
+"""Compile the decode kernels for an H100/H200 (sm_90) on any machine, no GPU needed.
+
+  python -m nanokv.bench.compile_sm90 [--sass DIR]
+
+Triton's wheel ships ptxas and cuobjdump, so its real compiler runs on the CPU. This checks what
+the interpreter (TRITON_INTERPRET=1) does not: the compiler's typing rules (a loop-carried variable
+changing type, one return type per jit function, dot shapes), and reports registers and shared
+memory per variant, the figures that set occupancy. Must run without TRITON_INTERPRET (the kernels
+are then built as interpreted functions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from nanokv.kernels.triton_decode import _decode_kernel
+from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
+
+PTRS = dict(q_ptr="*bf16", k_ptr="*i32", v_ptr="*i32", ks_ptr="*fp16", vs_ptr="*fp16", kz_ptr="*fp16",
+            vz_ptr="*fp16", kst_ptr="*bf16", vst_ptr="*bf16", stage_ptr="*i32", bt_ptr="*i32",
+            seq_lens_ptr="*i32", out_ptr="*bf16", part_o_ptr="*fp32", part_ml_ptr="*fp32", qk_scale="fp32")
+# (bits, block_n, warps, lazy_tau, min_rows): the defaults and the variants the GPU bench times
+VARIANTS = [(16, 64, 8, 0, 16), (8, 32, 1, 0, 16), (8, 32, 1, 8, 16), (8, 32, 1, 0, 1),
+            (4, 32, 1, 0, 1), (4, 32, 1, 8, 1), (4, 32, 1, 0, 16), (4, 128, 4, 0, 1)]
+
+
+def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_rows: int = 16) -> bytes:
+    """Qwen3-0.6B decode shapes (G 2, D 128, 16-token blocks, bf16 queries) -> the sm_90 cubin."""
+    fn = decode_int4_kernel if bits == 4 else _decode_kernel
+    const = dict(D=128, DH=64, G=2, BS=16, CDT=tl.float16, ASM=True, WORDS=True, FOLD_V=True, BLOCK_DH=64,
+                 BLOCK_N=block_n, SPLIT=True, LAZY_TAU=lazy_tau)
+    ptrs = dict(PTRS)
+    if bits == 16:
+        ptrs.update(k_ptr="*bf16", v_ptr="*bf16")
+        const.update(CDT=tl.bfloat16, WORDS=False)
+    if bits == 4:
+        const.update(int4_tiles(2, 16, block_n, min_rows))
+    else:
+        const.update(BITS=bits, BLOCK_G=max(min_rows, 2))
+    names = fn.arg_names
+    sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in names}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2))
+    return ck.asm["cubin"]
+
+
+def resources(cubin_path: str) -> str:
+    """'REG:n ... SHARED:n' from cuobjdump, or '' where the tool is missing."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return ""
+    out = subprocess.run([tool, "-res-usage", cubin_path], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
+    return f"regs {m.group(1)} stack {m.group(2)}" if m else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="", help="keep the cubins here (default: a temporary folder)")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("compile_sm90: unset TRITON_INTERPRET (the kernels would be interpreted functions)")
+    import tempfile
+    out = args.out or tempfile.mkdtemp()
+    os.makedirs(out, exist_ok=True)
+    failed = 0
+    for v in VARIANTS:
+        name = "decode bits={} block_n={} warps={} lazy_tau={} min_rows={}".format(*v)
+        try:
+            cubin = compile_decode(*v)
+        except Exception as e:  # report every variant, then fail
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        path = os.path.join(out, "decode_{}_{}_{}_{}_{}.cubin".format(*v))
+        with open(path, "wb") as f:
+            f.write(cubin)
+        print(f"ok {name}: {len(cubin)} bytes {resources(path)}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
