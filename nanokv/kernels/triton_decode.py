@@ -23,7 +23,6 @@ from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
 from nanokv.kernels.triton_dequant import use_asm, use_words
 from nanokv.kernels.triton_kvtile import (
     compute_dtype,
-    decode_softmax_step,
     kv_meta_args,
     next_pow2,
     pv_accumulate,
@@ -31,9 +30,9 @@ from nanokv.kernels.triton_kvtile import (
     split_range,
     stage_args,
     stage_rows,
-    store_decode,
     tile_rows,
 )
+from nanokv.kernels.triton_softmax import decode_softmax_step, store_decode
 from nanokv.kv.cache import LayerKVCache
 
 LOG2E = 1.4426950408889634

@@ -30,14 +30,12 @@ import triton.language as tl
 
 from nanokv.kernels.triton_dequant import load_code_words
 from nanokv.kernels.triton_kvtile import (
-    decode_softmax_step,
     fold_v_weights,
-    softmax_update,
     split_range,
     stage_rows,
-    store_decode,
     tile_rows,
 )
+from nanokv.kernels.triton_softmax import decode_softmax_step, softmax_update, store_decode
 
 
 @triton.jit

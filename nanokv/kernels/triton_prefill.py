@@ -21,13 +21,13 @@ from nanokv.kernels.triton_kvtile import (
     compute_dtype,
     kv_meta_args,
     next_pow2,
-    online_softmax_step,
     pv_accumulate,
     qk_scores,
     stage_args,
     stage_rows,
     tile_rows,
 )
+from nanokv.kernels.triton_softmax import online_softmax_step
 from nanokv.kv.cache import LayerKVCache
 
 LOG2E = 1.4426950408889634
