@@ -32,8 +32,7 @@ from nanokv.kernels.triton_backend import (  # noqa: E402
     TritonBackend,
     TritonConfig,
     choose_splits,
-    decode_tiles,
-    quant_rows,
+    decode_options,
     sm_count,
 )
 from nanokv.kernels.triton_selfcheck import Shapes, check_all, check_variants, make_batch  # noqa: E402
@@ -112,12 +111,9 @@ def decode_fn(cache: LayerKVCache, md: AttentionMetadata, cfg: TritonConfig) -> 
     qs = [torch.randn(B, H * G, D, device=DEV, dtype=DT) for _ in range(4)]
     out = torch.empty_like(qs[0])
     splits = choose_splits(cfg, B, H, md.max_seq_len, sm_count(DEV), cache.quantized)
-    bn, warps, stages = decode_tiles(cfg, cache.quantized)
-    return lambda i: triton_decode.paged_decode(
-        qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE, num_splits=splits,
-        block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm, words=cfg.words, fold_k=cfg.quant_fold_k,
-        fold_v=cfg.quant_fold_v, maxnreg=cfg.quant_maxnreg if cache.quantized else 0,
-        lazy_tau=cfg.quant_lazy_tau if cache.quantized else 0, min_rows=quant_rows(cfg, cache.bits))
+    kw = decode_options(cfg, cache)
+    return lambda i: triton_decode.paged_decode(qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE,
+                                                num_splits=splits, **kw)
 
 
 def bench_copy() -> None:

@@ -66,6 +66,28 @@ def check_fresh_prefill(device: torch.device) -> float:
     return err
 
 
+def compiled_kernels() -> int:
+    """Triton kernel variants compiled so far in this process (a step that adds some paid a JIT
+    compile) plus torch.compile's graphs."""
+    import triton
+
+    from nanokv.kernels import (
+        triton_blockquant,
+        triton_decode,
+        triton_decode_fma,
+        triton_decode_int4,
+        triton_prefill,
+        triton_store,
+    )
+    n = 0
+    for mod in (triton_blockquant, triton_decode, triton_decode_fma, triton_decode_int4, triton_prefill, triton_store):
+        for obj in vars(mod).values():
+            if isinstance(obj, triton.runtime.JITFunction):
+                n += sum(len(dc[0]) for dc in getattr(obj, "device_caches", {}).values())
+    from torch._dynamo.utils import counters
+    return n + int(counters["stats"]["unique_graphs"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="nanovllm")
@@ -92,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     n_pre = 0
     step_ms = []
+    compiled = [compiled_kernels()]
     while eng.num_waiting() or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
         ts = time.perf_counter()
         if n_pre == 1:  # one full prefill step under the profiler
@@ -102,9 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             eng.step()
             torch.cuda.synchronize()
         step_ms.append((time.perf_counter() - ts) * 1e3)
+        compiled.append(compiled_kernels())
         n_pre += 1
     print(f"prefill: {n_pre} steps, {time.perf_counter() - t0:.2f} s; running {eng.num_running()}; "
           f"step ms {[round(x, 1) for x in step_ms]}")
+    print(f"kernels compiled per prefill step: {[b - a for a, b in zip(compiled, compiled[1:])]}")
     print(pp.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
     print(pp.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
     for _ in range(3):
