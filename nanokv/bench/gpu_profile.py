@@ -74,13 +74,12 @@ def compiled_kernels() -> int:
     from nanokv.kernels import (
         triton_blockquant,
         triton_decode,
-        triton_decode_fma,
         triton_decode_int4,
         triton_prefill,
         triton_store,
     )
     n = 0
-    for mod in (triton_blockquant, triton_decode, triton_decode_fma, triton_decode_int4, triton_prefill, triton_store):
+    for mod in (triton_blockquant, triton_decode, triton_decode_int4, triton_prefill, triton_store):
         for obj in vars(mod).values():
             if isinstance(obj, triton.runtime.JITFunction):
                 n += sum(len(dc[0]) for dc in getattr(obj, "device_caches", {}).values())

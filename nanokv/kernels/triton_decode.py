@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nanokv.kernels.triton_decode_fma import decode_fma_kernel
 from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
 from nanokv.kernels.triton_dequant import use_asm, use_words
 from nanokv.kernels.triton_kvtile import (
@@ -137,7 +136,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 2, asm: bool | None = None,
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
-                 maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, fma: bool = False) -> torch.Tensor:
+                 maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
@@ -174,12 +173,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                   ASM=use_asm(q.device) if asm is None else asm, BLOCK_DH=max(16, next_pow2(D // 2)),
                   BLOCK_N=block_n, SPLIT=split, LAZY_TAU=lazy_tau, num_warps=num_warps, num_stages=num_stages,
                   **({"maxnreg": maxnreg} if maxnreg > 0 else {}))
-    if fma and cache.bits == 8 and words:
-        T = 8 * num_warps  # rows side by side: 4 threads of 16 bytes cover a 64-dim half row
-        decode_fma_kernel[(B, H, num_splits)](*args, D=D, DH=D // 2, G=G, BS=cache.block_size, BITS=8,
-                                              BG=next_pow2(G), NP=max(1, block_n // T), T=T, SPLIT=split,
-                                              LAZY_TAU=lazy_tau, num_warps=num_warps, num_stages=num_stages)
-    elif cache.bits == 4 and fold_k:
+    if cache.bits == 4 and fold_k:
         decode_int4_kernel[(B, H, num_splits)](*args, **common,
                                                **int4_tiles(G, cache.block_size, block_n, min_rows))
     else:

@@ -180,11 +180,6 @@ def check_variants(sh: Shapes) -> None:
                                                          decode_splits=2), " bn128w2s2")
         check_attention(sh, bits, "decode", TritonConfig(quant_lazy_tau=8), " lazy8")
         check_attention(sh, bits, "decode", TritonConfig(quant_min_rows=1), " rows1")
-        if bits == 8:
-            check_attention(sh, bits, "decode", TritonConfig(quant_fma=True), " fma")
-            check_attention(sh, bits, "decode", TritonConfig(quant_fma=True, quant_lazy_tau=8), " fma lazy8")
-            check_attention(sh, bits, "decode", TritonConfig(quant_fma=True, quant_warps=4, quant_block_n=32),
-                            " fma w4")
     check_attention(sh, 16, "decode", TritonConfig(decode_block_n=128, decode_warps=4, decode_splits=3),
                     " tiles2")
 
