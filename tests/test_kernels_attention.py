@@ -250,10 +250,11 @@ def test_noncontiguous_query_and_all_hole_context() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("min_tokens", [1, 0])
-@pytest.mark.parametrize("bits", [16, 4])
+@pytest.mark.parametrize("bits", [16, 8, 4])
 def test_fresh_prompts_sdpa_route(dtype: torch.dtype, min_tokens: int, bits: int) -> None:
     """Batches of fresh prompts (no cached prefix) may go to torch SDPA: same function either way
-    (int4: the prompt's own blocks are still staged in full precision)."""
+    (int4: the prompt's own blocks are still staged in full precision; int8: SDPA attends to the
+    codes read back from the cache, as the paged kernel does)."""
     cache, md, q = build_batch(bits, dtype, 8, 2, 2, 32, [(0, 21), (0, 9), (0, 40)], [], holes=False)
     cfg = small_cfg()
     cfg.sdpa_prefill_min_tokens = min_tokens

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from nanokv.attention.metadata import AttentionMetadata
 from nanokv.kernels import triton_decode, triton_prefill, triton_store
 from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.quant import dequantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,21 @@ def sdpa_fresh_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: At
             out[s:e] = o.transpose(0, 1)
 
 
+def int8_as_stored(q: torch.Tensor, cache: LayerKVCache, slots: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flash operands for fresh prompts in an int8 cache: (q, k, v) in the quantized kernels'
+    compute dtype (fp16 unless fp32), K/V [T, Hk, D] read back from the cache at the step's slots
+    (codes x scale), so a fresh prompt attends to exactly what later steps and prefix hits read.
+    Only the step's rows are dequantized, never the cache."""
+    dt = torch.float32 if q.dtype == torch.float32 else torch.float16
+    assert cache.k_scale is not None and cache.v_scale is not None
+    s = slots.clamp(min=0).long()  # padding rows (-1) read slot 0: their outputs are never used
+    blk, off = s // cache.block_size, s % cache.block_size
+    k = dequantize_int8(cache.k[blk, :, off], cache.k_scale[blk, :, off], dt)
+    v = dequantize_int8(cache.v[blk, :, off], cache.v_scale[blk, :, off], dt)
+    return q.to(dt), k, v
+
+
 def runs(idx: list[int]) -> list[tuple[int, int]]:
     """Sorted indices -> maximal [a, b) ranges of consecutive ones."""
     out: list[tuple[int, int]] = []
@@ -214,11 +230,11 @@ class TritonBackend:
         at hand exactly as attention would read them and the longest is long enough to pay off.
         Exact means a 16-bit cache of the model's dtype, or int4: a block is quantized only after
         the step that fills it, so a fresh prompt reads itself from full-precision staging, which
-        holds k and v as given (already rotated). int8 quantizes on the store: the paged kernel.
-        The others go to the paged prefill kernel."""
+        holds k and v as given (already rotated). int8 quantizes on the store: its fresh prompts
+        attend on the codes read back (int8_as_stored). The others go to the paged prefill kernel."""
         P, lim = md.num_prefills, self.config.sdpa_prefill_min_tokens
-        as_read = cache.k_stage if cache.stage is not None else (None if cache.quantized else cache.k)
-        if lim <= 0 or k is None or as_read is None or k.dtype != as_read.dtype:
+        as_read = cache.k_stage if cache.k_stage is not None else cache.k
+        if lim <= 0 or k is None or (k.dtype != as_read.dtype and cache.bits != 8):
             return []
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
         fresh = [i for i in range(P) if lens[i] == qsl[i + 1] - qsl[i]]
@@ -237,7 +253,10 @@ class TritonBackend:
         P = md.num_prefills
         fresh = self._fresh(cache, md, k) if P > 0 else []
         if fresh and k is not None and v is not None:
-            sdpa_fresh_prefill(q, k, v, md, out, scale, fresh)
+            if cache.bits == 8:
+                sdpa_fresh_prefill(*int8_as_stored(q, cache, md.slot_mapping), md, out, scale, fresh)
+            else:
+                sdpa_fresh_prefill(q, k, v, md, out, scale, fresh)
         rest = [i for i in range(P) if i not in set(fresh)]
         for a, b in runs(rest):  # usually one run: a chunk continuing, or prompts with a cached prefix
             triton_prefill.paged_prefill(
