@@ -65,3 +65,24 @@ def test_store_ties_and_constant_rows() -> None:
     store_kvcache(k.to(DEV), v.to(DEV), got, slots.to(DEV))
     assert torch.equal(want.k, got.k)
     assert torch.equal(want.k_scale, got.k_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_read_back_int8_is_the_stored_rows(dtype: torch.dtype) -> None:
+    """read_back_int8 (fresh int8 prompts' flash operands) gives kv.quant's dequantization of the
+    rows the store just wrote, bit for bit; rows of slot -1 are not written."""
+    from nanokv.kernels.triton_store import read_back_int8
+    from nanokv.kv.quant import dequantize_int8, quantize_int8
+    g = torch.Generator().manual_seed(7)
+    H, D, N, T, bs = 3, 64, 6, 40, 16
+    cache = allocate_layer_cache(8, N, H, bs, D, torch.float16, DEV)
+    slots = torch.randperm(N * bs, generator=g)[:T]
+    slots[3] = -1
+    k, v = ((torch.randn(T, H, D, generator=g) * 4).half().to(DEV) for _ in range(2))
+    store_kvcache(k, v, cache, slots.to(DEV))
+    rk, rv = read_back_int8(cache, slots.to(DEV), dtype)
+    keep = slots >= 0
+    for x, r in ((k, rk), (v, rv)):
+        want = dequantize_int8(*quantize_int8(x[keep]), dtype)
+        assert torch.equal(r[keep], want)
+        assert not torch.equal(r[keep], x[keep].to(dtype))  # really the int8 values, not the inputs

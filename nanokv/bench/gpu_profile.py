@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--bits", type=int, default=16, choices=(16, 8, 4), help="KV cache format (8 / 4: compressed)")
+    ap.add_argument("--profile-step", type=int, default=1, help="the prefill step run under the profiler")
     args = ap.parse_args(argv)
     from nanokv.engine.llm import LLM
     from nanokv.sampling import SamplingParams
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     compiled = [compiled_kernels()]
     while eng.num_waiting() or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
         ts = time.perf_counter()
-        if n_pre == 1:  # one full prefill step under the profiler
+        if n_pre == args.profile_step:  # one full prefill step under the profiler
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pp:
                 eng.step()
                 torch.cuda.synchronize()

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from nanokv.attention.metadata import AttentionMetadata
 from nanokv.kernels import triton_decode, triton_prefill, triton_store
 from nanokv.kv.cache import LayerKVCache
-from nanokv.kv.quant import dequantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -194,11 +193,7 @@ def int8_as_stored(q: torch.Tensor, cache: LayerKVCache, slots: torch.Tensor
     (codes x scale), so a fresh prompt attends to exactly what later steps and prefix hits read.
     Only the step's rows are dequantized, never the cache."""
     dt = torch.float32 if q.dtype == torch.float32 else torch.float16
-    assert cache.k_scale is not None and cache.v_scale is not None
-    s = slots.clamp(min=0).long()  # padding rows (-1) read slot 0: their outputs are never used
-    blk, off = s // cache.block_size, s % cache.block_size
-    k = dequantize_int8(cache.k[blk, :, off], cache.k_scale[blk, :, off], dt)
-    v = dequantize_int8(cache.v[blk, :, off], cache.v_scale[blk, :, off], dt)
+    k, v = triton_store.read_back_int8(cache, slots, dt)
     return q.to(dt), k, v
 
 

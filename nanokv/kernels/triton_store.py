@@ -114,3 +114,40 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
         H, DH=D // 2, BS=cache.block_size, BITS=bits,
         BLOCK_H=next_pow2(H), BLOCK_DH=max(16, next_pow2(D // 2)), num_warps=4,
     )
+
+
+@triton.jit
+def _readback_kernel(slot_ptr, c_ptr, s_ptr, o_ptr, stride_cn, stride_ch, stride_cs, stride_sn, stride_sh,
+                     stride_ot, stride_oh, H, D: tl.constexpr, BS: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (T,): out[t] = codes x scale of the int8 rows at slot t ([H, D], fp32 product rounded
+    once to out's dtype, as kv.quant.dequantize_int8). Slot -1 rows are left unwritten."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        m2 = (offs_h < H)[:, None] & (offs_d < D)[None, :]
+        blk, off = slot // BS, slot % BS
+        c = tl.load(c_ptr + blk * stride_cn + offs_h[:, None] * stride_ch + off * stride_cs + offs_d[None, :],
+                    mask=m2, other=0).to(tl.float32)
+        s = tl.load(s_ptr + blk * stride_sn + offs_h * stride_sh + off, mask=offs_h < H, other=0.0)
+        o = c * s.to(tl.float32)[:, None]
+        tl.store(o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=m2)
+
+
+def read_back_int8(cache: LayerKVCache, slot_mapping: torch.Tensor, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 K and V rows stored at slot_mapping [T], dequantized: [T, H, D] each in dtype."""
+    assert cache.bits == 8 and cache.k_scale is not None and cache.v_scale is not None
+    T, H, D = int(slot_mapping.shape[0]), cache.num_kv_heads, int(cache.k.shape[-1])
+    outs = []
+    for c, s in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
+        o = torch.empty((T, H, D), dtype=dtype, device=c.device)
+        if T:
+            _readback_kernel[(T,)](slot_mapping, c, s, o, c.stride(0), c.stride(1), c.stride(2), s.stride(0),
+                                   s.stride(1), o.stride(0), o.stride(1), H, D=D, BS=cache.block_size,
+                                   BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D), num_warps=4)
+        outs.append(o)
+    return outs[0], outs[1]
