@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from nanokv.kv.monitor import roundtrip
+from nanokv.kv.monitor import roundtrip, spread_rows
 
 
 class ErrorProbe:
@@ -32,7 +32,7 @@ class ErrorProbe:
         self.widths = widths
         self.every = every
         self.rows = rows
-        self._gen = torch.Generator().manual_seed(seed)
+        self._tick = seed  # rotates the sampled tokens (spread_rows)
         self._calls: dict[int, int] = {}
         self._sq: dict[tuple[int, int], torch.Tensor] = {}  # (layer, bits) -> summed squared error
         self._n: dict[tuple[int, int], int] = {}
@@ -48,8 +48,9 @@ class ErrorProbe:
             return
         T, Hq, D = q.shape
         Hk = k.shape[1]
-        if T > self.rows:
-            idx = torch.randperm(T, generator=self._gen)[: self.rows].to(k.device)
+        idx = spread_rows(T, self.rows, self._tick, k.device)
+        self._tick += 1
+        if idx is not None:
             q, k = q[idx], k[idx]
         m = k.shape[0]
         qg = q.float().reshape(m, Hk, Hq // Hk, D)
