@@ -28,6 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compression-sparsity", type=float, default=None)
     g.add_argument("--sparsity-policy", default=None)
     g.add_argument("--enforce-eager", action="store_true", default=None)
+    g.add_argument("--batch-invariant", action="store_true", default=None)
     g.add_argument("--tensor-parallel-size", type=int, default=None)
     g.add_argument("--attention-backend", default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
@@ -37,7 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 ENGINE_KEYS = ("model", "dtype", "device", "block_size", "num_gpu_blocks", "gpu_memory_utilization",
                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "eviction_policy",
                "enable_compression", "quantization_bitwidth", "compression_sparsity", "sparsity_policy",
-               "enforce_eager", "tensor_parallel_size", "attention_backend", "enable_prefix_caching", "adaptive")
+               "enforce_eager", "batch_invariant", "tensor_parallel_size", "attention_backend",
+               "enable_prefix_caching", "adaptive")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

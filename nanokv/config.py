@@ -59,6 +59,9 @@ class EngineConfig:
     # execution
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    # CPU torch backend: every token computed by the same float operations whatever shares its step
+    # (chunking, prefix hits, batch size, preemption): nanokv/kernels/cpu_invariant.py
+    batch_invariant: bool = False
     # host schedules step N+1 while the device runs step N (nanokv/engine/async_step.py);
     # None = on where it pays: a CUDA device, one process, no sparsity, no adaptive controller
     async_scheduling: bool | None = None
@@ -147,7 +150,7 @@ class EngineConfig:
             raise ConfigError("async_scheduling", "needs tensor_parallel_size 1, compression_sparsity 0 and the "
                                                   "adaptive controller off; set it false or null (auto)")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_compression",
-                     "enforce_eager", "adaptive"):
+                     "enforce_eager", "batch_invariant", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
         self.quantization_bitwidth = parse_bitwidth(self.quantization_bitwidth)

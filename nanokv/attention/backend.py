@@ -23,12 +23,17 @@ class AttentionBackend(Protocol):
 class TorchBackend:
     name = "torch"
 
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant  # nanokv.kernels.cpu_invariant instead of the reference
+
     def store_kvcache(self, k, v, cache, slot_mapping):
         from nanokv.kernels import reference
         reference.store_kvcache(k, v, cache, slot_mapping)
 
     def paged_attention(self, q, cache, md, scale, k=None, v=None):
-        from nanokv.kernels import reference
+        from nanokv.kernels import cpu_invariant, reference
+        if self.batch_invariant:
+            return cpu_invariant.paged_attention(q, cache, md, scale)
         return reference.paged_attention(q, cache, md, scale)
 
 
@@ -39,8 +44,9 @@ def get_backend() -> AttentionBackend:
     return _BACKEND
 
 
-def set_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """Pick the backend: 'torch', 'triton', or 'auto' (triton on CUDA, torch on CPU)."""
+def set_backend(name: str, device: torch.device | str = "cpu", batch_invariant: bool = False) -> AttentionBackend:
+    """Pick the backend: 'torch', 'triton', or 'auto' (triton on CUDA, torch on CPU).
+    batch_invariant: the torch backend's batch-invariant attention (nanokv.kernels.cpu_invariant)."""
     global _BACKEND
     dev = torch.device(device)
     if name == "auto":
@@ -49,5 +55,5 @@ def set_backend(name: str, device: torch.device | str = "cpu") -> AttentionBacke
         from nanokv.kernels.triton_backend import TritonBackend
         _BACKEND = TritonBackend()
     else:
-        _BACKEND = TorchBackend()
+        _BACKEND = TorchBackend(batch_invariant)
     return _BACKEND

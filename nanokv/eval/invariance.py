@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--corpus", default=None, help="text file (default: the eval's held-out play)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="engines with batch_invariant=True (nanokv.kernels.cpu_invariant)")
+    ap.add_argument("--batch-ways", action="store_true",
+                    help="also: the prompts one at a time (decode batch of 1 instead of all)")
     args = ap.parse_args(argv)
     _, text = read_corpus(args.corpus)
     n = args.prompts
@@ -48,12 +52,17 @@ def main(argv: list[str] | None = None) -> int:
         kw: dict[str, Any] = {"enable_compression": True, "quantization_bitwidth": bits} if bits < 16 else {}
         if args.model:
             kw["model"] = args.model
+        if args.batch_invariant:
+            kw["batch_invariant"] = True
         llm = LLM(max_num_batched_tokens=4096, **kw)
         ref = llm.generate(prompts, p, use_tqdm=False)
         ways = {"prefix_hit": llm.generate(prompts, p, use_tqdm=False),
                 "chunked_64": LLM(max_num_batched_tokens=64, **kw).generate(prompts, p, use_tqdm=False)}
+        if args.batch_ways:
+            solo = LLM(max_num_batched_tokens=4096, **kw)
+            ways["one_by_one"] = [solo.generate([x], p, use_tqdm=False)[0] for x in prompts]
         res[bits] = {}
-        failed = [o.error for o in ref + ways["prefix_hit"] + ways["chunked_64"] if o.error]
+        failed = [o.error for o in ref + [o for outs in ways.values() for o in outs] if o.error]
         if failed:  # an empty output would compare as identical
             raise SystemExit(f"invariance: a request failed: {failed[0]}")
         for way, outs in ways.items():

@@ -16,11 +16,12 @@ import torch
 
 from nanokv.attention.backend import set_backend
 from nanokv.attention.metadata import AttentionMetadata, forward_context
-from nanokv.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from nanokv.config import DEFAULT_CPU_KV_BYTES, ConfigError, EngineConfig
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block
 from nanokv.kv.resize import resize_layer_cache
 from nanokv.kv.staging import StageTable, staging_slots
 from nanokv.model.layers.fusion import set_fusion
+from nanokv.model.layers.linear import set_batch_invariant
 from nanokv.runner.cuda_graph import DecodeGraphs
 from nanokv.runner.h2d import PinnedUploader
 
@@ -56,7 +57,11 @@ class ModelRunner:
         self.num_kv_heads = num_kv_heads_local or model_config.num_key_value_heads
         self.head_dim = model_config.head_dim
         self.layer_bits = cfg.layer_bits(self.num_layers)
-        self.backend = set_backend(cfg.attention_backend, device)
+        if cfg.batch_invariant and (device.type != "cpu" or cfg.attention_backend == "triton"):
+            raise ConfigError("batch_invariant", "CPU with the torch attention backend only (the GPU kernels "
+                                                 "are not batch-invariant); set it false")
+        set_batch_invariant(cfg.batch_invariant)
+        self.backend = set_backend(cfg.attention_backend, device, batch_invariant=cfg.batch_invariant)
         # fused elementwise chains (torch.compile) ride with the CUDA graphs: off in eager mode
         set_fusion(device.type == "cuda" and not cfg.enforce_eager and not os.environ.get("NANOKV_NO_FUSION"))
         self.num_blocks = self._decide_num_blocks()

@@ -21,6 +21,38 @@ WeightLoader = Callable[..., None]
 _CPU_PANEL_ROWS = 768  # output rows per sgemm for small CPU batches (MergedColumnParallelLinear.forward)
 
 
+_BATCH_INVARIANT = [False]  # set from the engine config (batch_invariant), CPU only
+
+
+def set_batch_invariant(on: bool) -> None:
+    _BATCH_INVARIANT[0] = on
+
+
+def invariant_rows(m: int) -> int:
+    """Rows a CPU matmul of m rows is padded to (batch_invariant) so that each row's result is the
+    one it gets in a matmul of any number of rows: measured on this project's CPUs (MKL sgemm,
+    every SmolLM2 shape, 1 to 2048 rows): 4, 8 and 12 or more rows give the same bits as 2048,
+    1-3, 5-7 and 9-11 do not. tests/test_batch_invariant.py checks it on the machine it runs on."""
+    if m >= 12 or m in (4, 8):
+        return m
+    return 4 if m < 4 else 8 if m < 8 else 12
+
+
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [m, in] with zero rows appended up to invariant_rows(m) when batch_invariant is on (CPU)."""
+    if not _BATCH_INVARIANT[0] or x.device.type != "cpu" or x.dim() != 2:
+        return x
+    r = invariant_rows(x.shape[0])
+    return x if r == x.shape[0] else torch.cat([x, x.new_zeros(r - x.shape[0], x.shape[1])])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, its rows padded under batch_invariant (pad_rows)."""
+    xp = pad_rows(x)
+    y = F.linear(xp, w, b)
+    return y if xp is x else y[: x.shape[0]]
+
+
 def _divide(n: int, tp: int, what: str) -> int:
     if n % tp:
         raise NanoKVError("tensor_parallel_size", f"{tp} does not divide {what} ({n})")
@@ -49,7 +81,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -96,12 +128,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, sum(output_sizes) / tp]."""
-        if x.device.type == "cpu" and self.bias is None and 4 <= x.shape[0] <= 64:
+        xp = pad_rows(x)
+        if x.device.type == "cpu" and self.bias is None and 4 <= xp.shape[0] <= 64:
             # Decode-sized batches on the CPU: the fused gate_up sgemm (SmolLM2: 3072 x 576) runs
             # ~20% faster as 768-row panels (measured, 1 thread, 4 to 64 rows; no gain at 1-2 rows
             # or at 512). Every output is the same dot product, so the result is unchanged.
-            return torch.cat([F.linear(x, w) for w in self.weight.split(_CPU_PANEL_ROWS)], dim=-1)
-        return F.linear(x, self.weight, self.bias)
+            y = torch.cat([F.linear(xp, w) for w in self.weight.split(_CPU_PANEL_ROWS)], dim=-1)
+        else:
+            y = F.linear(xp, self.weight, self.bias)
+        return y if xp is x else y[: x.shape[0]]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -171,7 +206,7 @@ class RowParallelLinear(LinearBase):
         _copy(param, full.narrow(1, self.input_start, n), "row-parallel linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.tp_size > 1:
             y = all_reduce(y)
         return y if self.bias is None else y + self.bias
