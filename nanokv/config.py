@@ -60,8 +60,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     # CPU torch backend: every token computed by the same float operations whatever shares its step
-    # (chunking, prefix hits, batch size, preemption): nanokv/kernels/cpu_invariant.py
-    batch_invariant: bool = False
+    # (chunking, prefix hits, batch size, preemption): nanokv/kernels/cpu_invariant.py.
+    # None = on for a compressed cache on the CPU, where rounding otherwise changes greedy tokens
+    batch_invariant: bool | None = None
     # host schedules step N+1 while the device runs step N (nanokv/engine/async_step.py);
     # None = on where it pays: a CUDA device, one process, no sparsity, no adaptive controller
     async_scheduling: bool | None = None
@@ -143,6 +144,8 @@ class EngineConfig:
         s = self.compression_sparsity
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not (0.0 <= float(s) < 1.0):
             raise ConfigError("compression_sparsity", f"got {s!r}; must be a number in [0, 1)")
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            raise ConfigError("batch_invariant", f"must be true, false or null (auto), got {self.batch_invariant!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ConfigError("async_scheduling", f"must be true, false or null (auto), got {self.async_scheduling!r}")
         if self.async_scheduling and (self.tensor_parallel_size > 1 or self.compression_sparsity or self.adaptive
@@ -150,7 +153,7 @@ class EngineConfig:
             raise ConfigError("async_scheduling", "needs tensor_parallel_size 1, compression_sparsity 0 and the "
                                                   "adaptive controller off; set it false or null (auto)")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_compression",
-                     "enforce_eager", "batch_invariant", "adaptive"):
+                     "enforce_eager", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
         self.quantization_bitwidth = parse_bitwidth(self.quantization_bitwidth)

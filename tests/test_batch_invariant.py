@@ -93,18 +93,24 @@ def test_attention_same_bits_whole_chunked_and_batched(bits: int) -> None:
 
 def test_engine_int8_greedy_same_tokens_every_way(tmp_path: Path) -> None:
     """Embedded model, int8 cache: whole prompts, prefix hits, 64-token chunks and one prompt at a
-    time give the same greedy tokens (without batch_invariant chunking changed 4 of 6 passages)."""
+    time give the same greedy tokens (with batch_invariant off, chunking changed 4 of 6 passages)."""
     out = tmp_path / "inv.json"
-    assert invariance.main(["--bits", "8", "--prompts", "2", "--max-tokens", "24", "--batch-invariant",
-                            "--batch-ways", "--json", str(out)]) == 0
+    assert invariance.main(["--bits", "8", "--prompts", "2", "--max-tokens", "24", "--batch-ways",
+                            "--json", str(out)]) == 0  # batch_invariant auto: on for a compressed cache
     res = json.loads(out.read_text())["8"]
     for way in ("prefix_hit", "chunked_64", "one_by_one"):
         assert res[way]["first_difference"] == [None, None], way
     assert min(res["prefix_hit"]["cached_tokens"]) >= 256
 
 
-def test_batch_invariant_is_cpu_torch_only() -> None:
+def test_batch_invariant_is_cpu_torch_only_and_auto_follows_compression() -> None:
     from nanokv.engine.llm import LLM
     with pytest.raises(ConfigError) as e:
         LLM(attention_backend="triton", batch_invariant=True)
     assert "batch_invariant" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        LLM(batch_invariant="yes")
+    assert "batch_invariant" in str(e.value) and "null" in str(e.value)
+    assert LLM(enable_compression=True).engine.runner.batch_invariant
+    assert not LLM().engine.runner.batch_invariant
+    assert not LLM(enable_compression=True, batch_invariant=False).engine.runner.batch_invariant

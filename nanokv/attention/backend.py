@@ -44,6 +44,13 @@ def get_backend() -> AttentionBackend:
     return _BACKEND
 
 
+def use_backend(backend: AttentionBackend) -> None:
+    """Make `backend` the one the model layers call (each runner before its forward: several
+    engines in one process may use different backends)."""
+    global _BACKEND
+    _BACKEND = backend
+
+
 def set_backend(name: str, device: torch.device | str = "cpu", batch_invariant: bool = False) -> AttentionBackend:
     """Pick the backend: 'torch', 'triton', or 'auto' (triton on CUDA, torch on CPU).
     batch_invariant: the torch backend's batch-invariant attention (nanokv.kernels.cpu_invariant)."""

@@ -1,6 +1,7 @@
 """Does greedy output stay the same when the same prompts arrive differently?
 
   python -m nanokv.eval.invariance [--bits 16,8,4] [--prompts 6] [--max-tokens 48] [--json FILE]
+      [--batch-invariant auto|on|off] [--batch-ways]
 
 For each KV format, greedy continuations of passages of the eval corpus (1,500 characters, about
 470 tokens each) are generated three ways on one engine setup: whole prompts in one step (the reference),
@@ -38,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--corpus", default=None, help="text file (default: the eval's held-out play)")
-    ap.add_argument("--batch-invariant", action="store_true",
-                    help="engines with batch_invariant=True (nanokv.kernels.cpu_invariant)")
+    ap.add_argument("--batch-invariant", choices=("auto", "on", "off"), default="auto",
+                    help="the engines' batch_invariant (nanokv.kernels.cpu_invariant); auto: on for "
+                         "compressed caches on the CPU")
     ap.add_argument("--batch-ways", action="store_true",
                     help="also: the prompts one at a time (decode batch of 1 instead of all)")
     args = ap.parse_args(argv)
@@ -52,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         kw: dict[str, Any] = {"enable_compression": True, "quantization_bitwidth": bits} if bits < 16 else {}
         if args.model:
             kw["model"] = args.model
-        if args.batch_invariant:
-            kw["batch_invariant"] = True
+        if args.batch_invariant != "auto":
+            kw["batch_invariant"] = args.batch_invariant == "on"
         llm = LLM(max_num_batched_tokens=4096, **kw)
         ref = llm.generate(prompts, p, use_tqdm=False)
         ways = {"prefix_hit": llm.generate(prompts, p, use_tqdm=False),

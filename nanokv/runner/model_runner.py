@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from nanokv.attention.backend import set_backend
+from nanokv.attention.backend import set_backend, use_backend
 from nanokv.attention.metadata import AttentionMetadata, forward_context
 from nanokv.config import DEFAULT_CPU_KV_BYTES, ConfigError, EngineConfig
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block
@@ -57,11 +57,14 @@ class ModelRunner:
         self.num_kv_heads = num_kv_heads_local or model_config.num_key_value_heads
         self.head_dim = model_config.head_dim
         self.layer_bits = cfg.layer_bits(self.num_layers)
-        if cfg.batch_invariant and (device.type != "cpu" or cfg.attention_backend == "triton"):
+        torch_cpu = device.type == "cpu" and cfg.attention_backend != "triton"
+        if cfg.batch_invariant and not torch_cpu:
             raise ConfigError("batch_invariant", "CPU with the torch attention backend only (the GPU kernels "
-                                                 "are not batch-invariant); set it false")
-        set_batch_invariant(cfg.batch_invariant)
-        self.backend = set_backend(cfg.attention_backend, device, batch_invariant=cfg.batch_invariant)
+                                                 "are not batch-invariant); set it false or null (auto)")
+        self.batch_invariant = torch_cpu and (cfg.batch_invariant if cfg.batch_invariant is not None
+                                              else cfg.enable_compression)
+        set_batch_invariant(self.batch_invariant)
+        self.backend = set_backend(cfg.attention_backend, device, batch_invariant=self.batch_invariant)
         # fused elementwise chains (torch.compile) ride with the CUDA graphs: off in eager mode
         set_fusion(device.type == "cuda" and not cfg.enforce_eager and not os.environ.get("NANOKV_NO_FUSION"))
         self.num_blocks = self._decide_num_blocks()
@@ -245,6 +248,8 @@ class ModelRunner:
                 self.stage.finish(defer=True)  # (the device map changes with the next step's copy)
 
     def _run(self, ids, pos, md, items, logits_rows, all_logits) -> torch.Tensor | None:
+        use_backend(self.backend)  # module-level switches: another engine may have set them since
+        set_batch_invariant(self.batch_invariant)
         with forward_context(md, self.kv_caches):
             if self.graphs is not None and not all_logits and self.graphs.can_run(md):
                 hidden = self.graphs.run(ids, pos, md)
