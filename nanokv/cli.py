@@ -29,6 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sparsity-policy", default=None)
     g.add_argument("--enforce-eager", action="store_true", default=None)
     g.add_argument("--batch-invariant", action="store_true", default=None)
+    g.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false", default=None)
     g.add_argument("--tensor-parallel-size", type=int, default=None)
     g.add_argument("--attention-backend", default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)

@@ -104,3 +104,12 @@ def test_outlier_hook_raises_error_of_that_layer_and_rotation_absorbs_it():
     assert abs(hit[0] - base[0]) < 1e-9  # other layers untouched
     assert hit[1] > 1.3 * base[1]  # the hooked layer's keys are harder to quantize
     assert run(True, True)[1] < base[1]  # rotation spreads the outlier channels
+
+
+def test_spread_rows_samples_distinct_rows_that_move_between_calls():
+    from nanokv.kv.monitor import spread_rows
+    assert spread_rows(50, 64, 0, torch.device("cpu")) is None  # few rows: all of them
+    a, b = (spread_rows(131072, 64, t, torch.device("cpu")) for t in (0, 1))
+    assert a is not None and b is not None
+    assert a.unique().numel() == 64 and int(a.max()) < 131072 and int(a.min()) >= 0
+    assert not set(a.tolist()) & set(b.tolist())  # the next sample visits other rows

@@ -48,8 +48,12 @@ def build(settings: list[Setting], model: str | None, num_blocks: int, block_siz
     from nanokv.engine.engine import Engine
     from nanokv.runner.model_runner import ModelRunner
 
+    # batch_invariant off for every setting: the fp reference and each compressed cache must run the
+    # same attention code (a simulated format scores exactly as the real one), and int4 then reads
+    # blocks as the GPU kernels do (docs/quality.md)
     base = {"model": model, "num_gpu_blocks": num_blocks, "block_size": block_size, "device": "cpu",
-            "max_model_len": max_model_len, "enable_prefix_caching": False, **(extra or {})}
+            "max_model_len": max_model_len, "enable_prefix_caching": False, "batch_invariant": False,
+            **(extra or {})}
     eng = Engine(EngineConfig.from_kwargs(**base))
     runners: dict[str, Any] = {}
     monitors: dict[str, CompressionMonitor] = {}
