@@ -60,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=32,
                    help="tokens per KV block (int4 keys carry a scale and zero per channel per block: "
                         "29.7%% of bf16 at 32, 32.8%% at 16)")
+    p.add_argument("--batch-invariant", default="off", choices=("off", "on"),
+                   help="every setting (the fp reference too) on the batch-invariant CPU path "
+                        "(nanokv.kernels.cpu_invariant; int4 then reads blocks by its one rule)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1 is fastest on a shared box: more threads spin-wait)")
@@ -128,7 +131,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     bs = args.block_size
     t0 = time.monotonic()
     bench = build(chosen, args.model, num_blocks=-(-longest // bs) + 2, block_size=bs,
-                  max_model_len=longest, extra={"seed": args.seed})
+                  max_model_len=longest, extra={"seed": args.seed, "batch_invariant": args.batch_invariant == "on"})
     mc = bench.engine.model_config
     if longest > mc.max_position_embeddings:
         raise NanoKVError("context", f"{longest} tokens exceed the model's {mc.max_position_embeddings}")
