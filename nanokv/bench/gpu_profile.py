@@ -41,7 +41,7 @@ def check_fresh_prefill(device: torch.device) -> float:
     """Relative error of the fresh-prompt path (varlen flash) vs float64 causal attention, bf16 inputs
     of Qwen3-0.6B head shapes, three packed prompts; NaN poisoned output."""
     from nanokv.attention.metadata import AttentionMetadata
-    from nanokv.kernels.triton_backend import sdpa_fresh_prefill
+    from nanokv.kernels.fresh_prefill import sdpa_fresh_prefill
 
     lens = [700, 129, 1500]
     qsl = [0, 700, 829, 2329]
