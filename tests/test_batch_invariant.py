@@ -46,8 +46,8 @@ def test_linear_rows_panel_path_and_plain_path_agree(invariant_mode) -> None:
         assert torch.equal(layer(x[:m]), full[:m]), f"{m} rows"
 
 
-def _seq_md(tables: list[list[int]], chunks: list[tuple[int, int]]) -> AttentionMetadata:
-    """One step: chunks (cached, new) per sequence, all treated as prefills."""
+def _seq_md(tables: list[list[int]], chunks: list[tuple[int, int]], decodes: bool = False) -> AttentionMetadata:
+    """One step: chunks (cached, new) per sequence, all prefills (or all one-token decodes)."""
     qsl = [0]
     for _, n in chunks:
         qsl.append(qsl[-1] + n)
@@ -57,7 +57,8 @@ def _seq_md(tables: list[list[int]], chunks: list[tuple[int, int]]) -> Attention
     return AttentionMetadata(slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64),
                              query_start_loc=torch.tensor(qsl, dtype=torch.int32),
                              seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=bt,
-                             num_prefills=len(chunks), num_prefill_tokens=qsl[-1], num_decode_tokens=0,
+                             num_prefills=0 if decodes else len(chunks),
+                             num_prefill_tokens=0 if decodes else qsl[-1], num_decode_tokens=qsl[-1] if decodes else 0,
                              max_query_len=max(n for _, n in chunks), max_seq_len=max(lens),
                              query_start_loc_cpu=qsl, seq_lens_cpu=lens)
 
@@ -86,9 +87,12 @@ def test_attention_same_bits_whole_chunked_and_batched(bits: int) -> None:
                            whole[start:start + n]), f"chunk at {start}"
         start += n
     qb = torch.randn(100, H * G, D, generator=g)
-    both = cpu_invariant.paged_attention(torch.cat([qb[-1:], q[-1:]]), cache,
-                                         _seq_md([tab_b, tab_a], [(99, 1), (L - 1, 1)]), 0.125)
-    assert torch.equal(both[1:], whole[-1:])
+    for dec in (False, True):  # next to another sequence, as prefills and as a batch of decodes
+        both = cpu_invariant.paged_attention(torch.cat([qb[-1:], q[-1:]]), cache,
+                                             _seq_md([tab_b, tab_a], [(99, 1), (L - 1, 1)], dec), 0.125)
+        assert torch.equal(both[1:], whole[-1:]), dec
+        alone = cpu_invariant.paged_attention(qb[-1:], cache, _seq_md([tab_b], [(99, 1)], dec), 0.125)
+        assert torch.equal(both[:1], alone), dec
 
 
 def test_engine_int8_greedy_same_tokens_every_way(tmp_path: Path) -> None:
