@@ -56,7 +56,7 @@ def paged_attention(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata,
         ids = torch.cat([ids, ids.new_full((nb - ids.numel(),), -1)]) if ids.numel() < nb else ids
         k, v = gather_kv_heads(cache, ids.unsqueeze(0), q.dtype)  # [1, H, nb * bs, D]
         k, v = k[0], v[0]
-        kq, vq = _quantized_view(cache, ids, k, v) if cache.stage is not None else (None, None)
+        kq, vq = _quantized_view(cache, ids, k, v, (L - 1) // bs) if cache.stage is not None else (None, None)
         valid = _key_valid(ids.unsqueeze(0), bs, torch.tensor([L], device=q.device))[0]  # [nb * bs]
         # rows (g, m): head kvh * G + g of query m, [H, G * M, D]
         rows = q[s:e].reshape(M, H, G, D).permute(1, 2, 0, 3).reshape(H, G * M, D)
@@ -70,16 +70,18 @@ def paged_attention(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata,
     return out
 
 
-def _quantized_view(cache: LayerKVCache, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+def _quantized_view(cache: LayerKVCache, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """int4: K, V [H, nb * bs, D] as gathered (staged blocks in full precision) -> the same with
-    every staged block replaced by its quantize-dequantize round trip (blockquant's functions on
-    the same staging rows, so bit for bit what the pool will hold once the block is quantized)."""
+    every staged block before block `last` (the newest query's) replaced by its quantize-dequantize
+    round trip (blockquant's functions on the same staging rows, so bit for bit what the pool will
+    hold once the block is quantized). Block `last` and later are only ever read by their own rows
+    or masked, so they are left as they are: a decode step round-trips nothing."""
     assert cache.stage is not None and cache.k_stage is not None and cache.v_stage is not None
     H, _, D = k.shape
     bs = cache.block_size
     st = torch.where(ids >= 0, cache.stage.stage_of[ids.clamp_min(0)].long(), -1)  # [nb]
-    sel = (st >= 0).nonzero().flatten()
+    sel = ((st >= 0) & (torch.arange(st.numel(), device=st.device) < last)).nonzero().flatten()
     if sel.numel() == 0:
         return k, v
     kb, vb = cache.k_stage[st[sel]], cache.v_stage[st[sel]]  # [F, H, bs, D]
