@@ -12,19 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanokv.attention.metadata import AttentionMetadata
+from nanokv.attention.metadata import AttentionMetadata, forward_context
 from nanokv.errors import ConfigError
 from nanokv.eval import invariance
 from nanokv.kernels import cpu_invariant, reference
 from nanokv.kv.cache import allocate_layer_cache
-from nanokv.model.layers.linear import MergedColumnParallelLinear, linear, set_batch_invariant
+from nanokv.model.layers.linear import MergedColumnParallelLinear, linear
 
 
 @pytest.fixture
 def invariant_mode():
-    set_batch_invariant(True)
-    yield
-    set_batch_invariant(False)
+    with forward_context(None, [], batch_invariant=True):
+        yield
 
 
 @pytest.mark.parametrize("k,n", [(576, 960), (576, 576), (1536, 576), (576, 49152)])

@@ -37,30 +37,16 @@ class TorchBackend:
         return reference.paged_attention(q, cache, md, scale)
 
 
-_BACKEND: AttentionBackend = TorchBackend()
+REFERENCE: AttentionBackend = TorchBackend()  # for forward contexts that name no backend (tests)
 
 
-def get_backend() -> AttentionBackend:
-    return _BACKEND
-
-
-def use_backend(backend: AttentionBackend) -> None:
-    """Make `backend` the one the model layers call (each runner before its forward: several
-    engines in one process may use different backends)."""
-    global _BACKEND
-    _BACKEND = backend
-
-
-def set_backend(name: str, device: torch.device | str = "cpu", batch_invariant: bool = False) -> AttentionBackend:
-    """Pick the backend: 'torch', 'triton', or 'auto' (triton on CUDA, torch on CPU).
+def make_backend(name: str, device: torch.device | str = "cpu", batch_invariant: bool = False) -> AttentionBackend:
+    """The backend for 'torch', 'triton', or 'auto' (triton on CUDA, torch on CPU); a runner passes
+    it to each forward through nanokv.attention.metadata.forward_context.
     batch_invariant: the torch backend's batch-invariant attention (nanokv.kernels.cpu_invariant)."""
-    global _BACKEND
-    dev = torch.device(device)
     if name == "auto":
-        name = "triton" if dev.type == "cuda" else "torch"
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
     if name == "triton":
         from nanokv.kernels.triton_backend import TritonBackend
-        _BACKEND = TritonBackend()
-    else:
-        _BACKEND = TorchBackend(batch_invariant)
-    return _BACKEND
+        return TritonBackend()
+    return TorchBackend(batch_invariant)

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from nanokv.attention.backend import AttentionBackend
 
 
 @dataclass
@@ -52,6 +55,11 @@ class AttentionMetadata:
 class ForwardContext:
     metadata: AttentionMetadata | None
     kv_caches: list[Any]  # one LayerKVCache per layer (see nanokv.kv.cache)
+    # the runner's attention backend (None: the torch reference) and batch invariance (CPU linear
+    # layers pad their rows, nanokv.model.layers.linear): per forward, so several engines in one
+    # process never see each other's choice
+    backend: AttentionBackend | None = None
+    batch_invariant: bool = False
 
 
 _CONTEXT: ForwardContext | None = None
@@ -59,15 +67,21 @@ _CONTEXT: ForwardContext | None = None
 
 def get_context() -> ForwardContext:
     if _CONTEXT is None:
-        raise RuntimeError("no forward context set; the ModelRunner must call set_context() first")
+        raise RuntimeError("no forward context set; the ModelRunner must enter forward_context() first")
+    return _CONTEXT
+
+
+def current_context() -> ForwardContext | None:
+    """The context of the forward in progress, if any (layers usable outside a forward ask this)."""
     return _CONTEXT
 
 
 @contextmanager
-def forward_context(metadata: AttentionMetadata | None, kv_caches: list[Any]):
+def forward_context(metadata: AttentionMetadata | None, kv_caches: list[Any],
+                    backend: AttentionBackend | None = None, batch_invariant: bool = False):
     global _CONTEXT
     prev = _CONTEXT
-    _CONTEXT = ForwardContext(metadata, kv_caches)
+    _CONTEXT = ForwardContext(metadata, kv_caches, backend, batch_invariant)
     try:
         yield _CONTEXT
     finally:

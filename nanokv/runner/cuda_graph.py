@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.metadata import AttentionMetadata, forward_context
 
 log = logging.getLogger(__name__)
@@ -26,10 +27,11 @@ def bucket_sizes(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_caches: list, hidden_size: int, max_bs: int,
-                 max_blocks: int, max_model_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: torch.nn.Module, kv_caches: list, backend: AttentionBackend, hidden_size: int,
+                 max_bs: int, max_blocks: int, max_model_len: int, dtype: torch.dtype, device: torch.device):
         self.model = model
         self.kv_caches = kv_caches
+        self.backend = backend  # the kernels a graph captures are this backend's
         self.sizes = bucket_sizes(max_bs)
         self.max_bs = max_bs
         self.max_model_len = max_model_len
@@ -59,7 +61,7 @@ class DecodeGraphs:
         pool = None
         for b in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
             md = self._metadata(b)
-            with forward_context(md, self.kv_caches):
+            with forward_context(md, self.kv_caches, self.backend):
                 self.hidden[:b] = self.model(self.input_ids[:b], self.positions[:b])  # warm-up
                 torch.cuda.synchronize(self.device)
                 g = torch.cuda.CUDAGraph()

@@ -14,14 +14,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from nanokv.attention.backend import set_backend, use_backend
+from nanokv.attention.backend import make_backend
 from nanokv.attention.metadata import AttentionMetadata, forward_context
 from nanokv.config import DEFAULT_CPU_KV_BYTES, ConfigError, EngineConfig
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block
 from nanokv.kv.resize import resize_layer_cache
 from nanokv.kv.staging import StageTable, staging_slots
 from nanokv.model.layers.fusion import set_fusion
-from nanokv.model.layers.linear import set_batch_invariant
 from nanokv.runner.cuda_graph import DecodeGraphs
 from nanokv.runner.h2d import PinnedUploader
 
@@ -63,8 +62,7 @@ class ModelRunner:
                                                  "are not batch-invariant); set it false or null (auto)")
         self.batch_invariant = torch_cpu and (cfg.batch_invariant if cfg.batch_invariant is not None
                                               else cfg.enable_compression)
-        set_batch_invariant(self.batch_invariant)
-        self.backend = set_backend(cfg.attention_backend, device, batch_invariant=self.batch_invariant)
+        self.backend = make_backend(cfg.attention_backend, device, batch_invariant=self.batch_invariant)
         # fused elementwise chains (torch.compile) ride with the CUDA graphs: off in eager mode
         set_fusion(device.type == "cuda" and not cfg.enforce_eager and not os.environ.get("NANOKV_NO_FUSION"))
         self.num_blocks = self._decide_num_blocks()
@@ -97,8 +95,8 @@ class ModelRunner:
             return
         max_bs = min(self.cfg.max_num_seqs, 512)
         max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.mc.hidden_size, max_bs, max_blocks,
-                                   max_model_len, self.dtype, self.device)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.mc.hidden_size, max_bs,
+                                   max_blocks, max_model_len, self.dtype, self.device)
         self.graphs.capture()
 
     def resize_kv(self, num_blocks: int) -> None:
@@ -248,9 +246,7 @@ class ModelRunner:
                 self.stage.finish(defer=True)  # (the device map changes with the next step's copy)
 
     def _run(self, ids, pos, md, items, logits_rows, all_logits) -> torch.Tensor | None:
-        use_backend(self.backend)  # module-level switches: another engine may have set them since
-        set_batch_invariant(self.batch_invariant)
-        with forward_context(md, self.kv_caches):
+        with forward_context(md, self.kv_caches, self.backend, self.batch_invariant):
             if self.graphs is not None and not all_logits and self.graphs.can_run(md):
                 hidden = self.graphs.run(ids, pos, md)
             else:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanokv.attention.backend import get_backend
+from nanokv.attention.backend import REFERENCE
 from nanokv.attention.metadata import get_context
 from nanokv.kv.hooks import after_attention, before_store
 
@@ -44,7 +44,7 @@ class Attention(nn.Module):
             # KV compression (owned by nanokv.kv): Hadamard-rotate q/k when this layer's format
             # says so, sample the compression error, test hooks. Before the store, on every backend.
             q, k, v = before_store(self.layer_idx, cache, md, q, k, v)
-            backend = get_backend()
+            backend = ctx.backend or REFERENCE
             backend.store_kvcache(k, v, cache, md.slot_mapping)
             o = backend.paged_attention(q, cache, md, self.scale, k=k, v=v)
             o = after_attention(self.layer_idx, cache, md, o)

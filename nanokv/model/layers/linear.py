@@ -14,18 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanokv.attention.metadata import current_context
 from nanokv.distributed import all_reduce, get_tp_rank, get_tp_size, head_ranges
 from nanokv.errors import NanoKVError
 
 WeightLoader = Callable[..., None]
 _CPU_PANEL_ROWS = 768  # output rows per sgemm for small CPU batches (MergedColumnParallelLinear.forward)
-
-
-_BATCH_INVARIANT = [False]  # set from the engine config (batch_invariant), CPU only
-
-
-def set_batch_invariant(on: bool) -> None:
-    _BATCH_INVARIANT[0] = on
 
 
 def invariant_rows(m: int) -> int:
@@ -39,8 +33,10 @@ def invariant_rows(m: int) -> int:
 
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [m, in] with zero rows appended up to invariant_rows(m) when batch_invariant is on (CPU)."""
-    if not _BATCH_INVARIANT[0] or x.device.type != "cpu" or x.dim() != 2:
+    """x [m, in] with zero rows appended up to invariant_rows(m) when the forward in progress is
+    batch-invariant (the engine's batch_invariant, CPU only)."""
+    ctx = current_context()
+    if ctx is None or not ctx.batch_invariant or x.device.type != "cpu" or x.dim() != 2:
         return x
     r = invariant_rows(x.shape[0])
     return x if r == x.shape[0] else torch.cat([x, x.new_zeros(r - x.shape[0], x.shape[1])])
