@@ -1,0 +1,104 @@
+"""Where a whole benchmark run's device time goes, and what that bounds:
+`python -m nanokv.bench.run_breakdown --workload longctx --bits 16|8|4 [--out FILE]`.
+
+Runs the workload as `nanokv bench` does (same engine settings, warm-up first), once under
+torch.profiler (device kernels only), and sums kernel time by kind: decode attention, prefill
+attention, matmuls, KV writes (store / quantize), the rest; the wall time minus all kernel time is
+the device's idle time (host-bound stretches). Decode attention is then set against its floor, the
+KV bytes the decode steps must read over the copy bandwidth measured in the same process, so a
+reader sees what the rest of the run costs whatever the attention kernel does: the bound on any
+speed-up of the KV format alone. Profiling slows the host a little, so the wall time is of this run,
+not a benchmark figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+
+import torch
+
+from nanokv.bench.gpu import make_workload, measure_copy_bandwidth
+
+KINDS = [  # first match wins; names as the profiler reports kernels on the H200 (Triton, cuBLAS, flash)
+    ("decode_attention", r"_decode_kernel|decode_int4|_reduce_kernel"),
+    ("prefill_attention", r"flash|fmha|_prefill_kernel|read_back"),
+    ("matmul", r"nvjet|gemm|cutlass|splitKreduce|xmma|cublas"),
+    ("kv_write", r"store|blockquant|fill_|quantize"),
+]
+
+
+def kind_of(name: str) -> str:
+    for kind, pat in KINDS:
+        if re.search(pat, name):
+            return kind
+    return "other"
+
+
+def decode_kv_bytes(prompts, outs, bytes_per_token: int) -> int:
+    """KV bytes every decode step reads: step t of a sequence reads its prompt plus t tokens."""
+    return sum(o * len(p) + o * (o - 1) // 2 for p, o in zip(prompts, outs)) * bytes_per_token
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", default="longctx")
+    ap.add_argument("--bits", type=int, default=16, choices=(16, 8, 4))
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--out", default=None, help="JSON file")
+    args = ap.parse_args(argv)
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanokv.engine.llm import LLM
+    from nanokv.sampling import SamplingParams
+
+    prompts, outs = make_workload(args.workload)
+    quant = dict(enable_compression=True, quantization_bitwidth=args.bits) if args.bits < 16 else {}
+    llm = LLM(model="random:qwen3-0.6b", max_model_len=8192, max_num_batched_tokens=args.max_num_batched_tokens,
+              **quant)
+    eng = llm.engine
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)
+    eng.cache_manager.reset_prefix_cache()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    sums: dict[str, float] = {k: 0.0 for k, _ in KINDS} | {"other": 0.0}
+    top: dict[str, float] = {}
+    for ev in prof.key_averages():
+        dt = ev.self_device_time_total / 1e6  # us -> s
+        if dt <= 0:
+            continue
+        sums[kind_of(ev.key)] += dt
+        top[ev.key] = top.get(ev.key, 0.0) + dt
+    busy = sum(sums.values())
+    bw = measure_copy_bandwidth(eng.device)
+    kv_per_token = eng.runner.bytes_per_block_all_layers() // eng.config.block_size
+    floor = decode_kv_bytes(prompts, outs, kv_per_token) / bw
+    rest = wall - sums["decode_attention"]
+    res = {"workload": args.workload, "bits": args.bits, "wall_s": wall, "kernel_s": sums, "busy_s": busy,
+           "idle_s": wall - busy, "decode_attention_floor_s": floor, "rest_s": rest,
+           "wall_at_floor_s": rest + floor, "output_tokens": sum(outs), "copy_bandwidth_Bps": bw,
+           "kv_bytes_per_token": kv_per_token,
+           "top_kernels": dict(sorted(top.items(), key=lambda kv: -kv[1])[:15])}
+    print(f"[{args.workload} bits {args.bits}] wall {wall:.2f} s (profiled); kernels {busy:.2f} s,"
+          f" idle {wall - busy:.2f} s")
+    for k, v in sums.items():
+        print(f"  {k:18s} {v:7.2f} s")
+    print(f"  decode attention at its floor ({kv_per_token} B/token, {bw / 1e12:.2f} TB/s): {floor:.2f} s;"
+          f" rest of the run {rest:.2f} s -> wall at the floor {rest + floor:.2f} s")
+    for k, v in list(res["top_kernels"].items())[:8]:
+        print(f"    {v:7.3f} s  {k[:90]}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
