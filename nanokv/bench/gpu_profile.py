@@ -94,11 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--bits", type=int, default=16, choices=(16, 8, 4), help="KV cache format (8 / 4: compressed)")
     ap.add_argument("--profile-step", type=int, default=1, help="the prefill step run under the profiler")
+    ap.add_argument("--num-seqs", type=int, default=None, help="fewer sequences than the workload's (a tail batch)")
     args = ap.parse_args(argv)
     from nanokv.engine.llm import LLM
     from nanokv.sampling import SamplingParams
 
-    prompts, outs = make_workload(args.workload)
+    prompts, outs = make_workload(args.workload, args.num_seqs)
     err = check_fresh_prefill(torch.device("cuda"))
     print(f"fresh-prompt prefill (varlen flash) vs float64: relative error {err:.2e}")
     quant = dict(enable_compression=True, quantization_bitwidth=args.bits) if args.bits < 16 else {}

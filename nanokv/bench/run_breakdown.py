@@ -42,6 +42,32 @@ def decode_kv_bytes(prompts, outs, bytes_per_token: int) -> int:
     return sum(o * len(p) + o * (o - 1) // 2 for p, o in zip(prompts, outs)) * bytes_per_token
 
 
+def idle_profile(prof, windows: int = 20) -> dict[str, object]:
+    """From the profiler's kernel intervals: device idle time before and after the last prefill
+    kernel (prefill phase / decode phase) and the busy fraction of each of `windows` equal slices of
+    the run, so a reader sees where the device waited for the host."""
+    spans = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                   if ev.device_type.name == "CUDA" and ev.time_range.end > ev.time_range.start)
+    if not spans:
+        return {}
+    t0, t1 = spans[0][0], max(e for _, e, _ in spans)
+    last_prefill = max((s for s, _, n in spans if re.search(KINDS[1][1], n)), default=t0)
+    busy = [0.0] * windows
+    idle = {"prefill_phase_s": 0.0, "decode_phase_s": 0.0}
+    width = (t1 - t0) / windows
+    end = t0
+    for s, e, _ in spans:
+        if s > end:  # a gap (s - end) with nothing running
+            idle["prefill_phase_s" if s <= last_prefill else "decode_phase_s"] += (s - end) / 1e6
+        s, e = max(s, end), max(e, end)  # count overlapping kernels once
+        for w in range(int((s - t0) // width), min(int((e - t0) // width), windows - 1) + 1):
+            lo, hi = t0 + w * width, t0 + (w + 1) * width
+            busy[w] += max(0.0, min(e, hi) - max(s, lo))
+        end = e
+    return {**idle, "prefill_phase_end_s": (last_prefill - t0) / 1e6,
+            "busy_fraction_per_window": [round(b / width, 3) for b in busy]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="longctx")
@@ -85,13 +111,17 @@ def main(argv: list[str] | None = None) -> int:
            "idle_s": wall - busy, "decode_attention_floor_s": floor, "rest_s": rest,
            "wall_at_floor_s": rest + floor, "output_tokens": sum(outs), "copy_bandwidth_Bps": bw,
            "kv_bytes_per_token": kv_per_token,
-           "top_kernels": dict(sorted(top.items(), key=lambda kv: -kv[1])[:15])}
+           "top_kernels": dict(sorted(top.items(), key=lambda kv: -kv[1])[:15]), **idle_profile(prof)}
     print(f"[{args.workload} bits {args.bits}] wall {wall:.2f} s (profiled); kernels {busy:.2f} s,"
           f" idle {wall - busy:.2f} s")
     for k, v in sums.items():
         print(f"  {k:18s} {v:7.2f} s")
     print(f"  decode attention at its floor ({kv_per_token} B/token, {bw / 1e12:.2f} TB/s): {floor:.2f} s;"
           f" rest of the run {rest:.2f} s -> wall at the floor {rest + floor:.2f} s")
+    if "busy_fraction_per_window" in res:
+        print(f"  device idle: prefill phase (first {res['prefill_phase_end_s']:.2f} s) {res['prefill_phase_s']:.2f} s,"
+              f" decode phase {res['decode_phase_s']:.2f} s; busy per twentieth of the run:"
+              f" {res['busy_fraction_per_window']}")
     for k, v in list(res["top_kernels"].items())[:8]:
         print(f"    {v:7.3f} s  {k[:90]}")
     if args.out:
