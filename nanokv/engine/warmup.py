@@ -1,0 +1,48 @@
+"""Start-up warm-up on a GPU: compile, before serving, the kernels a first busy step would compile.
+
+Triton compiles a kernel variant the first time a step needs it, about a second or two each on the
+H200, and the decode graphs captured at start-up cover decode-only steps. A prompt chunked over two
+steps takes paths a short fresh prompt does not: its second chunk attends to the first through the
+paged prefill kernel, in a step that also decodes. Without this, the first long prompts served paid
+those compiles (the long-context benchmark's device sat idle for 1.4 s at its start, and an int4
+cache's first continuing chunk took a 2-s step). The engine runs two small requests through its own
+scheduler with a token budget that splits one of them, then forgets them: prefix cache, counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from nanokv.sampling import SamplingParams
+
+
+def warm_up(engine: Any, force: bool = False) -> None:
+    """force: also off a GPU (tests: the warm-up must leave the engine as it found it)."""
+    cfg = engine.config
+    if (engine.device.type != "cuda" and not force) or not cfg.enable_chunked_prefill:
+        return
+    bs, vocab = cfg.block_size, engine.model_config.vocab_size
+    sched = engine.scheduler
+    budget = sched.max_num_batched_tokens
+    # step 1: request a whole (bs + 1 tokens) and 1 bs + 2 of b's 3 bs + 5; step 2: a decodes, b goes
+    # on from its cached first chunk (paged prefill); then decodes (the captured graphs)
+    sched.max_num_batched_tokens = min(budget, 2 * bs + 3)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    try:
+        engine.add_request("nanokv-warmup-a", [(7 * i + 1) % vocab for i in range(bs + 1)], params)
+        engine.add_request("nanokv-warmup-b", [(11 * i + 2) % vocab for i in range(3 * bs + 5)], params)
+        while engine.has_unfinished_requests():
+            engine.step(finished_only=True)
+    finally:
+        sched.max_num_batched_tokens = budget
+    engine.cache_manager.reset_prefix_cache()
+    st = engine.cache_manager.stats  # reset in place: metrics code may hold the object
+    for f in dataclasses.fields(st):
+        setattr(st, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+    st.evictions_by_policy[engine.cache_manager.policy_name] = 0
+    sched.num_preemptions = 0
+    engine._counters = dict.fromkeys(engine._counters, 0)
+    engine._batch_sizes.clear()
+    engine._last_batch_size = 0
+    engine.compression_monitor.reset()
