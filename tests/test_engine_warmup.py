@@ -38,3 +38,12 @@ def test_warmup_chunks_a_prompt_beside_a_decode_and_forgets_it(chat_ids):
     assert eng.cache_manager.stats.prefix_hits_tokens == 0
     fresh = LLM(**kw).generate(chat_ids[:2], GREEDY16, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in fresh]
+
+
+def test_warmup_skips_engines_too_small_for_it():
+    eng = LLM(num_gpu_blocks=8, block_size=16, max_model_len=48, max_num_batched_tokens=64).engine
+    calls: list[int] = []
+    execute = eng.runner.execute
+    eng.runner.execute = lambda items, *a, **k: calls.append(len(items)) or execute(items, *a, **k)
+    warm_up(eng, force=True)  # 3 bs + 8 = 56 tokens > max_model_len: no request, no error
+    assert calls == [] and not eng.has_unfinished_requests()

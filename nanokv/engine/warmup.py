@@ -24,6 +24,10 @@ def warm_up(engine: Any, force: bool = False) -> None:
     if (engine.device.type != "cuda" and not force) or not cfg.enable_chunked_prefill:
         return
     bs, vocab = cfg.block_size, engine.model_config.vocab_size
+    lens = (bs + 1, 3 * bs + 5)  # prompt tokens; each request then decodes max_tokens = 3
+    blocks = sum(-(-(n + 3) // bs) for n in lens)
+    if engine.max_model_len < lens[1] + 3 or engine.cache_manager.num_blocks < blocks or cfg.max_num_seqs < 2:
+        return  # a context or pool too small for the two requests (tests' toy engines): nothing to warm
     sched = engine.scheduler
     budget = sched.max_num_batched_tokens
     # step 1: request a whole (bs + 1 tokens) and 1 bs + 2 of b's 3 bs + 5; step 2: a decodes, b goes
@@ -31,8 +35,8 @@ def warm_up(engine: Any, force: bool = False) -> None:
     sched.max_num_batched_tokens = min(budget, 2 * bs + 3)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     try:
-        engine.add_request("nanokv-warmup-a", [(7 * i + 1) % vocab for i in range(bs + 1)], params)
-        engine.add_request("nanokv-warmup-b", [(11 * i + 2) % vocab for i in range(3 * bs + 5)], params)
+        engine.add_request("nanokv-warmup-a", [(7 * i + 1) % vocab for i in range(lens[0])], params)
+        engine.add_request("nanokv-warmup-b", [(11 * i + 2) % vocab for i in range(lens[1])], params)
         while engine.has_unfinished_requests():
             engine.step(finished_only=True)
     finally:
