@@ -131,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prefill: {n_pre} steps, {time.perf_counter() - t0:.2f} s; running {eng.num_running()}; "
           f"step ms {[round(x, 1) for x in step_ms]}")
     print(f"kernels compiled per prefill step: {[b - a for a, b in zip(compiled, compiled[1:])]}")
-    print(pp.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
-    print(pp.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    if n_pre > args.profile_step:
+        print(pp.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+        print(pp.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    else:
+        print(f"(no prefill step {args.profile_step} to profile: {n_pre} prefill steps)")
     for _ in range(3):
         eng.step()
     eng._timing = dict.fromkeys(("steps", "schedule_s", "forward_s", "sample_postprocess_s"), 0.0)
