@@ -30,8 +30,9 @@ def warm_up(engine: Any, force: bool = False) -> None:
         return  # a context or pool too small for the two requests (tests' toy engines): nothing to warm
     sched = engine.scheduler
     budget = sched.max_num_batched_tokens
-    # step 1: request a whole (bs + 1 tokens) and 1 bs + 2 of b's 3 bs + 5; step 2: a decodes, b goes
-    # on from its cached first chunk (paged prefill); then decodes (the captured graphs)
+    # budget 2 bs + 3. Step 1: all of a (bs + 1 tokens) and the first bs + 2 of b's 3 bs + 5; step 2:
+    # a decodes while b goes on from its first chunk, already in the cache (paged prefill); then
+    # b's last token beside a decode, then decodes (the captured graphs)
     sched.max_num_batched_tokens = min(budget, 2 * bs + 3)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     try:
