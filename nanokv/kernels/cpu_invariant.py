@@ -47,17 +47,22 @@ def paged_attention(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata,
     G = Hq // H
     out = torch.empty_like(q)
     qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
+    # every sequence's K/V in one gather (dequantization is elementwise: each value is the one a
+    # gather of its own blocks gives), in whole tiles: blocks past a context read block 0, masked
+    nbs = [-(-(-(-L // TILE) * TILE) // bs) for L in lens]
+    NB = max(nbs)
+    tables = md.block_tables[:, :NB]
+    if tables.shape[1] < NB:
+        tables = torch.cat([tables, tables.new_full((tables.shape[0], NB - tables.shape[1]), -1)], dim=1)
+    K, V = gather_kv_heads(cache, tables, q.dtype)  # [B, H, NB * bs, D]
+    VALID = _key_valid(tables, bs, md.seq_lens)  # [B, NB * bs]
     for i in range(md.num_seqs):
-        s, e, L = qsl[i], qsl[i + 1], lens[i]
+        s, e, L, nb = qsl[i], qsl[i + 1], lens[i], nbs[i]
         M = e - s
         ntile = -(-L // TILE)
-        nb = -(-(ntile * TILE) // bs)  # whole tiles: blocks past the context read block 0, masked
-        ids = md.block_tables[i, :nb]
-        ids = torch.cat([ids, ids.new_full((nb - ids.numel(),), -1)]) if ids.numel() < nb else ids
-        k, v = gather_kv_heads(cache, ids.unsqueeze(0), q.dtype)  # [1, H, nb * bs, D]
-        k, v = k[0], v[0]
+        ids = tables[i, :nb]
+        k, v, valid = K[i, :, :nb * bs], V[i, :, :nb * bs], VALID[i, :nb * bs]
         kq, vq = _quantized_view(cache, ids, k, v, (L - 1) // bs) if cache.stage is not None else (None, None)
-        valid = _key_valid(ids.unsqueeze(0), bs, torch.tensor([L], device=q.device))[0]  # [nb * bs]
         # rows (g, m): head kvh * G + g of query m, [H, G * M, D]
         rows = q[s:e].reshape(M, H, G, D).permute(1, 2, 0, 3).reshape(H, G * M, D)
         R = max(G * M, MIN_ROWS)
@@ -87,7 +92,8 @@ def _quantized_view(cache: LayerKVCache, ids: torch.Tensor, k: torch.Tensor, v: 
     kb, vb = cache.k_stage[st[sel]], cache.v_stage[st[sel]]  # [F, H, bs, D]
     k_rt = quant.dequantize_int4_channels(*quant.quantize_int4_channels(kb), k.dtype)
     v_rt = quant.dequantize_int4(*quant.quantize_int4(vb), v.dtype)
-    kq, vq = k.clone().view(H, -1, bs, D), v.clone().view(H, -1, bs, D)
+    kq = k.clone(memory_format=torch.contiguous_format).view(H, -1, bs, D)  # k, v may be strided views
+    vq = v.clone(memory_format=torch.contiguous_format).view(H, -1, bs, D)
     kq[:, sel], vq[:, sel] = k_rt.transpose(0, 1), v_rt.transpose(0, 1)
     return kq.view(H, -1, D), vq.view(H, -1, D)
 
