@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -26,6 +26,14 @@ class CacheStats:
     preemptions: int = 0
     blocks_allocated: int = 0  # fresh blocks handed out (prefix hits excluded)
     blocks_cached: int = 0  # blocks that got a hash registered
+
+    def clear(self) -> None:
+        """Every counter back to zero, in place (metrics code may hold this object), the policies'
+        keys kept. Only before serving starts (the engine's warm-up): afterwards they only grow."""
+        for f in fields(self):
+            if f.name != "evictions_by_policy":
+                setattr(self, f.name, 0)
+        self.evictions_by_policy = dict.fromkeys(self.evictions_by_policy, 0)
 
     @property
     def prefix_hit_ratio(self) -> float:

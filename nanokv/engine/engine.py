@@ -340,6 +340,15 @@ class Engine:
             pass
 
     # ---- observability ------------------------------------------------------------------------
+    def reset_counters(self) -> None:
+        """Every counter stats() reports back to zero (start-up only: nanokv.engine.warmup)."""
+        self.cache_manager.stats.clear()
+        self.scheduler.num_preemptions = 0
+        self._counters = dict.fromkeys(self._counters, 0)
+        self._batch_sizes.clear()
+        self._last_batch_size = 0
+        self.compression_monitor.reset()
+
     def stats(self) -> dict[str, Any]:
         cs = self.cache_manager.stats
         batch_sizes, self._batch_sizes = self._batch_sizes, []

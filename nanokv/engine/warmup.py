@@ -12,7 +12,6 @@ forgets them: prefix cache, counters.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from nanokv.sampling import SamplingParams
@@ -43,12 +42,4 @@ def warm_up(engine: Any, force: bool = False) -> None:
     finally:
         sched.max_num_batched_tokens = budget
     engine.cache_manager.reset_prefix_cache()
-    st = engine.cache_manager.stats  # reset in place: metrics code may hold the object
-    for f in dataclasses.fields(st):
-        setattr(st, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
-    st.evictions_by_policy[engine.cache_manager.policy_name] = 0
-    sched.num_preemptions = 0
-    engine._counters = dict.fromkeys(engine._counters, 0)
-    engine._batch_sizes.clear()
-    engine._last_batch_size = 0
-    engine.compression_monitor.reset()
+    engine.reset_counters()
