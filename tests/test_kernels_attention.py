@@ -273,3 +273,13 @@ def test_fresh_prompts_through_sdpa_mixed_with_cached_prefixes(dtype: torch.dtyp
                                     sdpa_prefill_min_tokens=1))
     assert be._fresh(cache, md, step_kv(cache, md)[0]) == [0, 3, 4]
     check(cache, md, q, be.config, with_kv=True)
+
+
+@pytest.mark.parametrize("G,block_n,splits", [(2, 32, 1), (2, 64, 3), (3, 16, 2), (1, 32, 2)])
+def test_int8_decode_swap_ab(G: int, block_n: int, splits: int) -> None:
+    """Transposed products (tokens on the MMA's M side, triton_decode_swap): the same function as
+    the reference, with holes, split-K, a context of one token and tiles smaller than blocks."""
+    cache, md, q = build_batch(8, torch.float16, 16, 2, G, 32, [], [1, 40, 130, 301], holes=True, seed=G)
+    cfg = small_cfg(splits=splits, block_n=block_n)
+    cfg.quant_swap_ab = True
+    check(cache, md, q, cfg)

@@ -55,12 +55,19 @@ def main(argv: list[str] | None = None) -> int:
         fills = sum((L - 1) % bs == bs - 1 for L in lens)
         ms = timed(lambda i: quantize_filled_graphsafe(cache, slots))
         print(f"int4 fill kernel, {B} tokens x {cache.num_kv_heads} heads, {fills} blocks filled: {ms * 1e3:.1f} us")
+    first = None
     for spec in args.variants.split(";"):
+        torch.manual_seed(1)  # every variant gets the same queries: outputs comparable
         fn = decode_fn(cache, md, apply_overrides(config_from_env(TritonConfig()), spec))
         for i in range(args.calls):
             fn(i)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        out = fn(0).float()
+        if first is None:
+            first = out.clone()
+        else:  # each variant against the first: an A/B that computes another function shows here
+            err = ((out - first).norm() / first.norm()).item()
+            print(f"decode_probe [{spec}]: relative difference to [{args.variants.split(';')[0]}] {err:.2e}, "
+                  f"finite {bool(out.isfinite().all())}", flush=True)
         if args.time:
             ms = timed(fn)
             gbs = kv_bytes(args.bits, sum(lens)) / ms / 1e6

@@ -55,6 +55,8 @@ class TritonConfig:
     # 0 = by format, as measured on the H200 (docs/kernels.md, session 5): int4 1 (14-15% faster
     # than 16 at both probe shapes), int8 16 (1 was 9% slower at 64 x 4096, equal on ragged lengths)
     quant_min_rows: int = 0
+    # int8 decode with both products transposed (triton_decode_swap): query heads on the MMA's N side
+    quant_swap_ab: bool = False
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM
     min_split_tokens: int = 256  # no split shorter than this (the merge would cost more than it saves)
@@ -131,7 +133,8 @@ def decode_options(cfg: TritonConfig, cache: LayerKVCache) -> dict:
     q = cache.quantized
     return dict(block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm, words=cfg.words,
                 fold_k=cfg.quant_fold_k, fold_v=cfg.quant_fold_v, maxnreg=cfg.quant_maxnreg if q else 0,
-                lazy_tau=cfg.quant_lazy_tau if q else 0, min_rows=quant_rows(cfg, cache.bits))
+                lazy_tau=cfg.quant_lazy_tau if q else 0, min_rows=quant_rows(cfg, cache.bits),
+                swap_ab=cfg.quant_swap_ab)
 
 
 def decode_tiles(cfg: TritonConfig, quantized: bool) -> tuple[int, int, int]:

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
+from nanokv.kernels.triton_decode_swap import decode_int8_swap_kernel
 from nanokv.kernels.triton_dequant import use_asm, use_words
 from nanokv.kernels.triton_kvtile import (
     compute_dtype,
@@ -136,7 +137,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 2, asm: bool | None = None,
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
-                 maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16) -> torch.Tensor:
+                 maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, swap_ab: bool = False) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
@@ -145,7 +146,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     .maxnreg), e.g. 168 lets 3 programs of 4 warps share an SM. lazy_tau > 0: accumulators are
     rescaled only when a row's running max grows by more than lazy_tau (base 2), 0 = every tile.
     min_rows: quantized caches pad the G query rows of a KV group to at least this many (16 = one
-    MMA tile; fewer lets Triton pad inside the instruction with fewer accumulator registers)."""
+    MMA tile; fewer lets Triton pad inside the instruction with fewer accumulator registers).
+    swap_ab: int8 word reads go to triton_decode_swap (tokens on the MMA's M side, V folds always on)."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
@@ -176,6 +178,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     if cache.bits == 4 and fold_k:
         decode_int4_kernel[(B, H, num_splits)](*args, **common,
                                                **int4_tiles(G, cache.block_size, block_n, min_rows))
+    elif swap_ab and cache.bits == 8 and words:
+        decode_int8_swap_kernel[(B, H, num_splits)](*args, **common, BLOCK_G=next_pow2(G))
     else:
         _decode_kernel[(B, H, num_splits)](*args, **common, BITS=cache.bits if cache.quantized else 16,
                                            BLOCK_G=max(min_rows if cache.quantized else 16, next_pow2(G)))

@@ -1,0 +1,84 @@
+"""Paged int8 decode with the products transposed ("swap AB"): tokens on the MMA's M side.
+
+The default decode (triton_decode) pads the G query heads of a KV group to 16 MMA rows, so at
+G = 2 most of each score tile and of the [16, D] fp32 accumulator is padding. Here both products
+are written the other way round, as in TensorRT-LLM's and FlashInfer's small-group decode:
+
+    s^T [BLOCK_N, G] = K [BLOCK_N, D] @ q^T [D, G]          (K codes are the A operand)
+    o^T [D, G]      += V^T [D, BLOCK_N] @ (p * vs)^T [BLOCK_N, G]
+
+G sits on the MMA's N side, which the compiler pads to 8, not 16: the accumulator is [D, 8] and a
+tile needs half the MMA instructions. Same cache format, same folds (K scales on the score rows,
+V scales into the softmax weights) and split-K contract as triton_decode; int8 word reads only.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from nanokv.kernels.triton_dequant import load_code_words
+from nanokv.kernels.triton_kvtile import split_range, tile_rows
+from nanokv.kernels.triton_softmax import store_decode
+
+
+# metadata pointers and sizes vary step to step: not specialized on (see triton_decode)
+@triton.jit(do_not_specialize=["bt_ptr", "seq_lens_ptr", "num_splits", "stride_bt"])
+def decode_int8_swap_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, kst_ptr, vst_ptr, stage_ptr, bt_ptr, seq_lens_ptr,
+    out_ptr, part_o_ptr, part_ml_ptr,
+    qk_scale, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kn, stride_kh, stride_ks, stride_sn, stride_sh, stride_bt,
+    stride_cn, stride_ch, stride_stn, stride_sth,
+    D: tl.constexpr, DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr,
+    CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr, FOLD_V: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    LAZY_TAU: tl.constexpr,
+):
+    # argument list of triton_decode._decode_kernel (one launch site); zero points, staging and
+    # LAZY_TAU are unused by int8. k_ptr / v_ptr: int32 views of the codes (WORDS)
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    _, lo, hi = split_range(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_DH)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < G
+    heads = kvh * G + offs_g
+    qt_rows = q_ptr + seq * stride_qt + heads[None, :] * stride_qh + offs_d[:, None]
+    qm = g_mask[None, :] & (offs_d < DH)[:, None]
+    qt_lo = tl.load(qt_rows, mask=qm, other=0.0).to(CDT)  # [BLOCK_DH, BLOCK_G]: q^T halves
+    qt_hi = tl.load(qt_rows + DH, mask=qm, other=0.0).to(CDT)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc_lo = tl.zeros([BLOCK_DH, BLOCK_G], tl.float32)  # o^T halves
+    acc_hi = tl.zeros([BLOCK_DH, BLOCK_G], tl.float32)
+    bt_row = bt_ptr + seq * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + offs_n
+        valid, rows, phys = tile_rows(bt_row, tok, hi, kvh, stride_kn, stride_kh, stride_ks, BS)
+        srows = phys * stride_sn + kvh * stride_sh + tok % BS
+        k_lo = load_code_words(k_ptr, rows, valid, 0, BLOCK_N, BLOCK_DH, 8, ASM)  # [BLOCK_N, BLOCK_DH] fp16
+        k_hi = load_code_words(k_ptr, rows, valid, 1, BLOCK_N, BLOCK_DH, 8, ASM)
+        st = tl.dot(k_hi, qt_hi, tl.dot(k_lo, qt_lo))  # [BLOCK_N, BLOCK_G] fp32 scores (codes)
+        ks = tl.load(ks_ptr + srows, mask=valid, other=0.0).to(tl.float32)
+        st = tl.where(valid[:, None], st * (ks * qk_scale)[:, None], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(st, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        pt = tl.exp2(st - m_safe[None, :])  # [BLOCK_N, BLOCK_G]
+        l_i = l_i * alpha + tl.sum(pt, axis=0)
+        m_i = m_new
+        vs = tl.load(vs_ptr + srows, mask=valid, other=0.0)
+        pv = (pt * vs.to(tl.float32)[:, None]).to(CDT)  # (p * vs)^T, range as in fold_v_weights
+        v_lo = load_code_words(v_ptr, rows, valid, 0, BLOCK_N, BLOCK_DH, 8, ASM)
+        v_hi = load_code_words(v_ptr, rows, valid, 1, BLOCK_N, BLOCK_DH, 8, ASM)
+        acc_lo = tl.dot(tl.trans(v_lo), pv, acc_lo * alpha[None, :])
+        acc_hi = tl.dot(tl.trans(v_hi), pv, acc_hi * alpha[None, :])
+
+    store_decode(tl.trans(acc_lo), tl.trans(acc_hi), m_i, l_i, offs_g, kvh, seq, split, num_splits, out_ptr,
+                 part_o_ptr, part_ml_ptr, stride_ot, stride_oh, D, DH, G, BLOCK_DH, SPLIT)
