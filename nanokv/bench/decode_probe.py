@@ -11,6 +11,7 @@ Qwen3-0.6B layer shapes (16 q heads, 8 KV heads, dim 128), bf16 queries, random 
 from __future__ import annotations
 
 import argparse
+from typing import cast
 
 import torch
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         fn = decode_fn(cache, md, apply_overrides(config_from_env(TritonConfig()), spec))
         for i in range(args.calls):
             fn(i)
-        out = fn(0).float()
+        out = cast(torch.Tensor, fn(0)).float()
         if first is None:
             first = out.clone()
         else:  # each variant against the first: an A/B that computes another function shows here
