@@ -107,7 +107,8 @@ def check(cache: LayerKVCache, md: AttentionMetadata, q: torch.Tensor, cfg: Trit
 
 
 def small_cfg(splits: int = 1, block_n: int = 16) -> TritonConfig:
-    return TritonConfig(decode_block_n=block_n, quant_block_n=block_n, decode_splits=splits,
+    return TritonConfig(decode_block_n=block_n, quant_block_n=block_n, quant_swap_block_n=block_n,
+                        decode_splits=splits,
                         prefill_block_m=16, prefill_block_n=block_n)
 
 
@@ -275,11 +276,12 @@ def test_fresh_prompts_through_sdpa_mixed_with_cached_prefixes(dtype: torch.dtyp
     check(cache, md, q, be.config, with_kv=True)
 
 
-@pytest.mark.parametrize("G,block_n,splits", [(2, 32, 1), (2, 64, 3), (3, 16, 2), (1, 32, 2)])
-def test_int8_decode_swap_ab(G: int, block_n: int, splits: int) -> None:
-    """Transposed products (tokens on the MMA's M side, triton_decode_swap): the same function as
-    the reference, with holes, split-K, a context of one token and tiles smaller than blocks."""
+@pytest.mark.parametrize("G,swap_n,splits", [(2, 32, 1), (2, 64, 3), (3, 16, 2), (1, 8, 2), (2, 0, 2)])
+def test_int8_decode_swap_ab(G: int, swap_n: int, splits: int) -> None:
+    """Transposed products (tokens on the MMA's M side, triton_decode_swap) and, with swap_n 0,
+    the untransposed int8 kernel: the reference's function, with holes, split-K, a context of one
+    token, tiles larger and smaller than blocks."""
     cache, md, q = build_batch(8, torch.float16, 16, 2, G, 32, [], [1, 40, 130, 301], holes=True, seed=G)
-    cfg = small_cfg(splits=splits, block_n=block_n)
-    cfg.quant_swap_ab = True
+    cfg = small_cfg(splits=splits, block_n=32)
+    cfg.quant_swap_block_n = swap_n
     check(cache, md, q, cfg)

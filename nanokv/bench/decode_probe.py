@@ -16,7 +16,7 @@ from typing import cast
 import torch
 
 from nanokv.bench.gpu_kernels import SH, decode_fn, kv_bytes, timed
-from nanokv.kernels import triton_decode, triton_decode_int4
+from nanokv.kernels import triton_decode, triton_decode_int4, triton_decode_swap
 from nanokv.kernels.triton_backend import TritonConfig, apply_overrides, config_from_env
 from nanokv.kernels.triton_selfcheck import make_batch
 
@@ -24,7 +24,8 @@ from nanokv.kernels.triton_selfcheck import make_batch
 def compiled_resources() -> list[str]:
     """Registers, spills and shared memory of every decode kernel compiled so far in this process."""
     out = []
-    for fn in (triton_decode._decode_kernel, triton_decode_int4.decode_int4_kernel):
+    for fn in (triton_decode._decode_kernel, triton_decode_int4.decode_int4_kernel,
+               triton_decode_swap.decode_int8_swap_kernel):
         for dev_cache in getattr(fn, "device_caches", {}).values():  # none under the interpreter
             for k in dev_cache[0].values():
                 out.append(f"{fn.__name__}: regs {k.n_regs} spills {k.n_spills} smem {k.metadata.shared}")

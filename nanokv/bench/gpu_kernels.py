@@ -219,7 +219,8 @@ def sweep(budget_s: float, bits_list: tuple[int, ...] = (16, 8, 4), variants_onl
                     return
                 asm = None if bits == 16 or SMOKE else True  # inline PTX: not in the CPU interpreter
                 cfg = TritonConfig(decode_block_n=bn, decode_warps=w, decode_stages=st, quant_block_n=bn,
-                                   quant_warps=w, quant_stages=st, decode_splits=splits, asm=asm, **over)
+                                   quant_swap_block_n=bn, quant_warps=w, quant_stages=st, decode_splits=splits,
+                                   asm=asm, **over)
                 try:
                     ms = timed(decode_fn(cache, md, cfg))
                 except Exception as e:  # a config that fails to compile (shared memory) is skipped

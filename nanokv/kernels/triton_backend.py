@@ -55,8 +55,10 @@ class TritonConfig:
     # 0 = by format, as measured on the H200 (docs/kernels.md, session 5): int4 1 (14-15% faster
     # than 16 at both probe shapes), int8 16 (1 was 9% slower at 64 x 4096, equal on ragged lengths)
     quant_min_rows: int = 0
-    # int8 decode with both products transposed (triton_decode_swap): query heads on the MMA's N side
-    quant_swap_ab: bool = False
+    # int8 decode with both products transposed (triton_decode_swap, query heads on the MMA's N side):
+    # tokens per tile, 0 = off (the kernel above). 16: 162.6 us vs 215.0 at 64 x 4096, 178.8 vs 217.1
+    # at 256 x 1024, 146.5 vs 186.4 engine-like (H200, session 8); 32 / 64-token tiles were slower
+    quant_swap_block_n: int = 16
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM
     min_split_tokens: int = 256  # no split shorter than this (the merge would cost more than it saves)
@@ -134,7 +136,7 @@ def decode_options(cfg: TritonConfig, cache: LayerKVCache) -> dict:
     return dict(block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm, words=cfg.words,
                 fold_k=cfg.quant_fold_k, fold_v=cfg.quant_fold_v, maxnreg=cfg.quant_maxnreg if q else 0,
                 lazy_tau=cfg.quant_lazy_tau if q else 0, min_rows=quant_rows(cfg, cache.bits),
-                swap_ab=cfg.quant_swap_ab)
+                swap_block_n=cfg.quant_swap_block_n if q else 0)
 
 
 def decode_tiles(cfg: TritonConfig, quantized: bool) -> tuple[int, int, int]:

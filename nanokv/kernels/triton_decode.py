@@ -137,7 +137,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 2, asm: bool | None = None,
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
-                 maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, swap_ab: bool = False) -> torch.Tensor:
+                 maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, swap_block_n: int = 0) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
@@ -147,7 +147,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     rescaled only when a row's running max grows by more than lazy_tau (base 2), 0 = every tile.
     min_rows: quantized caches pad the G query rows of a KV group to at least this many (16 = one
     MMA tile; fewer lets Triton pad inside the instruction with fewer accumulator registers).
-    swap_ab: int8 word reads go to triton_decode_swap (tokens on the MMA's M side, V folds always on)."""
+    swap_block_n > 0: int8 with word reads goes to triton_decode_swap (tokens on the MMA's M side, V
+    folds always on) with tiles of this many tokens instead of block_n."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
@@ -178,7 +179,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     if cache.bits == 4 and fold_k:
         decode_int4_kernel[(B, H, num_splits)](*args, **common,
                                                **int4_tiles(G, cache.block_size, block_n, min_rows))
-    elif swap_ab and cache.bits == 8 and words:
+    elif swap_block_n > 0 and cache.bits == 8 and words:
+        common["BLOCK_N"] = swap_block_n
         decode_int8_swap_kernel[(B, H, num_splits)](*args, **common, BLOCK_G=next_pow2(G))
     else:
         _decode_kernel[(B, H, num_splits)](*args, **common, BITS=cache.bits if cache.quantized else 16,

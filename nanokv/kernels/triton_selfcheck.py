@@ -9,6 +9,7 @@ same cache contents (relative error ||out - ref|| / ||ref||); the store is compa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -165,21 +166,28 @@ def check_all(sh: Shapes) -> None:
     check_int4_fill_graph(sh)
 
 
+def _untransposed(**kw: Any) -> TritonConfig:
+    """int8 through the untransposed kernel (its variants), not triton_decode_swap."""
+    return TritonConfig(quant_swap_block_n=0, **kw)
+
+
 def check_variants(sh: Shapes) -> None:
     """The non-default code paths and tile shapes the sweep times must compute the same function."""
+    for n, splits in ((32, 1), (64, 3), (16, 2)):
+        check_attention(sh, 8, "decode", TritonConfig(quant_swap_block_n=n, decode_splits=splits), f" swap{n}s{splits}")
     for bits in (8, 4):
-        check_attention(sh, bits, "decode", TritonConfig(asm=False), " asm=off")
-        tiles2 = TritonConfig(quant_block_n=128, quant_warps=4, quant_stages=3, prefill_block_m=128,
+        check_attention(sh, bits, "decode", _untransposed(asm=False), " asm=off")
+        tiles2 = _untransposed(quant_block_n=128, quant_warps=4, quant_stages=3, prefill_block_m=128,
                               prefill_block_n=32)
         check_attention(sh, bits, "mixed", tiles2, " tiles2")
-        check_attention(sh, bits, "decode", TritonConfig(words=False), " words=off")
-        check_attention(sh, bits, "decode", TritonConfig(quant_fold_k=False, quant_fold_v=False), " fold=off")
-        check_attention(sh, bits, "decode", TritonConfig(quant_fold_v=False), " fold_v=off")
-        check_attention(sh, bits, "decode", TritonConfig(quant_block_n=32, quant_warps=1, decode_splits=4), " w1s4")
-        check_attention(sh, bits, "decode", TritonConfig(quant_block_n=128, quant_warps=2, quant_stages=3,
+        check_attention(sh, bits, "decode", _untransposed(words=False), " words=off")
+        check_attention(sh, bits, "decode", _untransposed(quant_fold_k=False, quant_fold_v=False), " fold=off")
+        check_attention(sh, bits, "decode", _untransposed(quant_fold_v=False), " fold_v=off")
+        check_attention(sh, bits, "decode", _untransposed(quant_block_n=32, quant_warps=1, decode_splits=4), " w1s4")
+        check_attention(sh, bits, "decode", _untransposed(quant_block_n=128, quant_warps=2, quant_stages=3,
                                                          decode_splits=2), " bn128w2s2")
-        check_attention(sh, bits, "decode", TritonConfig(quant_lazy_tau=8), " lazy8")
-        check_attention(sh, bits, "decode", TritonConfig(quant_min_rows=1), " rows1")
+        check_attention(sh, bits, "decode", _untransposed(quant_lazy_tau=8), " lazy8")
+        check_attention(sh, bits, "decode", _untransposed(quant_min_rows=1), " rows1")
     check_attention(sh, 16, "decode", TritonConfig(decode_block_n=128, decode_warps=4, decode_splits=3),
                     " tiles2")
 
