@@ -285,3 +285,13 @@ def test_int8_decode_swap_ab(G: int, swap_n: int, splits: int) -> None:
     cfg = small_cfg(splits=splits, block_n=32)
     cfg.quant_swap_block_n = swap_n
     check(cache, md, q, cfg)
+
+
+@pytest.mark.parametrize("bs,swap_n,splits,G", [(16, 16, 1, 2), (16, 8, 3, 2), (32, 16, 2, 3), (8, 16, 2, 1)])
+def test_int4_decode_swap_ab(bs: int, swap_n: int, splits: int, G: int) -> None:
+    """int4 with transposed products (triton_decode_int4_swap): one block per tile (tiles of half a
+    block, and a requested tile larger than the 8-token block), holes, split-K, open blocks."""
+    cache, md, q = build_batch(4, torch.float16, bs, 2, G, 32, [], [1, 40, 130, 301], holes=True, seed=bs + G)
+    cfg = small_cfg(splits=splits, block_n=32)
+    cfg.quant_swap_block_n = swap_n
+    check(cache, md, q, cfg)
