@@ -23,23 +23,20 @@ from triton.compiler import ASTSource
 
 from nanokv.kernels.triton_decode import _decode_kernel
 from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
-from nanokv.kernels.triton_decode_int4_swap import decode_int4_swap_kernel
 from nanokv.kernels.triton_decode_swap import decode_int8_swap_kernel
 
 PTRS = dict(q_ptr="*bf16", k_ptr="*i32", v_ptr="*i32", ks_ptr="*fp16", vs_ptr="*fp16", kz_ptr="*fp16",
             vz_ptr="*fp16", kst_ptr="*bf16", vst_ptr="*bf16", stage_ptr="*i32", bt_ptr="*i32",
             seq_lens_ptr="*i32", out_ptr="*bf16", part_o_ptr="*fp32", part_ml_ptr="*fp32", qk_scale="fp32")
 # (bits, block_n, warps, lazy_tau, min_rows): the defaults and the variants the GPU bench times;
-# min_rows -1 = the products transposed (triton_decode_swap, triton_decode_int4_swap)
+# min_rows -1 = int8 with the products transposed (triton_decode_swap)
 VARIANTS = [(16, 64, 8, 0, 16), (8, 32, 1, 0, 16), (8, 32, 1, 8, 16), (8, 32, 1, 0, 1),
-            (4, 32, 1, 0, 1), (4, 32, 1, 8, 1), (4, 32, 1, 0, 16), (4, 128, 4, 0, 1), (8, 16, 1, 0, -1),
-            (4, 16, 1, 0, -1)]
+            (4, 32, 1, 0, 1), (4, 32, 1, 8, 1), (4, 32, 1, 0, 16), (4, 128, 4, 0, 1), (8, 16, 1, 0, -1)]
 
 
 def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_rows: int = 16) -> bytes:
     """Qwen3-0.6B decode shapes (G 2, D 128, 16-token blocks, bf16 queries) -> the sm_90 cubin."""
-    swap = decode_int4_swap_kernel if bits == 4 else decode_int8_swap_kernel
-    fn = swap if min_rows < 0 else decode_int4_kernel if bits == 4 else _decode_kernel
+    fn = decode_int8_swap_kernel if min_rows < 0 else decode_int4_kernel if bits == 4 else _decode_kernel
     const = dict(D=128, DH=64, G=2, BS=16, CDT=tl.float16, ASM=True, WORDS=True, FOLD_V=True, BLOCK_DH=64,
                  BLOCK_N=block_n, SPLIT=True, LAZY_TAU=lazy_tau)
     ptrs = dict(PTRS)
@@ -47,7 +44,7 @@ def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_r
         ptrs.update(k_ptr="*bf16", v_ptr="*bf16")
         const.update(CDT=tl.bfloat16, WORDS=False)
     if min_rows < 0:
-        const.update(BLOCK_G=2, **({"TAIL_N": 16} if bits == 4 else {}))
+        const.update(BLOCK_G=2)
     elif bits == 4:
         const.update(int4_tiles(2, 16, block_n, min_rows))
     else:

@@ -55,10 +55,10 @@ class TritonConfig:
     # 0 = by format, as measured on the H200 (docs/kernels.md, session 5): int4 1 (14-15% faster
     # than 16 at both probe shapes), int8 16 (1 was 9% slower at 64 x 4096, equal on ragged lengths)
     quant_min_rows: int = 0
-    # int8 / int4 decode with both products transposed (triton_decode_swap, triton_decode_int4_swap;
-    # query heads on the MMA's N side): tokens per tile, 0 = off (the kernels above). int8 at 16:
-    # 162.6 us vs 215.0 at 64 x 4096, 178.8 vs 217.1 at 256 x 1024, 146.5 vs 186.4 engine-like
-    # (H200, session 8); 32- and 64-token tiles were slower
+    # int8 decode with both products transposed (triton_decode_swap: query heads on the MMA's N side):
+    # tokens per tile, >= 16, 0 = off (the kernel above). At 16: 162.6 us vs 215.0 at 64 x 4096, 178.8
+    # vs 217.1 at 256 x 1024, 146.5 vs 186.4 engine-like (H200, session 8); 32- and 64-token tiles
+    # were slower. (An int4 counterpart, one block per tile, was slower than triton_decode_int4.)
     quant_swap_block_n: int = 16
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
-from nanokv.kernels.triton_decode_int4_swap import decode_int4_swap_kernel
 from nanokv.kernels.triton_decode_swap import decode_int8_swap_kernel
 from nanokv.kernels.triton_dequant import use_asm, use_words
 from nanokv.kernels.triton_kvtile import (
@@ -148,9 +147,9 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     rescaled only when a row's running max grows by more than lazy_tau (base 2), 0 = every tile.
     min_rows: quantized caches pad the G query rows of a KV group to at least this many (16 = one
     MMA tile; fewer lets Triton pad inside the instruction with fewer accumulator registers).
-    swap_block_n > 0: int8 with word reads goes to triton_decode_swap, int4 with both folds to
-    triton_decode_int4_swap (tokens on the MMA's M side), with tiles of this many tokens (int4: at
-    most one block) instead of block_n."""
+    swap_block_n >= 16: int8 with word reads goes to triton_decode_swap (tokens on the MMA's M side,
+    V folds always on) with tiles of this many tokens instead of block_n (the PV product's inner
+    dimension is the tile, and the tensor-core dot needs at least 16)."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
@@ -178,14 +177,10 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                   ASM=use_asm(q.device) if asm is None else asm, BLOCK_DH=max(16, next_pow2(D // 2)),
                   BLOCK_N=block_n, SPLIT=split, LAZY_TAU=lazy_tau, num_warps=num_warps, num_stages=num_stages,
                   **({"maxnreg": maxnreg} if maxnreg > 0 else {}))
-    if cache.bits == 4 and fold_k and fold_v and swap_block_n > 0:  # one block per tile: tiles divide blocks
-        common["BLOCK_N"] = min(swap_block_n, cache.block_size)
-        decode_int4_swap_kernel[(B, H, num_splits)](*args, **common, BLOCK_G=next_pow2(G),
-                                                    TAIL_N=int4_tiles(G, cache.block_size, block_n)["TAIL_N"])
-    elif cache.bits == 4 and fold_k:
+    if cache.bits == 4 and fold_k:
         decode_int4_kernel[(B, H, num_splits)](*args, **common,
                                                **int4_tiles(G, cache.block_size, block_n, min_rows))
-    elif swap_block_n > 0 and cache.bits == 8 and words:
+    elif swap_block_n >= 16 and cache.bits == 8 and words:
         common["BLOCK_N"] = swap_block_n
         decode_int8_swap_kernel[(B, H, num_splits)](*args, **common, BLOCK_G=next_pow2(G))
     else:
