@@ -23,7 +23,7 @@ import torch
 from nanokv.bench.gpu import make_workload, measure_copy_bandwidth
 
 KINDS = [  # first match wins; names as the profiler reports kernels on the H200 (Triton, cuBLAS, flash)
-    ("decode_attention", r"_decode_kernel|decode_int4|_reduce_kernel"),
+    ("decode_attention", r"_decode_kernel|decode_int4|decode_int8_swap|_reduce_kernel"),
     ("prefill_attention", r"flash|fmha|_prefill_kernel|read_back"),
     ("matmul", r"nvjet|gemm|cutlass|splitKreduce|xmma|cublas"),
     ("kv_write", r"store|blockquant|fill_|quantize"),

@@ -60,7 +60,15 @@ def decode_int8_swap_kernel(
     bt_row = bt_ptr + seq * stride_bt
     for start in range(lo, hi, BLOCK_N):
         tok = start + offs_n
-        valid, rows, phys = tile_rows(bt_row, tok, hi, kvh, stride_kn, stride_kh, stride_ks, BS)
+        if BS % BLOCK_N == 0:  # the tile lies in one block: one table read, rows known contiguous
+            phys_s = tl.load(bt_row + start // BS)
+            # (phys_s + 0 * offs_n): broadcast before comparing; the CPU interpreter types a bool
+            # tensor & bool scalar as int32, which it then refuses as a load mask
+            valid = (tok < hi) & (phys_s + 0 * offs_n >= 0)
+            phys = tl.maximum(phys_s, 0).to(tl.int64)
+            rows = phys * stride_kn + kvh * stride_kh + (tok % BS) * stride_ks
+        else:
+            valid, rows, phys = tile_rows(bt_row, tok, hi, kvh, stride_kn, stride_kh, stride_ks, BS)
         srows = phys * stride_sn + kvh * stride_sh + tok % BS
         k_lo = load_code_words(k_ptr, rows, valid, 0, BLOCK_N, BLOCK_DH, 8, ASM)  # [BLOCK_N, BLOCK_DH] fp16
         k_hi = load_code_words(k_ptr, rows, valid, 1, BLOCK_N, BLOCK_DH, 8, ASM)
