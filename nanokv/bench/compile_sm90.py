@@ -31,7 +31,8 @@ PTRS = dict(q_ptr="*bf16", k_ptr="*i32", v_ptr="*i32", ks_ptr="*fp16", vs_ptr="*
 # (bits, block_n, warps, lazy_tau, min_rows): the defaults and the variants the GPU bench times;
 # min_rows -1 = int8 with the products transposed (triton_decode_swap)
 VARIANTS = [(16, 64, 8, 0, 16), (8, 32, 1, 0, 16), (8, 32, 1, 8, 16), (8, 32, 1, 0, 1),
-            (4, 32, 1, 0, 1), (4, 32, 1, 8, 1), (4, 32, 1, 0, 16), (4, 128, 4, 0, 1), (8, 16, 1, 0, -1)]
+            (4, 32, 1, 0, 1), (4, 32, 1, 8, 1), (4, 32, 1, 0, 16), (4, 128, 4, 0, 1), (8, 16, 1, 0, -1),
+            (8, 16, 1, 8, -1)]
 
 
 def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_rows: int = 16) -> bytes:
@@ -44,14 +45,19 @@ def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_r
         ptrs.update(k_ptr="*bf16", v_ptr="*bf16")
         const.update(CDT=tl.bfloat16, WORDS=False)
     if min_rows < 0:
-        const.update(BLOCK_G=2)
+        const.update(BLOCK_G=2, OFFSET=True)
     elif bits == 4:
         const.update(int4_tiles(2, 16, block_n, min_rows))
     else:
         const.update(BITS=bits, BLOCK_G=max(min_rows, 2))
     names = fn.arg_names
     sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in names}
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    # as the launcher specializes at these shapes: pointers 16-byte aligned, strides multiples of 16
+    # (stride_bt is left unspecialized by the kernels; their loops' divisibility reasoning needs these)
+    div16 = [i for i, n in enumerate(names) if n not in const and (sig[n].startswith("*") or (
+        n.startswith("stride_") and n != "stride_bt"))]
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs={(i,): [["tt.divisibility", 16]] for i in div16})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2))
     return ck.asm["cubin"]
 
