@@ -276,13 +276,12 @@ def test_fresh_prompts_through_sdpa_mixed_with_cached_prefixes(dtype: torch.dtyp
     check(cache, md, q, be.config, with_kv=True)
 
 
-@pytest.mark.parametrize("G,swap_n,splits,offset", [(2, 32, 1, True), (2, 64, 3, True), (3, 16, 2, True),
-                                                    (1, 16, 1, False), (2, 16, 2, False), (2, 0, 2, True)])
-def test_int8_decode_swap_ab(G: int, swap_n: int, splits: int, offset: bool) -> None:
+@pytest.mark.parametrize("G,swap_n,splits", [(2, 32, 1), (2, 64, 3), (3, 16, 2), (1, 16, 1), (2, 0, 2)])
+def test_int8_decode_swap_ab(G: int, swap_n: int, splits: int) -> None:
     """Transposed products (tokens on the MMA's M side, triton_decode_swap) and, with swap_n 0,
     the untransposed int8 kernel: the reference's function, with holes, split-K, a context of one
-    token, tiles larger and smaller than blocks; offset codes on and off."""
+    token, tiles larger and smaller than blocks."""
     cache, md, q = build_batch(8, torch.float16, 16, 2, G, 32, [], [1, 40, 130, 301], holes=True, seed=G)
     cfg = small_cfg(splits=splits, block_n=32)
-    cfg.quant_swap_block_n, cfg.quant_offset_codes = swap_n, offset
+    cfg.quant_swap_block_n = swap_n
     check(cache, md, q, cfg)

@@ -31,8 +31,7 @@ PTRS = dict(q_ptr="*bf16", k_ptr="*i32", v_ptr="*i32", ks_ptr="*fp16", vs_ptr="*
 # (bits, block_n, warps, lazy_tau, min_rows): the defaults and the variants the GPU bench times;
 # min_rows -1 = int8 with the products transposed (triton_decode_swap)
 VARIANTS = [(16, 64, 8, 0, 16), (8, 32, 1, 0, 16), (8, 32, 1, 8, 16), (8, 32, 1, 0, 1),
-            (4, 32, 1, 0, 1), (4, 32, 1, 8, 1), (4, 32, 1, 0, 16), (4, 128, 4, 0, 1), (8, 16, 1, 0, -1),
-            (8, 16, 1, 8, -1)]
+            (4, 32, 1, 0, 1), (4, 32, 1, 8, 1), (4, 32, 1, 0, 16), (4, 128, 4, 0, 1), (8, 16, 1, 0, -1)]
 
 
 def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_rows: int = 16) -> bytes:
@@ -45,7 +44,7 @@ def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_r
         ptrs.update(k_ptr="*bf16", v_ptr="*bf16")
         const.update(CDT=tl.bfloat16, WORDS=False)
     if min_rows < 0:
-        const.update(BLOCK_G=2, OFFSET=True)
+        const.update(BLOCK_G=2)
     elif bits == 4:
         const.update(int4_tiles(2, 16, block_n, min_rows))
     else:

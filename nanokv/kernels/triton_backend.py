@@ -48,7 +48,9 @@ class TritonConfig:
     # fits 3; int8 at block_n 64 takes 110 = 4 per SM, 96 fits 5)
     quant_maxnreg: int = 0
     # int8/int4 decode: rescale the accumulators only when a row's running max grows by more than
-    # this (base-2 exponent; 0 = after every tile). Saves the [16, D] fp32 rescale of the padded rows
+    # this (base-2 exponent; 0 = after every tile). Saves the [16, D] fp32 rescale of the padded rows.
+    # Untransposed kernels only (triton_decode_swap has no padded rows to save; tried there, within
+    # 2.5% either way, session 8)
     quant_lazy_tau: int = 0
     # int8/int4 decode: query rows of a KV group padded to at least this many (16 = a whole MMA
     # tile; smaller lets Triton pad inside the instruction, with fewer accumulator registers).
@@ -63,9 +65,6 @@ class TritonConfig:
     # its fewest splits per sequence: 8 fills the H200's last wave of programs better at the long-context
     # decode batch (B 128, lengths over [2048, 4096]: 251.0 vs 277.3 us at 4), within 3% elsewhere
     quant_swap_min_splits: int = 8
-    # its code tiles enter the products as 1152 + code (no per-element subtraction; the offset is
-    # taken out once per product): 446 vs 461 loop instructions per tile offline (sm_90)
-    quant_offset_codes: bool = True
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM
     min_split_tokens: int = 256  # no split shorter than this (the merge would cost more than it saves)
@@ -149,7 +148,7 @@ def decode_options(cfg: TritonConfig, cache: LayerKVCache) -> dict:
     return dict(block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm, words=cfg.words,
                 fold_k=cfg.quant_fold_k, fold_v=cfg.quant_fold_v, maxnreg=cfg.quant_maxnreg if q else 0,
                 lazy_tau=cfg.quant_lazy_tau if q else 0, min_rows=quant_rows(cfg, cache.bits),
-                swap_block_n=cfg.quant_swap_block_n if q else 0, offset_codes=cfg.quant_offset_codes)
+                swap_block_n=cfg.quant_swap_block_n if q else 0)
 
 
 def decode_tiles(cfg: TritonConfig, quantized: bool) -> tuple[int, int, int]:

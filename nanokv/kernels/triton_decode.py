@@ -137,8 +137,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 2, asm: bool | None = None,
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
-                 maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, swap_block_n: int = 0,
-                 offset_codes: bool = True) -> torch.Tensor:
+                 maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, swap_block_n: int = 0) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
@@ -150,8 +149,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     MMA tile; fewer lets Triton pad inside the instruction with fewer accumulator registers).
     swap_block_n >= 16: int8 with word reads goes to triton_decode_swap (tokens on the MMA's M side,
     V folds always on) with tiles of this many tokens instead of block_n (the PV product's inner
-    dimension is the tile, and the tensor-core dot needs at least 16); offset_codes: its tiles enter
-    the products as 1152 + code, the offset taken out once per product (triton_decode_swap)."""
+    dimension is the tile, and the tensor-core dot needs at least 16)."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
@@ -184,7 +182,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                                                **int4_tiles(G, cache.block_size, block_n, min_rows))
     elif swap_block_n >= 16 and cache.bits == 8 and words:
         common["BLOCK_N"] = swap_block_n
-        decode_int8_swap_kernel[(B, H, num_splits)](*args, **common, BLOCK_G=next_pow2(G), OFFSET=offset_codes)
+        decode_int8_swap_kernel[(B, H, num_splits)](*args, **common, BLOCK_G=next_pow2(G))
     else:
         _decode_kernel[(B, H, num_splits)](*args, **common, BITS=cache.bits if cache.quantized else 16,
                                            BLOCK_G=max(min_rows if cache.quantized else 16, next_pow2(G)))

@@ -34,33 +34,17 @@ def use_words(quantized: bool, cdt: tl.dtype, head_dim: int) -> bool:
 
 
 @triton.jit
-def _byte_f16(w, SHIFT: tl.constexpr, NIBBLE: tl.constexpr, OFFSET: tl.constexpr = False):
-    """One code lane of each int32 word -> fp16, exactly. OFFSET (int8): 1152 + code, no subtraction."""
+def _byte_f16(w, SHIFT: tl.constexpr, NIBBLE: tl.constexpr):
+    """One code lane of each int32 word -> fp16, exactly."""
     if NIBBLE:
         return (((w >> SHIFT) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
     else:  # (b & 0xFF) ^ 0x6480 = 0x64 high byte | (b ^ 0x80); value 1024 + b + 128 for signed b
-        x = (((w >> SHIFT) & 0xFF) ^ 0x6480).to(tl.int16).to(tl.float16, bitcast=True)
-        if OFFSET:
-            return x
-        return x - 1152.0
+        return (((w >> SHIFT) & 0xFF) ^ 0x6480).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
 
 
 @triton.jit
-def _int8_word_asm(w, OFFSET: tl.constexpr = False):
-    """int32 word of 4 int8 codes -> 4 fp16 (code j of the word in output j); OFFSET: 1152 + code
-    (the splice alone: one XOR and two byte permutes per word, no packed subtractions)."""
-    if OFFSET:
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t, z, a, b;
-            mov.b32 z, 0x64646464;
-            xor.b32 t, $4, 0x80808080;
-            prmt.b32 a, t, z, 0x4140;
-            prmt.b32 b, t, z, 0x4342;
-            mov.b32 {$0, $1}, a;
-            mov.b32 {$2, $3}, b;
-            }""",
-            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+def _int8_word_asm(w):
+    """int32 word of 4 int8 codes -> 4 fp16 (code j of the word in output j)."""
     return tl.inline_asm_elementwise(
         """{
         .reg .b32 t, z, c, a, b;
@@ -114,22 +98,21 @@ def _interleave4(o0, o1, o2, o3, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr):
 
 @triton.jit
 def load_code_words(c_ptr, rows, valid, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr,
-                    BITS: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr = False):
+                    BITS: tl.constexpr, ASM: tl.constexpr):
     """One quantized K or V tile as fp16: int8 -> [BLOCK_N, BLOCK_DH] of head-dim half HALF;
     int4 -> (dims [0, D/2), dims [D/2, D)) from the low and high nibbles.
 
     c_ptr: int32 view of the codes; rows: [BLOCK_N] byte offsets of each token's code row;
-    valid: [BLOCK_N] (masked rows read as zeros). OFFSET (int8): the tile holds 1152 + code (masked
-    rows too), the caller takes the offset out after its products."""
+    valid: [BLOCK_N] (masked rows read as zeros)."""
     offs_w = tl.arange(0, BLOCK_DH // 4)
     w = tl.load(c_ptr + (rows // 4)[:, None] + HALF * (BLOCK_DH // 4) + offs_w[None, :],
                 mask=valid[:, None], other=0)  # [BLOCK_N, BLOCK_DH / 4] int32
     if BITS == 8:
         if ASM:
-            o0, o1, o2, o3 = _int8_word_asm(w, OFFSET)
+            o0, o1, o2, o3 = _int8_word_asm(w)
         else:
-            o0, o1, o2, o3 = _byte_f16(w, 0, False, OFFSET), _byte_f16(w, 8, False, OFFSET), \
-                _byte_f16(w, 16, False, OFFSET), _byte_f16(w, 24, False, OFFSET)
+            o0, o1, o2, o3 = _byte_f16(w, 0, False), _byte_f16(w, 8, False), _byte_f16(w, 16, False), \
+                _byte_f16(w, 24, False)
         return _interleave4(o0, o1, o2, o3, BLOCK_N, BLOCK_DH)
     else:
         if ASM:

@@ -175,8 +175,6 @@ def check_variants(sh: Shapes) -> None:
     """The non-default code paths and tile shapes the sweep times must compute the same function."""
     for n, splits in ((32, 1), (64, 3), (16, 2)):
         check_attention(sh, 8, "decode", TritonConfig(quant_swap_block_n=n, decode_splits=splits), f" swap{n}s{splits}")
-    check_attention(sh, 8, "decode", TritonConfig(quant_offset_codes=False), " swap offset=off")
-    check_attention(sh, 8, "decode", TritonConfig(quant_lazy_tau=8), " swap lazy8")
     for bits in (8, 4):
         check_attention(sh, bits, "decode", _untransposed(asm=False), " asm=off")
         tiles2 = _untransposed(quant_block_n=128, quant_warps=4, quant_stages=3, prefill_block_m=128,
