@@ -18,6 +18,7 @@ import torch
 from nanokv.attention.metadata import AttentionMetadata
 from nanokv.kernels import triton_decode, triton_prefill, triton_store
 from nanokv.kernels.fresh_prefill import int8_as_stored, runs, sdpa_fresh_prefill
+from nanokv.kernels.triton_decode_swap import runs_transposed
 from nanokv.kv.cache import LayerKVCache
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ def choose_splits(cfg: TritonConfig, num_seqs: int, num_kv_heads: int, max_seq_l
 
 def min_splits(cfg: TritonConfig, bits: int) -> int:
     """Fewest decode splits per sequence for this cache format (choose_splits' floor)."""
-    if bits == 8 and cfg.quant_swap_block_n >= 16:
+    if runs_transposed(bits, cfg.quant_swap_block_n):  # (word reads assumed: fp16 compute)
         return cfg.quant_swap_min_splits
     return cfg.quant_min_splits if bits < 16 else 1
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
-from nanokv.kernels.triton_decode_swap import decode_int8_swap_kernel
+from nanokv.kernels.triton_decode_swap import decode_int8_swap_kernel, runs_transposed
 from nanokv.kernels.triton_dequant import use_asm, use_words
 from nanokv.kernels.triton_kvtile import (
     compute_dtype,
@@ -180,7 +180,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     if cache.bits == 4 and fold_k:
         decode_int4_kernel[(B, H, num_splits)](*args, **common,
                                                **int4_tiles(G, cache.block_size, block_n, min_rows))
-    elif swap_block_n >= 16 and cache.bits == 8 and words:
+    elif runs_transposed(cache.bits, swap_block_n, words):
         common["BLOCK_N"] = swap_block_n
         decode_int8_swap_kernel[(B, H, num_splits)](*args, **common, BLOCK_G=next_pow2(G))
     else:

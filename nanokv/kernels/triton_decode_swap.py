@@ -22,6 +22,13 @@ from nanokv.kernels.triton_kvtile import split_range, tile_rows
 from nanokv.kernels.triton_softmax import store_decode
 
 
+def runs_transposed(bits: int, swap_block_n: int, words: bool = True) -> bool:
+    """Whether a decode goes to this kernel: int8 codes read as words, tiles of >= 16 tokens (the
+    PV product's inner size, the tensor-core dot's minimum). The one rule for the launch
+    (triton_decode.paged_decode) and the split count (triton_backend.min_splits)."""
+    return bits == 8 and words and swap_block_n >= 16
+
+
 # metadata pointers and sizes vary step to step: not specialized on (see triton_decode)
 @triton.jit(do_not_specialize=["bt_ptr", "seq_lens_ptr", "num_splits", "stride_bt"])
 def decode_int8_swap_kernel(
