@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from nanokv.attention.metadata import AttentionMetadata  # noqa: E402
 from nanokv.kernels import reference  # noqa: E402
 from nanokv.kernels.triton_backend import TritonBackend, TritonConfig  # noqa: E402
+from nanokv.kernels.triton_decode_swap import runs_transposed  # noqa: E402
 from nanokv.kv.blockquant import quantize_filled  # noqa: E402
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache  # noqa: E402
 
@@ -276,12 +277,14 @@ def test_fresh_prompts_through_sdpa_mixed_with_cached_prefixes(dtype: torch.dtyp
     check(cache, md, q, be.config, with_kv=True)
 
 
-@pytest.mark.parametrize("G,swap_n,splits", [(2, 32, 1), (2, 64, 3), (3, 16, 2), (1, 16, 1), (2, 0, 2)])
-def test_int8_decode_swap_ab(G: int, swap_n: int, splits: int) -> None:
-    """Transposed products (tokens on the MMA's M side, triton_decode_swap) and, with swap_n 0,
-    the untransposed int8 kernel: the reference's function, with holes, split-K, a context of one
-    token, tiles larger and smaller than blocks."""
-    cache, md, q = build_batch(8, torch.float16, 16, 2, G, 32, [], [1, 40, 130, 301], holes=True, seed=G)
+@pytest.mark.parametrize("G,bs,swap_n,splits", [(2, 16, 16, 1), (2, 32, 16, 3), (3, 64, 32, 2), (1, 32, 32, 1),
+                                                (2, 16, 32, 2), (2, 16, 0, 2)])
+def test_int8_decode_swap_ab(G: int, bs: int, swap_n: int, splits: int) -> None:
+    """Transposed products (tokens on the MMA's M side, triton_decode_swap; tiles of one block or
+    part of one) and the untransposed int8 kernel (swap_n 0, or tiles larger than a block): the
+    reference's function, with holes, split-K and a context of one token."""
+    assert runs_transposed(8, swap_n, True, bs) == (0 < swap_n <= bs)
+    cache, md, q = build_batch(8, torch.float16, bs, 2, G, 32, [], [1, 40, 130, 301], holes=True, seed=G)
     cfg = small_cfg(splits=splits, block_n=32)
     cfg.quant_swap_block_n = swap_n
     check(cache, md, q, cfg)

@@ -43,6 +43,8 @@ def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_r
     if bits == 16:
         ptrs.update(k_ptr="*bf16", v_ptr="*bf16")
         const.update(CDT=tl.bfloat16, WORDS=False)
+    if bits == 8:  # int8 values are read as bytes (dims-major blocks); the transposed kernel's keys too
+        ptrs.update(v_ptr="*i8", **({"k_ptr": "*i8"} if min_rows < 0 else {}))
     if min_rows < 0:
         const.update(BLOCK_G=2)
     elif bits == 4:

@@ -111,7 +111,7 @@ def decode_fn(cache: LayerKVCache, md: AttentionMetadata, cfg: TritonConfig) -> 
     B = md.num_seqs
     qs = [torch.randn(B, H * G, D, device=DEV, dtype=DT) for _ in range(4)]
     out = torch.empty_like(qs[0])
-    splits = choose_splits(cfg, B, H, md.max_seq_len, sm_count(DEV), min_splits(cfg, cache.bits))
+    splits = choose_splits(cfg, B, H, md.max_seq_len, sm_count(DEV), min_splits(cfg, cache.bits, cache.block_size))
     kw = decode_options(cfg, cache)
     return lambda i: triton_decode.paged_decode(qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE,
                                                 num_splits=splits, **kw)

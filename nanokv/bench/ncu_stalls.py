@@ -5,6 +5,7 @@
 
 --loop-count N: also list the opcodes of the instructions executed exactly N times (e.g. the number
 of (program, tile) iterations of a kernel's main loop), per iteration.
+--top N: also list the N instructions with the most stall samples, with their two main reasons.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
     ap.add_argument("--loop-count", type=int, default=0)
+    ap.add_argument("--top", type=int, default=0)
     args = ap.parse_args(argv)
     with open(args.csv) as f:
         rows = list(csv.reader(f))
@@ -52,6 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     if loop:
         print(f"main loop: {sum(loop.values())} instructions per iteration")
         print("  " + ", ".join(f"{k} {v}" for k, v in loop.most_common(16)))
+    if args.top:
+        per = sorted(data, key=lambda r: -sum(_num(r[ix[h]]) for h in stall_cols))[:args.top]
+        print(f"top {args.top} instructions by stall samples (share of all; main reasons):")
+        for r in per:
+            c = collections.Counter({h[6:]: _num(r[ix[h]]) for h in stall_cols})
+            why = ", ".join(f"{k} {v}" for k, v in c.most_common(2) if v)
+            n = _num(r[ix["Instructions Executed"]])
+            print(f"  {100 * sum(c.values()) / total:5.1f}%  x{n:<9d} {r[ix['Source']].strip()[:64]:64s} {why}")
     return 0
 
 

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
            "idle_s": wall - busy, "decode_attention_floor_s": floor, "rest_s": rest,
            "wall_at_floor_s": rest + floor, "output_tokens": sum(outs), "copy_bandwidth_Bps": bw,
            "kv_bytes_per_token": kv_per_token,
-           "top_kernels": dict(sorted(top.items(), key=lambda kv: -kv[1])[:15]), **idle_profile(prof)}
+           "top_kernels": dict(sorted(top.items(), key=lambda kv: -kv[1])[:40]), **idle_profile(prof)}
     print(f"[{args.workload} bits {args.bits}] wall {wall:.2f} s (profiled); kernels {busy:.2f} s,"
           f" idle {wall - busy:.2f} s")
     for k, v in sums.items():

@@ -66,6 +66,10 @@ class TritonConfig:
     # its fewest splits per sequence: 8 fills the H200's last wave of programs better at the long-context
     # decode batch (B 128, lengths over [2048, 4096]: 251.0 vs 277.3 us at 4), within 3% elsewhere
     quant_swap_min_splits: int = 8
+    # its register cap (ptxas .maxnreg; 0 = none). With the scales loaded a tile ahead it compiles to 99
+    # registers, 19 one-warp programs per SM; 96 gives 20: 221.2 vs 233.6 us at the long-context decode
+    # batch (H200, session 9)
+    quant_swap_maxnreg: int = 96
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM
     min_split_tokens: int = 256  # no split shorter than this (the merge would cost more than it saves)
@@ -130,9 +134,9 @@ def choose_splits(cfg: TritonConfig, num_seqs: int, num_kv_heads: int, max_seq_l
     return max(1, min(want, by_len, cfg.max_splits))
 
 
-def min_splits(cfg: TritonConfig, bits: int) -> int:
+def min_splits(cfg: TritonConfig, bits: int, block_size: int = 16) -> int:
     """Fewest decode splits per sequence for this cache format (choose_splits' floor)."""
-    if runs_transposed(bits, cfg.quant_swap_block_n):  # (word reads assumed: fp16 compute)
+    if runs_transposed(bits, cfg.quant_swap_block_n, True, block_size):  # (fp16 compute assumed)
         return cfg.quant_swap_min_splits
     return cfg.quant_min_splits if bits < 16 else 1
 
@@ -149,7 +153,7 @@ def decode_options(cfg: TritonConfig, cache: LayerKVCache) -> dict:
     return dict(block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm, words=cfg.words,
                 fold_k=cfg.quant_fold_k, fold_v=cfg.quant_fold_v, maxnreg=cfg.quant_maxnreg if q else 0,
                 lazy_tau=cfg.quant_lazy_tau if q else 0, min_rows=quant_rows(cfg, cache.bits),
-                swap_block_n=cfg.quant_swap_block_n if q else 0)
+                swap_block_n=cfg.quant_swap_block_n if q else 0, swap_maxnreg=cfg.quant_swap_maxnreg)
 
 
 def decode_tiles(cfg: TritonConfig, quantized: bool) -> tuple[int, int, int]:
@@ -213,7 +217,7 @@ class TritonBackend:
         if nd > 0:
             s0 = md.num_prefill_tokens
             splits = choose_splits(cfg, nd, cache.num_kv_heads, md.max_seq_len, sm_count(q.device),
-                                   min_splits(cfg, cache.bits))
+                                   min_splits(cfg, cache.bits, cache.block_size))
             triton_decode.paged_decode(q[s0:s0 + nd], cache, md.block_tables[P:], md.seq_lens[P:], out[s0:s0 + nd],
                                        scale, num_splits=splits, **decode_options(cfg, cache))
         return out

@@ -87,8 +87,9 @@ def _decode_kernel(
                       kst_ptr, crows, strows, staged, DH, BITS, ASM, WORDS)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         p, _alpha, m_i, l_i, acc_lo, acc_hi = decode_softmax_step(s, m_i, l_i, acc_lo, acc_hi, LAZY_TAU)
-        acc_lo, acc_hi = pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid,
-                                       offs_d, d_mask, vst_ptr, strows, staged, DH, BITS, CDT, ASM, WORDS, FOLD_V)
+        acc_lo, acc_hi = pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, offs_d,
+                                       d_mask, vst_ptr, strows, staged, bt_row, start, hi, kvh, stride_kn,
+                                       stride_kh, DH, BITS, CDT, ASM, WORDS, FOLD_V, BS)
 
     store_decode(acc_lo, acc_hi, m_i, l_i, offs_g, kvh, seq, split, num_splits, out_ptr, part_o_ptr, part_ml_ptr,
                  stride_ot, stride_oh, D, DH, G, BLOCK_DH, SPLIT)
@@ -137,7 +138,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 2, asm: bool | None = None,
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
-                 maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, swap_block_n: int = 0) -> torch.Tensor:
+                 maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, swap_block_n: int = 0,
+                 swap_maxnreg: int = 0) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
@@ -149,7 +151,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     MMA tile; fewer lets Triton pad inside the instruction with fewer accumulator registers).
     swap_block_n >= 16: int8 with word reads goes to triton_decode_swap (tokens on the MMA's M side,
     V folds always on) with tiles of this many tokens instead of block_n (the PV product's inner
-    dimension is the tile, and the tensor-core dot needs at least 16)."""
+    dimension is the tile, and the tensor-core dot needs at least 16); swap_maxnreg is its register
+    cap instead of maxnreg (0 = none)."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
@@ -160,7 +163,10 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     kst, vst, stage_of, *strides = stage_args(cache)
     cdt = compute_dtype(q.dtype, cache.bits)
     words = use_words(cache.quantized, cdt, D) if words is None else words
-    k, v = (cache.k.view(torch.int32), cache.v.view(torch.int32)) if words else (cache.k, cache.v)
+    transposed = runs_transposed(cache.bits, swap_block_n, words, cache.block_size)
+    # the transposed kernel reads int8 tiles; int8 values are never read as words (dims-major)
+    k = cache.k.view(torch.int32) if words and not transposed else cache.k
+    v = cache.v.view(torch.int32) if words and cache.bits == 4 else cache.v
     split = num_splits > 1
     if split:
         buf = _scratch(q.device, B * Hq * num_splits * (D + 2))
@@ -180,8 +186,11 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     if cache.bits == 4 and fold_k:
         decode_int4_kernel[(B, H, num_splits)](*args, **common,
                                                **int4_tiles(G, cache.block_size, block_n, min_rows))
-    elif runs_transposed(cache.bits, swap_block_n, words):
+    elif transposed:
         common["BLOCK_N"] = swap_block_n
+        common.pop("maxnreg", None)
+        if swap_maxnreg > 0:
+            common["maxnreg"] = swap_maxnreg
         decode_int8_swap_kernel[(B, H, num_splits)](*args, **common, BLOCK_G=next_pow2(G))
     else:
         _decode_kernel[(B, H, num_splits)](*args, **common, BITS=cache.bits if cache.quantized else 16,

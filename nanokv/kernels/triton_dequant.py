@@ -62,6 +62,28 @@ def _int8_word_asm(w):
 
 
 @triton.jit
+def int8_tile_f16(c, ASM: tl.constexpr):
+    """An int8 code tile of any shape -> fp16, exactly. ASM: four codes per PTX call, as
+    _int8_word_asm, on whatever register layout the compiler gives the tile (the transposed decode
+    loads int8 tiles straight into the tensor-core operand layout); else a plain conversion."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t, z, c;
+            mov.b32 z, 0x64646464;
+            mov.b32 c, 0x64806480;
+            xor.b32 t, $2, 0x80808080;
+            prmt.b32 $0, t, z, 0x4140;
+            prmt.b32 $1, t, z, 0x4342;
+            sub.f16x2 $0, $0, c;
+            sub.f16x2 $1, $1, c;
+            }""",
+            "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return c.to(tl.float16)
+
+
+@triton.jit
 def _int4_word_asm(w):
     """int32 word of 4 packed bytes -> 8 fp16: low nibbles of bytes 0..3, then high nibbles."""
     return tl.inline_asm_elementwise(

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanokv.kernels.triton_dequant import load_code_words
+from nanokv.kernels.triton_dequant import int8_tile_f16, load_code_words
 
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -130,11 +130,35 @@ def stage_rows(stage_ptr, phys, valid, tok, kvh, stride_cn, stride_ch, stride_st
 
 
 @triton.jit
+def int8_value_codes(v_ptr, bt_row_ptr, start, hi, kvh, stride_n, stride_h, offs_d, d_mask, HALF: tl.constexpr,
+                     DH: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, CDT: tl.constexpr,
+                     ASM: tl.constexpr):
+    """int8 value codes of tokens [start, start + BLOCK_N) (start % BLOCK_N == 0), dims HALF * DH +
+    offs_d, as an int8 [BLOCK_N, BLOCK_DH] tile. Values are stored dims-major per block ([N, H, D, bs],
+    nanokv.kv.cache): the tile is read as runs of TB tokens that share a block, each [BLOCK_DH, TB]
+    with tokens contiguous (vector loads), one table read per run. Not masked by token: a token past
+    hi or in a hole reads block 0, whose codes are finite, and its softmax weight is 0."""
+    TB: tl.constexpr = BS if BS < BLOCK_N else BLOCK_N
+    NB: tl.constexpr = BLOCK_N // TB
+    tok0 = start + tl.arange(0, NB) * TB  # [NB] first token of each run
+    phys = tl.load(bt_row_ptr + tok0 // BS, mask=tok0 < hi, other=-1)
+    base = tl.maximum(phys, 0).to(tl.int64) * stride_n + kvh * stride_h + tok0 % BS
+    base = tl.multiple_of(base, TB)  # stride_n, stride_h are multiples of 16, tok0 % BS of TB
+    ptr = (v_ptr + base[:, None, None] + (HALF * DH + offs_d)[None, :, None] * BS
+           + tl.arange(0, TB)[None, None, :])  # [NB, BLOCK_DH, TB]
+    c = _codes_to(tl.load(ptr, mask=d_mask[None, :, None], other=0), CDT, ASM)  # converted in the load layout
+    return tl.trans(tl.reshape(tl.permute(c, (1, 0, 2)), [offs_d.shape[0], BLOCK_N]))
+
+
+@triton.jit
 def pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, offs_d, d_mask,
                   vst_ptr, strows, staged,
+                  bt_row_ptr, start, hi, kvh, stride_n, stride_h,
                   DH: tl.constexpr, BITS: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr,
-                  WORDS: tl.constexpr, FOLD_V: tl.constexpr):
-    """acc += p @ V for one tile. p: [BLOCK_M, BLOCK_N] fp32 (0 on invalid tokens); acc: fp32 halves.
+                  WORDS: tl.constexpr, FOLD_V: tl.constexpr, BS: tl.constexpr):
+    """acc += p @ V for one tile of tokens [start, start + BLOCK_N). p: [BLOCK_M, BLOCK_N] fp32 (0
+    on invalid tokens); acc: fp32 halves. int8 values are read through the block table by
+    int8_value_codes (bt_row_ptr .. stride_h), never as words; other formats use rows.
 
     int8 with FOLD_V: the per-token V scale goes into p instead of into every V element,
     acc += (p * vs[None, :]) @ codes: [BLOCK_M, BLOCK_N] multiplies instead of [BLOCK_N, D]; see
@@ -145,18 +169,17 @@ def pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, 
     m2 = valid[:, None] & d_mask[None, :]  # [BLOCK_N, BLOCK_DH]
     pc = p.to(CDT)
     if BITS < 16:
-        if WORDS:
-            if BITS == 4:
-                c_lo, c_hi = load_code_words(v_ptr, rows, valid, 0, p.shape[1], acc_lo.shape[1], 4, ASM)
-            else:
-                c_lo = load_code_words(v_ptr, rows, valid, 0, p.shape[1], acc_lo.shape[1], 8, ASM)
-                c_hi = load_code_words(v_ptr, rows, valid, 1, p.shape[1], acc_lo.shape[1], 8, ASM)
+        if WORDS and BITS == 4:
+            c_lo, c_hi = load_code_words(v_ptr, rows, valid, 0, p.shape[1], acc_lo.shape[1], 4, ASM)
         elif BITS == 4:
             packed = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0)
             c_lo, c_hi = (packed & 15).to(CDT), (packed >> 4).to(CDT)
         else:
-            c_lo = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0).to(CDT)
-            c_hi = tl.load(v_ptr + rows[:, None] + DH + offs_d[None, :], mask=m2, other=0).to(CDT)
+            BLOCK_N: tl.constexpr = p.shape[1]
+            c_lo = int8_value_codes(v_ptr, bt_row_ptr, start, hi, kvh, stride_n, stride_h, offs_d, d_mask, 0,
+                                    DH, BS, BLOCK_N, CDT, ASM)
+            c_hi = int8_value_codes(v_ptr, bt_row_ptr, start, hi, kvh, stride_n, stride_h, offs_d, d_mask, 1,
+                                    DH, BS, BLOCK_N, CDT, ASM)
         if BITS == 4:
             vs = tl.load(vs_ptr + srows, mask=valid, other=0.0).to(CDT)[:, None]
             vz = tl.load(vz_ptr + srows, mask=valid, other=0.0).to(CDT)[:, None]
@@ -178,6 +201,15 @@ def pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, 
     acc_lo = tl.dot(pc, v_lo.to(CDT), acc_lo)
     acc_hi = tl.dot(pc, v_hi.to(CDT), acc_hi)
     return acc_lo, acc_hi
+
+
+@triton.jit
+def _codes_to(c, CDT: tl.constexpr, ASM: tl.constexpr):
+    """int8 code tile -> CDT; fp16 through the PTX byte splice where it runs (triton_dequant)."""
+    if CDT == tl.float16:
+        return int8_tile_f16(c, ASM)
+    else:
+        return c.to(CDT)
 
 
 @triton.jit

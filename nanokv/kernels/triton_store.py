@@ -42,13 +42,14 @@ def _rne_clip(y, lo, hi):
 
 
 @triton.jit
-def _store_rows(x_ptr, stride_xt, stride_xh, c_ptr, s_ptr, z_ptr, t, crow, srow, offs_h, h_ok, offs_d, m2,
-                DH: tl.constexpr, BITS: tl.constexpr):
-    """Quantize/store the [H, D] rows of token t. crow: [BLOCK_H] code-row offsets; srow: scale offsets."""
+def _store_rows(x_ptr, stride_xt, stride_xh, c_ptr, s_ptr, z_ptr, t, crow, stride_cd, srow, offs_h, h_ok, offs_d,
+                m2, DH: tl.constexpr, BITS: tl.constexpr):
+    """Quantize/store the [H, D] rows of token t. crow: [BLOCK_H] code-row offsets, stride_cd: the
+    codes' dim stride (1, or bs for int8 values, stored dims-major); srow: scale offsets."""
     xr = x_ptr + t.to(tl.int64) * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
     x_lo = tl.load(xr, mask=m2, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_DH], dims [0, D/2)
     x_hi = tl.load(xr + DH, mask=m2, other=0.0).to(tl.float32)  # dims [D/2, D)
-    cr = c_ptr + crow[:, None] + offs_d[None, :]
+    cr = c_ptr + crow[:, None] + offs_d[None, :] * stride_cd
     if BITS == 8:
         amax = tl.maximum(tl.max(tl.abs(x_lo), axis=1), tl.max(tl.abs(x_hi), axis=1))
         scale = _safe_scale(tl.div_rn(amax, 127.0).to(tl.float16))
@@ -56,18 +57,18 @@ def _store_rows(x_ptr, stride_xt, stride_xh, c_ptr, s_ptr, z_ptr, t, crow, srow,
         c_lo = _rne_clip(tl.div_rn(x_lo, sf), -127.0, 127.0)
         c_hi = _rne_clip(tl.div_rn(x_hi, sf), -127.0, 127.0)
         tl.store(cr, c_lo.to(tl.int8), mask=m2)
-        tl.store(cr + DH, c_hi.to(tl.int8), mask=m2)
+        tl.store(cr + DH * stride_cd, c_hi.to(tl.int8), mask=m2)
         tl.store(s_ptr + srow, scale, mask=h_ok)
     else:
         tl.store(cr, x_lo.to(c_ptr.dtype.element_ty), mask=m2)
-        tl.store(cr + DH, x_hi.to(c_ptr.dtype.element_ty), mask=m2)
+        tl.store(cr + DH * stride_cd, x_hi.to(c_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
 def _store_kernel(
     k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cn, stride_ch, stride_cs, stride_sn, stride_sh,
+    stride_cn, stride_ch, stride_cs, stride_vs, stride_vd, stride_sn, stride_sh,
     H, DH: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr,
 ):
@@ -80,12 +81,12 @@ def _store_kernel(
     offs_d = tl.arange(0, BLOCK_DH)
     h_ok = offs_h < tl.where(keep, H, 0)  # [BLOCK_H]; all False for slot -1
     m2 = h_ok[:, None] & (offs_d[None, :] < DH)
-    crow = blk * stride_cn + offs_h * stride_ch + off * stride_cs  # [BLOCK_H] int64
+    head = blk * stride_cn + offs_h * stride_ch  # [BLOCK_H] int64; K and V blocks have the same n/h strides
     srow = blk * stride_sn + offs_h * stride_sh + off
-    _store_rows(k_ptr, stride_kt, stride_kh, kc_ptr, ks_ptr, kz_ptr, t, crow, srow, offs_h, h_ok, offs_d, m2,
-                DH, BITS)
-    _store_rows(v_ptr, stride_vt, stride_vh, vc_ptr, vs_ptr, vz_ptr, t, crow, srow, offs_h, h_ok, offs_d, m2,
-                DH, BITS)
+    _store_rows(k_ptr, stride_kt, stride_kh, kc_ptr, ks_ptr, kz_ptr, t, head + off * stride_cs, 1, srow, offs_h,
+                h_ok, offs_d, m2, DH, BITS)
+    _store_rows(v_ptr, stride_vt, stride_vh, vc_ptr, vs_ptr, vz_ptr, t, head + off * stride_vs, stride_vd, srow,
+                offs_h, h_ok, offs_d, m2, DH, BITS)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
@@ -94,7 +95,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
     if T == 0:
         return
     assert D % 2 == 0 and k.stride(-1) == 1 and v.stride(-1) == 1
-    assert cache.k.stride() == cache.v.stride()
+    assert cache.k.stride()[:2] == cache.v.stride()[:2] and cache.k.stride(3) == 1
     ks, vs, kz, vz = kv_meta_args(cache)
     bits = cache.bits if cache.quantized else 16
     kc, vc = cache.k, cache.v
@@ -109,7 +110,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
     _store_kernel[(T,)](
         k, v, slot_mapping, kc, vc, ks, vs, kz, vz,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2),
+        kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(2), vc.stride(3),
         ks.stride(0) if bits < 16 else 0, ks.stride(1) if bits < 16 else 0,
         H, DH=D // 2, BS=cache.block_size, BITS=bits,
         BLOCK_H=next_pow2(H), BLOCK_DH=max(16, next_pow2(D // 2)), num_warps=4,
@@ -117,7 +118,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
 
 
 @triton.jit
-def _readback_kernel(slot_ptr, c_ptr, s_ptr, o_ptr, stride_cn, stride_ch, stride_cs, stride_sn, stride_sh,
+def _readback_kernel(slot_ptr, c_ptr, s_ptr, o_ptr, stride_cn, stride_ch, stride_cs, stride_cd, stride_sn, stride_sh,
                      stride_ot, stride_oh, H, D: tl.constexpr, BS: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (T,): out[t] = codes x scale of the int8 rows at slot t ([H, D], fp32 product rounded
@@ -129,8 +130,8 @@ def _readback_kernel(slot_ptr, c_ptr, s_ptr, o_ptr, stride_cn, stride_ch, stride
         offs_d = tl.arange(0, BLOCK_D)
         m2 = (offs_h < H)[:, None] & (offs_d < D)[None, :]
         blk, off = slot // BS, slot % BS
-        c = tl.load(c_ptr + blk * stride_cn + offs_h[:, None] * stride_ch + off * stride_cs + offs_d[None, :],
-                    mask=m2, other=0).to(tl.float32)
+        row = blk * stride_cn + offs_h[:, None] * stride_ch + off * stride_cs
+        c = tl.load(c_ptr + row + offs_d[None, :] * stride_cd, mask=m2, other=0).to(tl.float32)
         s = tl.load(s_ptr + blk * stride_sn + offs_h * stride_sh + off, mask=offs_h < H, other=0.0)
         o = c * s.to(tl.float32)[:, None]
         tl.store(o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
@@ -146,8 +147,8 @@ def read_back_int8(cache: LayerKVCache, slot_mapping: torch.Tensor, dtype: torch
     for c, s in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
         o = torch.empty((T, H, D), dtype=dtype, device=c.device)
         if T:
-            _readback_kernel[(T,)](slot_mapping, c, s, o, c.stride(0), c.stride(1), c.stride(2), s.stride(0),
-                                   s.stride(1), o.stride(0), o.stride(1), H, D=D, BS=cache.block_size,
+            _readback_kernel[(T,)](slot_mapping, c, s, o, c.stride(0), c.stride(1), c.stride(2), c.stride(3),
+                                   s.stride(0), s.stride(1), o.stride(0), o.stride(1), H, D=D, BS=cache.block_size,
                                    BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D), num_warps=4)
         outs.append(o)
     return outs[0], outs[1]

@@ -5,6 +5,7 @@ rank, bs = block_size, D = head_dim. A block id means the same thing in every la
 
   bits=16  k, v: [N, H, bs, D] model dtype
   bits=8   k, v: int8  [N, H, bs, D]      k_scale, v_scale: float16 [N, H, bs]  (symmetric, per token-head)
+           v is a transposed view: its memory is [N, H, D, bs] (block_tensor, v_transposed)
   bits=4   k, v: uint8 [N, H, bs, D // 2] (dim d in the low nibble, d + D/2 in the high nibble)
            k_scale, k_zero: float16 [N, H, D]   keys per channel over the block's tokens (KIVI)
            v_scale, v_zero: float16 [N, H, bs]  values per token-head, stored rotated (v R)
@@ -12,7 +13,11 @@ rank, bs = block_size, D = head_dim. A block id means the same thing in every la
            block -> slot map `stage` (nanokv.kv.staging): a block is quantized once, when it fills
 
 [H, bs, D] per block keeps one (block, head) tile contiguous, so a decode program reads bs*D
-consecutive elements per block.
+consecutive elements per block. int8 values keep the tile contiguous too but dims-major ([D, bs]):
+the decode's value product reads V^T tiles (tokens along the tensor-core operand's inner dimension),
+and with tokens contiguous in memory the compiler loads the int8 operand straight into registers
+(one 16-byte copy per row) instead of a byte-wise transposing gather (nanokv.kernels.triton_decode_swap).
+Indexing `v` logically ([N, H, bs, D]) works unchanged; only kernels see the strides.
 
 int4 values are stored rotated by the same orthonormal R (v R): the attention output is rotated back
 (o R^T, nanokv.kv.hooks.after_attention), exact in real arithmetic; the rotation spreads a value
@@ -105,6 +110,25 @@ def allocate_layer_cache(
     return cache
 
 
+def v_transposed(bits: int) -> bool:
+    """Whether this format stores its value codes dims-major per block (int8)."""
+    return bits == 8
+
+
+def block_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+                 transposed: bool = False) -> torch.Tensor:
+    """Zeros of logical shape [N, H, bs, D]; transposed: memory [N, H, D, bs], returned as its view."""
+    if not transposed:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n, h, bs, d = shape
+    return torch.zeros((n, h, d, bs), dtype=dtype, device=device).transpose(2, 3)
+
+
+def is_transposed(x: torch.Tensor) -> bool:
+    """A block tensor made by block_tensor(..., transposed=True) (or a copy keeping its strides)."""
+    return x.dim() == 4 and x.stride(3) != 1 and x.stride(2) == 1
+
+
 def _allocate(
     bits: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
     dtype: torch.dtype, device: torch.device | str,
@@ -117,7 +141,7 @@ def _allocate(
     if bits == 8:
         return LayerKVCache(
             8, torch.zeros(shape, dtype=torch.int8, device=device),
-            torch.zeros(shape, dtype=torch.int8, device=device),
+            block_tensor(shape, torch.int8, device, transposed=v_transposed(8)),
             k_scale=torch.zeros(meta, dtype=torch.float16, device=device),
             v_scale=torch.zeros(meta, dtype=torch.float16, device=device),
         )

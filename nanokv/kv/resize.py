@@ -1,7 +1,8 @@
 """Resize one layer's paged KV tensors to another block count, in place, block ids unchanged.
 
 Every per-block tensor of the format (k, v [N, H, bs, D or D/2]; scales and zero points [N, H, bs])
-is reallocated with the new leading dimension N' and the first min(N, N') blocks are copied over.
+is reallocated with the new leading dimension N' (and the same memory layout: int8 values are
+dims-major, nanokv.kv.cache) and the first min(N, N') blocks are copied over.
 Blocks [N, N') of a grown cache are zero; a shrunk cache loses blocks [N', N), which the cache
 manager has already removed (none of them was referenced).
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import LayerKVCache, block_tensor, is_transposed
 
 BLOCK_FIELDS = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
 
@@ -30,7 +31,7 @@ def resize_layer_cache(cache: LayerKVCache, num_blocks: int) -> None:
         old = getattr(cache, name)
         if old is None:
             continue
-        new = torch.zeros((num_blocks, *old.shape[1:]), dtype=old.dtype, device=old.device)
+        new = block_tensor((num_blocks, *old.shape[1:]), old.dtype, old.device, is_transposed(old))
         new[:keep].copy_(old[:keep])
         setattr(cache, name, new)
         del old  # the last reference: on CUDA the caching allocator may reuse it for the next field
