@@ -59,12 +59,14 @@ class TritonConfig:
     # than 16 at both probe shapes), int8 16 (1 was 9% slower at 64 x 4096, equal on ragged lengths)
     quant_min_rows: int = 0
     # int8 decode with both products transposed (triton_decode_swap: query heads on the MMA's N side):
-    # tokens per tile, >= 16, 0 = off (the kernel above). At 16: 162.6 us vs 215.0 at 64 x 4096, 178.8
-    # vs 217.1 at 256 x 1024, 146.5 vs 186.4 engine-like (H200, session 8); 32- and 64-token tiles
-    # were slower. (An int4 counterpart, one block per tile, was slower than triton_decode_int4.)
+    # tokens per tile, >= 16 and dividing block_size, 0 = off (the kernel above). At 16: 162.6 us vs
+    # 215.0 at 64 x 4096, 178.8 vs 217.1 at 256 x 1024, 146.5 vs 186.4 engine-like (H200, session 8);
+    # 32- and 64-token tiles were slower (session 9, 32-token blocks: 240.6 vs 218.3 us at 16-token
+    # blocks and tiles). (An int4 counterpart, one block per tile, was slower than triton_decode_int4.)
     quant_swap_block_n: int = 16
     # its fewest splits per sequence: 8 fills the H200's last wave of programs better at the long-context
-    # decode batch (B 128, lengths over [2048, 4096]: 251.0 vs 277.3 us at 4), within 3% elsewhere
+    # decode batch (B 128, lengths over [2048, 4096]: 251.0 vs 277.3 us at 4; session 9's kernel: 226.7
+    # vs 236.0, 228.2 at 16), within 3% elsewhere
     quant_swap_min_splits: int = 8
     # its register cap (ptxas .maxnreg; 0 = none). With the scales loaded a tile ahead it compiles to 99
     # registers, 19 one-warp programs per SM; 96 gives 20: 221.2 vs 233.6 us at the long-context decode
