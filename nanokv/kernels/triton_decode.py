@@ -149,10 +149,11 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     rescaled only when a row's running max grows by more than lazy_tau (base 2), 0 = every tile.
     min_rows: quantized caches pad the G query rows of a KV group to at least this many (16 = one
     MMA tile; fewer lets Triton pad inside the instruction with fewer accumulator registers).
-    swap_block_n >= 16: int8 with word reads goes to triton_decode_swap (tokens on the MMA's M side,
-    V folds always on) with tiles of this many tokens instead of block_n (the PV product's inner
-    dimension is the tile, and the tensor-core dot needs at least 16); swap_maxnreg is its register
-    cap instead of maxnreg (0 = none)."""
+    swap_block_n >= 16 dividing the block size: int8 with fp16 compute goes to triton_decode_swap
+    (tokens on the MMA's M side, V folds always on) with tiles of this many tokens instead of block_n
+    (the PV product's inner dimension is the tile, and the tensor-core dot needs at least 16);
+    swap_maxnreg is its register cap instead of maxnreg (0 = none). int8 values are never read as
+    words (dims-major, nanokv.kv.cache)."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:

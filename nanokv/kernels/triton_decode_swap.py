@@ -17,7 +17,7 @@ them straight into the operand layout (ldmatrix), with no fp16 round trip throug
 That needs both operands "K-contiguous": key rows are (dims along the score product's inner
 size), and int8 values are stored dims-major per block (nanokv.kv.cache) so the V^T tile has
 tokens, the PV product's inner size, contiguous. One tile lies in one block (BS % BLOCK_N == 0,
-checked by the launcher), so its code rows are 16 contiguous bytes each.
+part of runs_transposed), so each V^T row is BLOCK_N contiguous bytes (16 by default).
 """
 
 from __future__ import annotations

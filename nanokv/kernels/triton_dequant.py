@@ -1,10 +1,14 @@
 """Register-level dequantization of int8 / int4 KV codes to fp16 (never written back to memory).
 
-Codes are read as int32 words (4 codes each, one 16-byte load per 4 words) and expanded in
-registers to an fp16 [BLOCK_N, BLOCK_DH] tile in row layout. The compiler then moves that tile to
-the tensor-core operand layout with 16-bit (transposing) shared-memory loads, like a bf16 cache.
-Handing it int8 tiles instead lets it hoist the layout change above the conversion, and the
-transposed V operand is then gathered with one byte-wide shared load per element (seen in SASS).
+Two ways in. Words (load_code_words: int4, and int8 keys in the untransposed kernels): codes are
+read as int32 words (4 codes each, one 16-byte load per 4 words) and expanded in registers to an
+fp16 [BLOCK_N, BLOCK_DH] tile in row layout, which the compiler then moves to the tensor-core operand
+layout through shared memory (16-bit, transposing loads), like a bf16 cache. Int8 tiles
+(int8_tile_f16: the transposed int8 decode, int8 values everywhere): when the tile's inner
+(summed) dimension is contiguous in memory, the compiler copies the codes to shared memory as they
+are and loads them straight into the operand layout, converting there, with no fp16 round trip.
+That is why int8 values are stored dims-major (nanokv.kv.cache); read token-major as a V^T operand,
+an int8 tile is gathered one byte per shared load instead (seen in SASS).
 
 Conversion: for 0 <= m < 1024 the fp16 bit pattern of 1024 + m is 0x6400 + m, so a byte or nibble
 spliced under an 0x64 high byte and one fp16 subtraction give the code exactly, without the

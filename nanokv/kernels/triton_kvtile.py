@@ -68,7 +68,7 @@ def qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_m
 
     q_lo, q_hi: [BLOCK_M, BLOCK_DH] query halves in the compute dtype.
     rows: [BLOCK_N] element offsets of each token's code row; srows: offsets into the scales.
-    WORDS: quantized codes read as int32 words (k_ptr is an int32 view), fp16 tiles.
+    WORDS: quantized key codes read as int32 words (k_ptr is an int32 view), fp16 tiles.
     int4 only (see stage_rows): crows [BLOCK_N] offsets of each token's per-channel scale/zero row,
     strows offsets into the full-precision staging kst_ptr, staged [BLOCK_N] reads from staging.
     """
