@@ -134,10 +134,11 @@ def int8_value_codes(v_ptr, bt_row_ptr, start, hi, kvh, stride_n, stride_h, offs
                      DH: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, CDT: tl.constexpr,
                      ASM: tl.constexpr):
     """int8 value codes of tokens [start, start + BLOCK_N) (start % BLOCK_N == 0), dims HALF * DH +
-    offs_d, as an int8 [BLOCK_N, BLOCK_DH] tile. Values are stored dims-major per block ([N, H, D, bs],
-    nanokv.kv.cache): the tile is read as runs of TB tokens that share a block, each [BLOCK_DH, TB]
-    with tokens contiguous (vector loads), one table read per run. Not masked by token: a token past
-    hi or in a hole reads block 0, whose codes are finite, and its softmax weight is 0."""
+    offs_d, as a [BLOCK_N, BLOCK_DH] tile in CDT (converted exactly, in the load layout). Values are
+    stored dims-major per block ([N, H, D, bs], nanokv.kv.cache): the tile is read as runs of TB
+    tokens that share a block, each [BLOCK_DH, TB] with tokens contiguous (vector loads), one table
+    read per run. Not masked by token: a token past hi or in a hole reads block 0, whose codes are
+    finite, and its softmax weight is 0."""
     TB: tl.constexpr = BS if BS < BLOCK_N else BLOCK_N
     NB: tl.constexpr = BLOCK_N // TB
     tok0 = start + tl.arange(0, NB) * TB  # [NB] first token of each run
