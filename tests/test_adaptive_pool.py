@@ -12,7 +12,7 @@ from nanokv.adaptive.pool import PoolActuator
 from nanokv.adaptive.settings import PATIENCE_WINDOWS
 from nanokv.engine.engine import Engine
 from nanokv.engine.llm import LLM
-from nanokv.kv.cache import allocate_layer_cache
+from nanokv.kv.cache import allocate_layer_cache, is_transposed
 from nanokv.kv.resize import resize_layer_cache
 from nanokv.metrics import EngineMetrics
 from nanokv.sampling import SamplingParams
@@ -123,6 +123,8 @@ def test_resize_keeps_quantized_blocks_and_scales():
         resize_layer_cache(c, 4)
         for n, t in before.items():
             assert torch.equal(getattr(c, n), t[:4]), (bits, n)
+        # int8 values stay dims-major ([N, H, D, bs] memory), as the kernels read them
+        assert is_transposed(c.v) == (bits == 8) and not is_transposed(c.k)
 
 
 def controller_run(**kw):

@@ -34,7 +34,7 @@ from nanokv.kernels.triton_kvtile import (
     tile_rows,
 )
 from nanokv.kernels.triton_softmax import decode_softmax_step, store_decode
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import LayerKVCache, check_layout
 
 LOG2E = 1.4426950408889634
 
@@ -159,6 +159,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     if B == 0:
         return out
     assert Hq % H == 0 and D % 2 == 0 and q.stride(-1) == 1 and out.stride(-1) == 1
+    check_layout(cache)
     G = Hq // H
     ks, vs, kz, vz = kv_meta_args(cache)
     kst, vst, stage_of, *strides = stage_args(cache)

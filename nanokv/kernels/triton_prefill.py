@@ -28,7 +28,7 @@ from nanokv.kernels.triton_kvtile import (
     tile_rows,
 )
 from nanokv.kernels.triton_softmax import online_softmax_step
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import LayerKVCache, check_layout
 
 LOG2E = 1.4426950408889634
 
@@ -117,6 +117,7 @@ def paged_prefill(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tens
     G = Hq // H
     block_m = max(block_m, next_pow2(G), 16)  # at least one token per tile
     tokens = block_m // G
+    check_layout(cache)
     ks, vs, kz, vz = kv_meta_args(cache)
     kst, vst, stage_of, *strides = stage_args(cache)
     cdt = compute_dtype(q.dtype, cache.bits)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from nanokv.kernels.triton_kvtile import kv_meta_args, next_pow2
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import LayerKVCache, check_layout
 
 
 @triton.jit
@@ -96,6 +96,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
         return
     assert D % 2 == 0 and k.stride(-1) == 1 and v.stride(-1) == 1
     assert cache.k.stride()[:2] == cache.v.stride()[:2] and cache.k.stride(3) == 1
+    check_layout(cache)
     ks, vs, kz, vz = kv_meta_args(cache)
     bits = cache.bits if cache.quantized else 16
     kc, vc = cache.k, cache.v

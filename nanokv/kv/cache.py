@@ -126,7 +126,16 @@ def block_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 
 def is_transposed(x: torch.Tensor) -> bool:
     """A block tensor made by block_tensor(..., transposed=True) (or a copy keeping its strides)."""
-    return x.dim() == 4 and x.stride(3) != 1 and x.stride(2) == 1
+    return x.dim() == 4 and x.stride(2) == 1 and x.stride(3) == x.shape[2]  # memory [.., D, bs]: tokens contiguous
+
+
+def check_layout(cache: LayerKVCache) -> None:
+    """For kernels that address codes by strides they assume: int8 values dims-major, all else
+    row-major. A tensor swapped in by hand (a plain torch.zeros) would be read as the wrong layout."""
+    if is_transposed(cache.v) != v_transposed(cache.bits) or is_transposed(cache.k):
+        raise RuntimeError(f"KV layout of a {cache.bits}-bit cache: k strides {cache.k.stride()}, v strides "
+                           f"{cache.v.stride()}; allocate with nanokv.kv.cache (block_tensor keeps int8 values "
+                           "dims-major)")
 
 
 def _allocate(
