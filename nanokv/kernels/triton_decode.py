@@ -23,6 +23,7 @@ from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
 from nanokv.kernels.triton_decode_swap import decode_int8_swap_kernel, runs_transposed
 from nanokv.kernels.triton_dequant import use_asm, use_words
 from nanokv.kernels.triton_kvtile import (
+    code_args,
     compute_dtype,
     kv_meta_args,
     next_pow2,
@@ -166,9 +167,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     cdt = compute_dtype(q.dtype, cache.bits)
     words = use_words(cache.quantized, cdt, D) if words is None else words
     transposed = runs_transposed(cache.bits, swap_block_n, words, cache.block_size)
-    # the transposed kernel reads int8 tiles; int8 values are never read as words (dims-major)
-    k = cache.k.view(torch.int32) if words and not transposed else cache.k
-    v = cache.v.view(torch.int32) if words and cache.bits == 4 else cache.v
+    k, v = code_args(cache, words, int8_keys=transposed)
     split = num_splits > 1
     if split:
         buf = _scratch(q.device, B * Hq * num_splits * (D + 2))

@@ -46,22 +46,28 @@ def _byte_f16(w, SHIFT: tl.constexpr, NIBBLE: tl.constexpr):
         return (((w >> SHIFT) & 0xFF) ^ 0x6480).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
 
 
+# 4 int8 codes in b32 register `src` -> fp16 pairs in `lo` (codes 0, 1) and `hi` (codes 2, 3):
+# bias to unsigned, splice each byte under 0x64 (fp16 1024 + 128 + code), subtract 1152
+_INT8_SPLICE = """
+        .reg .b32 t, z, c;
+        mov.b32 z, 0x64646464;
+        mov.b32 c, 0x64806480;
+        xor.b32 t, {src}, 0x80808080;
+        prmt.b32 {lo}, t, z, 0x4140;
+        prmt.b32 {hi}, t, z, 0x4342;
+        sub.f16x2 {lo}, {lo}, c;
+        sub.f16x2 {hi}, {hi}, c;"""
+# (jit code may read module globals only as constexpr)
+_INT8_WORD_PTX = tl.constexpr("{ .reg .b32 a, b;" + _INT8_SPLICE.format(src="$4", lo="a", hi="b")
+                              + " mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
+_INT8_TILE_PTX = tl.constexpr("{" + _INT8_SPLICE.format(src="$2", lo="$0", hi="$1") + " }")
+
+
 @triton.jit
 def _int8_word_asm(w):
     """int32 word of 4 int8 codes -> 4 fp16 (code j of the word in output j)."""
     return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 t, z, c, a, b;
-        mov.b32 z, 0x64646464;
-        mov.b32 c, 0x64806480;
-        xor.b32 t, $4, 0x80808080;
-        prmt.b32 a, t, z, 0x4140;
-        prmt.b32 b, t, z, 0x4342;
-        sub.f16x2 a, a, c;
-        sub.f16x2 b, b, c;
-        mov.b32 {$0, $1}, a;
-        mov.b32 {$2, $3}, b;
-        }""",
+        _INT8_WORD_PTX,
         "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
 
 
@@ -71,18 +77,8 @@ def int8_tile_f16(c, ASM: tl.constexpr):
     _int8_word_asm, on whatever register layout the compiler gives the tile (the transposed decode
     loads int8 tiles straight into the tensor-core operand layout); else a plain conversion."""
     if ASM:
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t, z, c;
-            mov.b32 z, 0x64646464;
-            mov.b32 c, 0x64806480;
-            xor.b32 t, $2, 0x80808080;
-            prmt.b32 $0, t, z, 0x4140;
-            prmt.b32 $1, t, z, 0x4342;
-            sub.f16x2 $0, $0, c;
-            sub.f16x2 $1, $1, c;
-            }""",
-            "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(_INT8_TILE_PTX, "=r,=r,r", [c], dtype=tl.float16, is_pure=True,
+                                         pack=4)
     else:
         return c.to(tl.float16)
 

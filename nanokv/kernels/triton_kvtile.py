@@ -238,6 +238,14 @@ def stage_args(cache) -> tuple:
             cache.k_scale.stride(1), cache.k_stage.stride(0), cache.k_stage.stride(1))
 
 
+def code_args(cache, words: bool, int8_keys: bool = False) -> tuple:
+    """(k, v) code tensors as the kernels take them: int32 views where codes are read as words
+    (keys, and int4 values), int8 otherwise. int8 values are never words (stored dims-major,
+    nanokv.kv.cache); int8_keys: the kernel reads int8 key tiles too (triton_decode_swap)."""
+    k = cache.k.view(torch.int32) if words and not int8_keys else cache.k
+    return k, cache.v.view(torch.int32) if words and cache.bits == 4 else cache.v
+
+
 def kv_meta_args(cache) -> tuple:
     """(k_scale, v_scale, k_zero, v_zero) with placeholders for the formats that lack them."""
     ph = cache.k  # any tensor: never dereferenced when BITS says the field is absent

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from nanokv.kernels.triton_dequant import use_asm, use_words
 from nanokv.kernels.triton_kvtile import (
+    code_args,
     compute_dtype,
     kv_meta_args,
     next_pow2,
@@ -122,9 +123,7 @@ def paged_prefill(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tens
     kst, vst, stage_of, *strides = stage_args(cache)
     cdt = compute_dtype(q.dtype, cache.bits)
     words = use_words(cache.quantized, cdt, D) if words is None else words
-    # int8 values are never read as words (stored dims-major, nanokv.kv.cache)
-    k = cache.k.view(torch.int32) if words else cache.k
-    v = cache.v.view(torch.int32) if words and cache.bits == 4 else cache.v
+    k, v = code_args(cache, words)
     grid = (triton.cdiv(max_query_len, tokens), P, H)
     _prefill_kernel[grid](
         q, k, v, ks, vs, kz, vz, kst, vst, stage_of, block_tables, seq_lens, query_start_loc, out,

@@ -95,8 +95,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
     if T == 0:
         return
     assert D % 2 == 0 and k.stride(-1) == 1 and v.stride(-1) == 1
-    assert cache.k.stride()[:2] == cache.v.stride()[:2] and cache.k.stride(3) == 1
-    check_layout(cache)
+    check_layout(cache)  # (K and V share block and head strides: one `head` offset serves both)
     ks, vs, kz, vz = kv_meta_args(cache)
     bits = cache.bits if cache.quantized else 16
     kc, vc = cache.k, cache.v

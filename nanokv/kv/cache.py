@@ -131,8 +131,11 @@ def is_transposed(x: torch.Tensor) -> bool:
 
 def check_layout(cache: LayerKVCache) -> None:
     """For kernels that address codes by strides they assume: int8 values dims-major, all else
-    row-major. A tensor swapped in by hand (a plain torch.zeros) would be read as the wrong layout."""
-    if is_transposed(cache.v) != v_transposed(cache.bits) or is_transposed(cache.k):
+    row-major, K and V sharing block and head strides. A tensor swapped in by hand (a plain
+    torch.zeros) would otherwise be read as the wrong layout."""
+    k, v = cache.k, cache.v
+    if (is_transposed(v) != v_transposed(cache.bits) or k.stride(3) != 1
+            or k.stride()[:2] != v.stride()[:2]):  # kernels address V's blocks and heads with K's strides
         raise RuntimeError(f"KV layout of a {cache.bits}-bit cache: k strides {cache.k.stride()}, v strides "
                            f"{cache.v.stride()}; allocate with nanokv.kv.cache (block_tensor keeps int8 values "
                            "dims-major)")
