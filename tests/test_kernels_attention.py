@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from nanokv.attention.metadata import AttentionMetadata  # noqa: E402
-from nanokv.kernels import reference  # noqa: E402
-from nanokv.kernels.triton_backend import TritonBackend, TritonConfig  # noqa: E402
+from nanokv.kernels import reference, triton_decode  # noqa: E402
+from nanokv.kernels.triton_backend import TritonBackend, TritonConfig, choose_splits  # noqa: E402
 from nanokv.kernels.triton_decode_swap import runs_transposed  # noqa: E402
 from nanokv.kv.blockquant import quantize_filled  # noqa: E402
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache  # noqa: E402
@@ -277,14 +277,35 @@ def test_fresh_prompts_through_sdpa_mixed_with_cached_prefixes(dtype: torch.dtyp
     check(cache, md, q, be.config, with_kv=True)
 
 
-@pytest.mark.parametrize("G,bs,swap_n,splits", [(2, 16, 16, 1), (2, 32, 16, 3), (3, 64, 32, 2), (1, 32, 32, 1),
-                                                (2, 16, 32, 2), (2, 16, 0, 2)])
-def test_int8_decode_swap_ab(G: int, bs: int, swap_n: int, splits: int) -> None:
+@pytest.mark.parametrize("G,bs,swap_n,splits,merge", [(2, 16, 16, 1, True), (2, 32, 16, 3, True),
+                                                      (2, 32, 16, 3, False), (3, 64, 32, 2, True),
+                                                      (1, 32, 32, 1, True), (2, 16, 32, 2, True),
+                                                      (2, 16, 0, 2, True), (1, 16, 16, 9, True)])
+def test_int8_decode_swap_ab(G: int, bs: int, swap_n: int, splits: int, merge: bool) -> None:
     """Transposed products (tokens on the MMA's M side, triton_decode_swap; tiles of one block or
     part of one) and the untransposed int8 kernel (swap_n 0, or tiles larger than a block): the
-    reference's function, with holes, split-K and a context of one token."""
+    reference's function, with holes, split-K (merged in the kernel or by the reduce launch; 9
+    splits: empty ones, and a split count that is not a power of two) and a context of one token.
+    Twice: the in-kernel merge must leave its arrival counters at zero for the next launch."""
     assert runs_transposed(8, swap_n, True, bs) == (0 < swap_n <= bs)
     cache, md, q = build_batch(8, torch.float16, bs, 2, G, 32, [], [1, 40, 130, 301], holes=True, seed=G)
     cfg = small_cfg(splits=splits, block_n=32)
     cfg.quant_swap_block_n = swap_n
-    check(cache, md, q, cfg)
+    cfg.quant_swap_merge = merge
+    for _ in range(2):
+        check(cache, md, q, cfg)
+        for counts in triton_decode._COUNTERS.values():
+            assert int(counts.abs().sum()) == 0
+
+
+def test_split_counts_by_format_and_batch() -> None:
+    """choose_splits: the transposed int8 kernel gets >= 8 splits, more (a power of two) when the batch
+    leaves the GPU short of ~16 programs per SM, capped by the context (256 tokens per split); 16-bit
+    aims at 3 programs per SM; an explicit decode_splits wins."""
+    cfg = TritonConfig()
+    got = {B: choose_splits(cfg, B, 8, 4096, 132, 8, 16) for B in (1, 4, 16, 24, 32, 64, 128, 256)}
+    assert got == {1: 16, 4: 16, 16: 16, 24: 8, 32: 8, 64: 8, 128: 8, 256: 8}
+    assert choose_splits(cfg, 16, 8, 1024, 132, 8, 16) == 4  # a short context: 256 tokens per split
+    assert [choose_splits(cfg, B, 8, 4096, 132) for B in (1, 16, 64, 128)] == [16, 4, 1, 1]
+    assert choose_splits(cfg, 128, 8, 4096, 132, 8, 8) == cfg.quant_min_splits  # tiles of 16 > 8-token blocks
+    assert choose_splits(TritonConfig(decode_splits=3), 128, 8, 4096, 132, 8, 16) == 3

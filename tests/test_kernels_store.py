@@ -25,7 +25,9 @@ def _unpack(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("bits,dtype", [(16, torch.float32), (16, torch.float16), (8, torch.float32),
                                         (8, torch.float16), (4, torch.float32), (4, torch.float16)])
 @pytest.mark.parametrize("bs", [8, 16, 32])
-def test_store_matches_reference(bits: int, dtype: torch.dtype, bs: int) -> None:
+@pytest.mark.parametrize("heads", [0, 2])
+def test_store_matches_reference(bits: int, dtype: torch.dtype, bs: int, heads: int) -> None:
+    """heads: KV heads per program (0 = by format: int8 one, 16-bit all three; 2: a partial last group)."""
     g = torch.Generator().manual_seed(bits * 100 + bs)
     H, D, N, T = 3, 64, 6, 40
     want = allocate_layer_cache(bits, N, H, bs, D, dtype, DEV)
@@ -39,7 +41,7 @@ def test_store_matches_reference(bits: int, dtype: torch.dtype, bs: int) -> None
     qkv = (torch.randn(T, 3 * H, D, generator=g) * 4).to(dtype)
     k, v = qkv[:, H:2 * H], qkv[:, 2 * H:]
     reference.store_kvcache(k.to(DEV), v.to(DEV), want, slots.to(DEV))
-    store_kvcache(k.to(DEV), v.to(DEV), got, slots.to(DEV))
+    store_kvcache(k.to(DEV), v.to(DEV), got, slots.to(DEV), heads_per_program=heads)
     for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero", "k_stage", "v_stage"):
         a, b = getattr(want, name), getattr(got, name)
         if a is None:

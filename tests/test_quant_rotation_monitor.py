@@ -9,7 +9,7 @@ from nanokv.kv import hooks
 from nanokv.kv.blockquant import quantize_filled
 from nanokv.kv.cache import allocate_layer_cache
 from nanokv.kv.monitor import CompressionMonitor, relative_error, roundtrip
-from nanokv.kv.rotation import hadamard, maybe_rotate, rotation_matrix
+from nanokv.kv.rotation import hadamard, joint_view, maybe_rotate, rotation_matrix
 
 
 def test_rotation_is_orthonormal_and_preserves_scores():
@@ -26,6 +26,21 @@ def test_rotation_is_orthonormal_and_preserves_scores():
     assert torch.allclose(s, sr, atol=1e-4)
     q16, k16 = maybe_rotate(q, k, 16)
     assert q16 is q and k16 is k  # full-precision layers are never rotated
+
+
+def test_rotation_of_q_and_k_in_one_buffer_is_one_product_with_the_same_result():
+    """q and k as adjacent heads of one buffer (what the compiled RoPE returns on a GPU) are rotated by
+    one product over both: same values as rotating each; anything else is rotated separately."""
+    g = torch.Generator().manual_seed(2)
+    qk = torch.randn(6, 12, 64, generator=g)
+    q, k = qk[:, :9], qk[:, 9:]
+    assert joint_view(q, k) is not None and joint_view(q, k).data_ptr() == qk.data_ptr()
+    qr, kr = maybe_rotate(q, k, 8)
+    assert qr.data_ptr() + 9 * 64 * 4 == kr.data_ptr()  # still one buffer: one product made both
+    r = rotation_matrix(64)
+    assert torch.allclose(qr, q.contiguous() @ r, atol=1e-6) and torch.allclose(kr, k.contiguous() @ r, atol=1e-6)
+    for a, b in ((q.contiguous(), k.contiguous()), (k, q), (qk[:, :9], qk[:, 10:]), (qk[:5, :9], qk[1:, 9:])):
+        assert joint_view(a, b) is None
 
 
 def test_rotation_shrinks_int4_error_of_outlier_keys():

@@ -27,7 +27,8 @@ from nanokv.kernels.triton_decode_swap import decode_int8_swap_kernel
 
 PTRS = dict(q_ptr="*bf16", k_ptr="*i32", v_ptr="*i32", ks_ptr="*fp16", vs_ptr="*fp16", kz_ptr="*fp16",
             vz_ptr="*fp16", kst_ptr="*bf16", vst_ptr="*bf16", stage_ptr="*i32", bt_ptr="*i32",
-            seq_lens_ptr="*i32", out_ptr="*bf16", part_o_ptr="*fp32", part_ml_ptr="*fp32", qk_scale="fp32")
+            seq_lens_ptr="*i32", count_ptr="*i32", out_ptr="*bf16", part_o_ptr="*fp32", part_ml_ptr="*fp32",
+            qk_scale="fp32")
 # (bits, block_n, warps, lazy_tau, min_rows): the defaults and the variants the GPU bench times;
 # min_rows -1 = int8 with the products transposed (triton_decode_swap)
 VARIANTS = [(16, 64, 8, 0, 16), (8, 32, 1, 0, 16), (8, 32, 1, 8, 16), (8, 32, 1, 0, 1),
@@ -46,7 +47,7 @@ def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_r
     if bits == 8:  # int8 values are read as bytes (dims-major blocks); the transposed kernel's keys too
         ptrs.update(v_ptr="*i8", **({"k_ptr": "*i8"} if min_rows < 0 else {}))
     if min_rows < 0:
-        const.update(BLOCK_G=2)
+        const.update(BLOCK_G=2, MERGE=True, BLOCK_S=8)  # 8 splits merged in the kernel (the defaults)
     elif bits == 4:
         const.update(int4_tiles(2, 16, block_n, min_rows))
     else:

@@ -33,7 +33,6 @@ from nanokv.kernels.triton_backend import (  # noqa: E402
     TritonConfig,
     choose_splits,
     decode_options,
-    min_splits,
     sm_count,
 )
 from nanokv.kernels.triton_selfcheck import Shapes, check_all, check_variants, make_batch  # noqa: E402
@@ -111,7 +110,7 @@ def decode_fn(cache: LayerKVCache, md: AttentionMetadata, cfg: TritonConfig) -> 
     B = md.num_seqs
     qs = [torch.randn(B, H * G, D, device=DEV, dtype=DT) for _ in range(4)]
     out = torch.empty_like(qs[0])
-    splits = choose_splits(cfg, B, H, md.max_seq_len, sm_count(DEV), min_splits(cfg, cache.bits, cache.block_size))
+    splits = choose_splits(cfg, B, H, md.max_seq_len, sm_count(DEV), cache.bits, cache.block_size)
     kw = decode_options(cfg, cache)
     return lambda i: triton_decode.paged_decode(qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE,
                                                 num_splits=splits, **kw)
@@ -143,7 +142,7 @@ def bench_decode() -> None:
         del kd, vd
         for bits in (16, 8, 4):
             cache, md = make_batch(SH, bits, 16, [1] * B, [ctx] * B, 0, store=False)
-            splits = choose_splits(TritonConfig(), B, H, ctx, sm_count(DEV), min_splits(TritonConfig(), bits))
+            splits = choose_splits(TritonConfig(), B, H, ctx, sm_count(DEV), bits)
             ms = timed(decode_fn(cache, md, TritonConfig()))
             row = bench_row(f"triton decode bits={bits} B={B} ctx={ctx}", ms, kv_bytes(bits, B * ctx),
                             splits=splits)

@@ -72,6 +72,17 @@ class TritonConfig:
     # registers, 19 one-warp programs per SM; 96 gives 20: 221.2 vs 233.6 us at the long-context decode
     # batch (H200, session 9)
     quant_swap_maxnreg: int = 96
+    # its pipeline depth (0 = quant_stages). 3: 212.8 / 215.6 vs 213.9 / 217.3 us at the long-context
+    # decode batch (two calls), 113.7 vs 114.9 at 64 sequences, 38.9 vs 44.2 at 16 (engine-like
+    # lengths; 60.9 vs 60.3 at 32, 143.3 vs 142.7 at 64 x 4096; H200, session 10)
+    quant_swap_stages: int = 3
+    # its splits merged inside the kernel by the last program of each (sequence, KV head), not by a
+    # second launch (merge_if_last)
+    quant_swap_merge: bool = True
+    # its split-K target: about this many programs per SM (~20 of its one-warp programs fit at once),
+    # the split count rounded down to a power of two. Engine-like lengths up to 4096 (H200, session 10):
+    # 16 sequences 35.8 us at 16 splits vs 44.2 at 8; 32 sequences 60.3 at 8 vs 70.8 at 11, 65.2 at 16
+    quant_swap_programs_per_sm: int = 16
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM
     min_split_tokens: int = 256  # no split shorter than this (the merge would cost more than it saves)
@@ -122,8 +133,9 @@ def sm_count(device: torch.device) -> int:
 
 
 def choose_splits(cfg: TritonConfig, num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int,
-                  min_splits: int = 1) -> int:
-    """Split each sequence so that the grid has about programs_per_sm programs per SM.
+                  bits: int = 16, block_size: int = 16) -> int:
+    """Split each sequence so that the grid has about programs_per_sm programs per SM (the transposed
+    int8 kernel: quant_swap_programs_per_sm), and at least the format's floor of splits.
 
     Only host-known sizes are used. Under a CUDA graph the count fixed at capture stays valid for
     any lengths: each program derives its own token range from seq_len on the device.
@@ -131,16 +143,14 @@ def choose_splits(cfg: TritonConfig, num_seqs: int, num_kv_heads: int, max_seq_l
     if cfg.decode_splits > 0:
         return cfg.decode_splits
     want = -(-cfg.programs_per_sm * sms // max(1, num_seqs * num_kv_heads))
-    want = max(want, min_splits)
+    floor = cfg.quant_min_splits if bits < 16 else 1
+    if runs_transposed(bits, cfg.quant_swap_block_n, True, block_size):  # (fp16 compute assumed)
+        n = max(1, -(-cfg.quant_swap_programs_per_sm * sms // max(1, num_seqs * num_kv_heads)))
+        want = 1 << (n.bit_length() - 1)  # rounded down to a power of two (more splits measured slower)
+        floor = cfg.quant_swap_min_splits
+    want = max(want, floor)
     by_len = max(1, max_seq_len // cfg.min_split_tokens)
     return max(1, min(want, by_len, cfg.max_splits))
-
-
-def min_splits(cfg: TritonConfig, bits: int, block_size: int = 16) -> int:
-    """Fewest decode splits per sequence for this cache format (choose_splits' floor)."""
-    if runs_transposed(bits, cfg.quant_swap_block_n, True, block_size):  # (fp16 compute assumed)
-        return cfg.quant_swap_min_splits
-    return cfg.quant_min_splits if bits < 16 else 1
 
 
 def quant_rows(cfg: TritonConfig, bits: int) -> int:
@@ -155,7 +165,8 @@ def decode_options(cfg: TritonConfig, cache: LayerKVCache) -> dict:
     return dict(block_n=bn, num_warps=warps, num_stages=stages, asm=cfg.asm, words=cfg.words,
                 fold_k=cfg.quant_fold_k, fold_v=cfg.quant_fold_v, maxnreg=cfg.quant_maxnreg if q else 0,
                 lazy_tau=cfg.quant_lazy_tau if q else 0, min_rows=quant_rows(cfg, cache.bits),
-                swap_block_n=cfg.quant_swap_block_n if q else 0, swap_maxnreg=cfg.quant_swap_maxnreg)
+                swap_block_n=cfg.quant_swap_block_n if q else 0, swap_maxnreg=cfg.quant_swap_maxnreg,
+                swap_stages=cfg.quant_swap_stages, swap_merge=cfg.quant_swap_merge)
 
 
 def decode_tiles(cfg: TritonConfig, quantized: bool) -> tuple[int, int, int]:
@@ -195,13 +206,14 @@ class TritonBackend:
     def paged_attention(self, q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata, scale: float,
                         k: torch.Tensor | None = None, v: torch.Tensor | None = None,
                         out: torch.Tensor | None = None) -> torch.Tensor:
-        """q: [T, Hq, D] -> out [T, Hq, D] (written in place when given). k, v: this step's K/V
+        """q: [T, Hq, D] -> out [T, Hq, D] (written in place when given; else in v's dtype when v is
+        given: the model's, q may be fp16, nanokv.kv.hooks.qk_dtype). k, v: this step's K/V
         [T, Hk, D] as just stored (optional: lets fresh prompts skip the cache)."""
         cfg = self.config
         if q.stride(-1) != 1:
             q = q.contiguous()
         if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            out = torch.empty(q.shape, dtype=q.dtype if v is None else v.dtype, device=q.device)
         P = md.num_prefills
         fresh = self._fresh(cache, md, k) if P > 0 else []
         if fresh and k is not None and v is not None:
@@ -218,8 +230,8 @@ class TritonBackend:
         nd = md.num_seqs - P
         if nd > 0:
             s0 = md.num_prefill_tokens
-            splits = choose_splits(cfg, nd, cache.num_kv_heads, md.max_seq_len, sm_count(q.device),
-                                   min_splits(cfg, cache.bits, cache.block_size))
+            splits = choose_splits(cfg, nd, cache.num_kv_heads, md.max_seq_len, sm_count(q.device), cache.bits,
+                                   cache.block_size)
             triton_decode.paged_decode(q[s0:s0 + nd], cache, md.block_tables[P:], md.seq_lens[P:], out[s0:s0 + nd],
                                        scale, num_splits=splits, **decode_options(cfg, cache))
         return out

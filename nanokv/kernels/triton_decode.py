@@ -34,7 +34,7 @@ from nanokv.kernels.triton_kvtile import (
     stage_rows,
     tile_rows,
 )
-from nanokv.kernels.triton_softmax import decode_softmax_step, store_decode
+from nanokv.kernels.triton_softmax import decode_softmax_step, merge_splits, store_decode
 from nanokv.kv.cache import LayerKVCache, check_layout
 
 LOG2E = 1.4426950408889634
@@ -100,26 +100,8 @@ def _decode_kernel(
 def _reduce_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_splits, stride_ot, stride_oh,
                    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (num_decodes, Hq): merge the splits' partial outputs with their softmax weights."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    Hq = tl.num_programs(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
-    prow = (seq * Hq + head) * num_splits + offs_s
-    n_part = tl.num_programs(0) * Hq * num_splits
-    m = tl.load(part_ml_ptr + prow, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_ml_ptr + n_part + prow, mask=s_mask, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = l * tl.exp2(m - m_safe)  # [BLOCK_S]; empty splits have l = 0
-    w_sum = tl.sum(w, axis=0)
-    w = w / tl.where(w_sum > 0, w_sum, 1.0)
-    o = tl.load(part_o_ptr + prow[:, None].to(tl.int64) * D + offs_d[None, :],
-                mask=s_mask[:, None] & (offs_d[None, :] < D), other=0.0)
-    res = tl.sum(o * w[:, None], axis=0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
-             mask=offs_d < D)
+    merge_splits(part_o_ptr, part_ml_ptr, out_ptr, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
+                 num_splits, stride_ot, stride_oh, D, BLOCK_S, BLOCK_D, "")
 
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
@@ -135,12 +117,29 @@ def _scratch(device: torch.device, numel: int) -> torch.Tensor:
     return buf[:numel]
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+
+
+def _counters(device: torch.device, numel: int) -> torch.Tensor:
+    """The in-kernel split merge's arrival counters (merge_if_last): int32, zero between launches (the
+    merging program resets its own). Cached like _scratch; an outgrown buffer is kept alive, since a
+    graph captured earlier still points at it."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(numel, 1 << 14), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf[:numel]
+
+
 def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 2, asm: bool | None = None,
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
                  maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, swap_block_n: int = 0,
-                 swap_maxnreg: int = 0) -> torch.Tensor:
+                 swap_maxnreg: int = 0, swap_stages: int = 0, swap_merge: bool = True) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
@@ -153,8 +152,10 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     swap_block_n >= 16 dividing the block size: int8 with fp16 compute goes to triton_decode_swap
     (tokens on the MMA's M side, V folds always on) with tiles of this many tokens instead of block_n
     (the PV product's inner dimension is the tile, and the tensor-core dot needs at least 16);
-    swap_maxnreg is its register cap instead of maxnreg (0 = none). int8 values are never read as
-    words (dims-major, nanokv.kv.cache)."""
+    swap_maxnreg and swap_stages are its register cap and pipeline depth instead of maxnreg and
+    num_stages (0 = none / num_stages); swap_merge: its splits are merged inside the kernel by the
+    last program of each (sequence, KV head) (merge_if_last), not by a reduce launch. int8 values are
+    never read as words (dims-major, nanokv.kv.cache)."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
@@ -184,19 +185,23 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                   ASM=use_asm(q.device) if asm is None else asm, BLOCK_DH=max(16, next_pow2(D // 2)),
                   BLOCK_N=block_n, SPLIT=split, LAZY_TAU=lazy_tau, num_warps=num_warps, num_stages=num_stages,
                   **({"maxnreg": maxnreg} if maxnreg > 0 else {}))
+    merged = False
     if cache.bits == 4 and fold_k:
         decode_int4_kernel[(B, H, num_splits)](*args, **common,
                                                **int4_tiles(G, cache.block_size, block_n, min_rows))
     elif transposed:
-        common["BLOCK_N"] = swap_block_n
+        common.update(BLOCK_N=swap_block_n, num_stages=swap_stages or num_stages)
         common.pop("maxnreg", None)
         if swap_maxnreg > 0:
             common["maxnreg"] = swap_maxnreg
-        decode_int8_swap_kernel[(B, H, num_splits)](*args, **common, BLOCK_G=next_pow2(G))
+        merged = split and swap_merge
+        counts = _counters(q.device, B * H) if merged else seq_lens  # (unused unless merged)
+        decode_int8_swap_kernel[(B, H, num_splits)](*args, count_ptr=counts, **common, BLOCK_G=next_pow2(G),
+                                                    MERGE=merged, BLOCK_S=next_pow2(num_splits))
     else:
         _decode_kernel[(B, H, num_splits)](*args, **common, BITS=cache.bits if cache.quantized else 16,
                                            BLOCK_G=max(min_rows if cache.quantized else 16, next_pow2(G)))
-    if split:
+    if split and not merged:
         _reduce_kernel[(B, Hq)](part_o, part_ml, out, num_splits, out.stride(0), out.stride(1),
                                 D=D, BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(D), num_warps=4)
     return out

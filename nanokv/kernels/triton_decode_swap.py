@@ -27,14 +27,14 @@ import triton.language as tl
 
 from nanokv.kernels.triton_dequant import int8_tile_f16
 from nanokv.kernels.triton_kvtile import split_range
-from nanokv.kernels.triton_softmax import store_decode
+from nanokv.kernels.triton_softmax import merge_if_last, store_decode
 
 
 def runs_transposed(bits: int, swap_block_n: int, words: bool = True, block_size: int = 16) -> bool:
     """Whether a decode goes to this kernel: int8 with fp16 compute (`words`, as the untransposed
     kernel's word reads need), tiles of >= 16 tokens (the PV product's inner size, the tensor-core
     dot's minimum) inside one block. The one rule for the launch (triton_decode.paged_decode) and
-    the split count (triton_backend.min_splits)."""
+    the split count (triton_backend.choose_splits)."""
     return bits == 8 and words and swap_block_n >= 16 and block_size % swap_block_n == 0
 
 
@@ -49,21 +49,22 @@ def _tile_meta(bt_row, ks_ptr, vs_ptr, start, hi, kvh, stride_sn, stride_sh, off
 
 
 # metadata pointers and sizes vary step to step: not specialized on (see triton_decode)
-@triton.jit(do_not_specialize=["bt_ptr", "seq_lens_ptr", "num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["bt_ptr", "seq_lens_ptr", "num_splits", "stride_bt", "count_ptr"])
 def decode_int8_swap_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, kst_ptr, vst_ptr, stage_ptr, bt_ptr, seq_lens_ptr,
     out_ptr, part_o_ptr, part_ml_ptr,
     qk_scale, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kn, stride_kh, stride_ks, stride_sn, stride_sh, stride_bt,
-    stride_cn, stride_ch, stride_stn, stride_sth,
+    stride_cn, stride_ch, stride_stn, stride_sth, count_ptr,
     D: tl.constexpr, DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr,
     CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr, FOLD_V: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    LAZY_TAU: tl.constexpr,
+    LAZY_TAU: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # argument list of triton_decode._decode_kernel (one launch site); zero points, staging, WORDS
-    # and LAZY_TAU are unused here. k_ptr / v_ptr: the int8 codes (v dims-major per block)
+    # and LAZY_TAU are unused here. k_ptr / v_ptr: the int8 codes (v dims-major per block).
+    # MERGE: the splits are merged here (merge_if_last; count_ptr its counters, BLOCK_S >= num_splits)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -120,3 +121,6 @@ def decode_int8_swap_kernel(
 
     store_decode(tl.trans(acc_lo), tl.trans(acc_hi), m_i, l_i, offs_g, kvh, seq, split, num_splits, out_ptr,
                  part_o_ptr, part_ml_ptr, stride_ot, stride_oh, D, DH, G, BLOCK_DH, SPLIT)
+    if MERGE:
+        merge_if_last(count_ptr, part_o_ptr, part_ml_ptr, out_ptr, seq, kvh, num_splits, stride_ot, stride_oh,
+                      D, G, BLOCK_S, 2 * BLOCK_DH)

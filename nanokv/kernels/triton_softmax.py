@@ -90,3 +90,47 @@ def store_decode(acc_lo, acc_hi, m_i, l_i, offs_g, kvh, seq, split, num_splits, 
         o_rows = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_rows, o_lo.to(out_ptr.dtype.element_ty), mask=qm)
         tl.store(o_rows + DH, o_hi.to(out_ptr.dtype.element_ty), mask=qm)
+
+
+@triton.jit
+def merge_splits(part_o_ptr, part_ml_ptr, out_ptr, seq, head, Hq, num_splits, stride_ot, stride_oh,
+                 D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
+    """out[seq, head] = the splits' partials (store_decode's layout) merged with their softmax
+    weights. CACHE: the loads' cache modifier (".cg" when other programs of this launch wrote them:
+    L1 is not coherent across SMs)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    prow = (seq * Hq + head) * num_splits + offs_s
+    n_part = tl.num_programs(0) * Hq * num_splits
+    m = tl.load(part_ml_ptr + prow, mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
+    l = tl.load(part_ml_ptr + n_part + prow, mask=s_mask, other=0.0, cache_modifier=CACHE)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = l * tl.exp2(m - m_safe)  # [BLOCK_S]; empty splits have l = 0
+    w_sum = tl.sum(w, axis=0)
+    w = w / tl.where(w_sum > 0, w_sum, 1.0)
+    o = tl.load(part_o_ptr + prow[:, None].to(tl.int64) * D + offs_d[None, :],
+                mask=s_mask[:, None] & (offs_d[None, :] < D), other=0.0, cache_modifier=CACHE)
+    res = tl.sum(o * w[:, None], axis=0)  # [BLOCK_D]
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
+             mask=offs_d < D)
+
+
+@triton.jit
+def merge_if_last(count_ptr, part_o_ptr, part_ml_ptr, out_ptr, seq, kvh, num_splits, stride_ot, stride_oh,
+                  D: tl.constexpr, G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The split-K merge inside the decode kernel, after store_decode wrote this program's partials:
+    the last of a (sequence, KV head)'s num_splits programs to finish merges the group's G heads, so
+    no reduce launch follows (its launch and tail were ~0.2 s of the H200 long-context run at 8
+    splits). count_ptr: [num_decodes * num_kv_heads] int32, zero before the launch; the merging
+    program sets its counter back to zero for the next one."""
+    c_ptr = count_ptr + seq * tl.num_programs(1) + kvh
+    tl.debug_barrier()  # every thread's partial stores come before the (one-thread) release below
+    n_done = tl.atomic_add(c_ptr, 1, sem="acq_rel")
+    if n_done == num_splits - 1:
+        Hq = tl.num_programs(1) * G
+        for g in tl.static_range(G):
+            merge_splits(part_o_ptr, part_ml_ptr, out_ptr, seq, kvh * G + g, Hq, num_splits, stride_ot,
+                         stride_oh, D, BLOCK_S, BLOCK_D, ".cg")
+        tl.store(c_ptr, 0)

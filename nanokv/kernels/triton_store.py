@@ -3,7 +3,10 @@
 int4 rows go unquantized to their block's full-precision staging slot; the block is quantized as a
 whole once it fills (nanokv.kv.blockquant, after the step's attention), never row by row here.
 
-Grid (T,): one program per token handles all its KV heads as an [H, D/2] x 2 tile. Slot -1 means
+Grid (T, head groups): a program stores one token's K/V rows for a group of its KV heads as a
+[heads, D/2] x 2 tile (16-bit: all heads; int8: one head per one-warp program, since the
+quantizing store is a latency chain of loads, a max, IEEE divisions and stores, and at a decode
+step's few tokens a program per token left most of the GPU idle). Slot -1 means
 "don't store" (padding, or a token whose KV is already cached). Quantization matches
 nanokv.kv.quant bit for bit: IEEE division (div_rn, not the fast approximate one), fp16 rounding
 of scale and zero, round-half-to-even like torch.round, and scales that underflow to 0 stored as 1.
@@ -77,7 +80,7 @@ def _store_kernel(
     keep = slot >= 0
     blk = tl.where(keep, slot // BS, 0)
     off = tl.where(keep, slot % BS, 0)
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_DH)
     h_ok = offs_h < tl.where(keep, H, 0)  # [BLOCK_H]; all False for slot -1
     m2 = h_ok[:, None] & (offs_d[None, :] < DH)
@@ -89,8 +92,10 @@ def _store_kernel(
                 offs_h, h_ok, offs_d, m2, DH, BITS)
 
 
-def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, H, D] (last dim contiguous); slot_mapping: [T] int64, -1 = skip."""
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor,
+                  heads_per_program: int = 0) -> None:
+    """k, v: [T, H, D] (last dim contiguous); slot_mapping: [T] int64, -1 = skip. heads_per_program:
+    KV heads one program stores (0 = by format: 1 for int8, all for 16-bit rows)."""
     T, H, D = k.shape
     if T == 0:
         return
@@ -107,13 +112,15 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
         st = cache.stage.stage_of[slot_mapping.clamp_min(0) // bs].long()
         slot_mapping = torch.where((slot_mapping >= 0) & (st >= 0), st * bs + slot_mapping % bs, -1)
         kc, vc, bits = cache.k_stage, cache.v_stage, 16
-    _store_kernel[(T,)](
+    hb = heads_per_program or (1 if bits == 8 else H)
+    block_h = next_pow2(min(hb, H))
+    _store_kernel[(T, triton.cdiv(H, block_h))](
         k, v, slot_mapping, kc, vc, ks, vs, kz, vz,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(2), vc.stride(3),
         ks.stride(0) if bits < 16 else 0, ks.stride(1) if bits < 16 else 0,
         H, DH=D // 2, BS=cache.block_size, BITS=bits,
-        BLOCK_H=next_pow2(H), BLOCK_DH=max(16, next_pow2(D // 2)), num_warps=4,
+        BLOCK_H=block_h, BLOCK_DH=max(16, next_pow2(D // 2)), num_warps=1 if block_h == 1 else 4,
     )
 
 

@@ -69,6 +69,18 @@ def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def qk_dtype(cache: LayerKVCache, x: torch.Tensor) -> torch.dtype:
+    """The dtype q and k should reach before_store in, for activations x: fp16 for an int8 layer of a
+    bf16 model on a GPU, else x's. The int8 kernels compute in fp16, and fresh prompts attend through
+    fp16 flash on the codes read back (nanokv.kernels.fresh_prefill): a bf16 q was cast for every
+    prefill (0.075 s of the H200 long-context run), while the model's RoPE kernel writes fp16 for
+    free. fp16 holds every bf16 value of the range the kernels already assume (they read q, and
+    dequantize keys, in fp16); the key rotation and the store then run on fp16 q and k."""
+    if cache.bits == 8 and x.is_cuda and x.dtype == torch.bfloat16 and cache.fake_quant is None:
+        return torch.float16
+    return x.dtype
+
+
 def before_store(layer: int, cache: LayerKVCache, md: Any, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k and v [T, Hk, D] (post-RoPE) -> (q, k, v) to hand to store + attention."""

@@ -67,4 +67,19 @@ def maybe_rotate(q: torch.Tensor, k: torch.Tensor, layer_bits: int,
     if not rotates(layer_bits, rotate):
         return q, k
     r = rotation_matrix(q.shape[-1], q.dtype, q.device)
+    both = joint_view(q, k)
+    if both is not None:  # one GEMM for both (a small one per layer and step: launches dominate)
+        qk = both @ r
+        return qk[:, :q.shape[1]], qk[:, q.shape[1]:]
     return q @ r, k @ r
+
+
+def joint_view(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q [T, Hq, D] and k [T, Hk, D] as one [T, Hq + Hk, D] tensor when k's heads directly follow q's
+    in one contiguous buffer (nanokv.model.layers.fusion makes them so on a GPU), else None."""
+    T, Hq, D = q.shape
+    if (k.dim() != 3 or k.shape[0] != T or k.shape[2] != D or k.dtype != q.dtype or k.device != q.device
+            or q.stride() != k.stride() or q.stride()[1:] != (D, 1) or q.stride(0) != (Hq + k.shape[1]) * D
+            or k.data_ptr() != q.data_ptr() + Hq * D * q.element_size()):
+        return None
+    return q.as_strided((T, Hq + k.shape[1], D), q.stride())

@@ -50,10 +50,11 @@ class LlamaAttention(nn.Module):
         T, D = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.reshape(T, -1, D), k.reshape(T, -1, D)  # [T, Hq, D], [T, Hk, D]
+        dt = self.attn.qk_dtype(q)  # the attention's compute dtype: the RoPE kernel writes it
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope)
+            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope, dt)
         else:
-            q, k = RotaryEmbedding.rotate(q, k, *rope)
+            q, k = RotaryEmbedding.rotate(q, k, *rope, dt)
         o = self.attn(q.reshape(T, -1), k.reshape(T, -1), v)
         return self.o_proj(o)
 

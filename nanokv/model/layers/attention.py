@@ -13,7 +13,7 @@ from torch import nn
 
 from nanokv.attention.backend import REFERENCE
 from nanokv.attention.metadata import get_context
-from nanokv.kv.hooks import after_attention, before_store
+from nanokv.kv.hooks import after_attention, before_store, qk_dtype
 
 
 class Attention(nn.Module):
@@ -25,8 +25,17 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_idx = layer_idx
 
+    def qk_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype this layer's KV format wants q and k in (nanokv.kv.hooks.qk_dtype); x: the
+        model's activations (their dtype without a cache, e.g. while profiling)."""
+        ctx = get_context()
+        if ctx.metadata is None:
+            return x.dtype
+        return qk_dtype(ctx.kv_caches[self.layer_idx], x)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq*D], k and v [T, Hk*D] (already rotated) -> attention output [T, Hq*D]."""
+        """q [T, Hq*D], k and v [T, Hk*D] (already rotated; q and k may be in the attention's own
+        dtype, qk_dtype) -> attention output [T, Hq*D] in v's dtype (the model's)."""
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -48,4 +57,6 @@ class Attention(nn.Module):
             backend.store_kvcache(k, v, cache, md.slot_mapping)
             o = backend.paged_attention(q, cache, md, self.scale, k=k, v=v)
             o = after_attention(self.layer_idx, cache, md, o)
+        if o.dtype != v.dtype:  # (the Triton backend already writes v's dtype)
+            o = o.to(v.dtype)
         return o.reshape(T, self.num_heads * self.head_dim)

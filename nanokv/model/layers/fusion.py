@@ -67,18 +67,30 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def _one_buffer(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hk, D] in `dtype` (the attention's, nanokv.kv.hooks.qk_dtype). Compiled
+    (fusion on, a GPU): views of one [T, Hq + Hk, D] buffer, which one generated kernel writes (not
+    one each; the norms' reductions fuse in too), so that a product both then take (a KV format's key
+    rotation, nanokv.kv.rotation.maybe_rotate) is one GEMM. Run as written (CPU, eager): two tensors,
+    as a cat would be a copy there."""
+    if not torch.compiler.is_compiling():
+        return q.to(dtype), k.to(dtype)
+    qk = torch.cat((q, k), dim=1).to(dtype)
+    return qk[:, :q.shape[1]], qk[:, q.shape[1]:]
+
+
 @fusable
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k [T, Hk, D] -> rotated (same shapes)."""
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hk, D] -> rotated (same shapes), in dtype."""
+    return _one_buffer(_rotate(q, cos, sin), _rotate(k, cos, sin), dtype)
 
 
 @fusable
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, eps: float,
-                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3: per-head RMSNorm of q and k, then RoPE. q [T, Hq, D], k [T, Hk, D]."""
-    return _rotate(_rms(q, qw, eps), cos, sin), _rotate(_rms(k, kw, eps), cos, sin)
+                 cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3: per-head RMSNorm of q and k, then RoPE. q [T, Hq, D], k [T, Hk, D], returned in dtype."""
+    return _one_buffer(_rotate(_rms(q, qw, eps), cos, sin), _rotate(_rms(k, kw, eps), cos, sin), dtype)
 
 
 @fusable

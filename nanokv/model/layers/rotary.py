@@ -77,10 +77,11 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     @staticmethod
-    def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D] rotated by cos/sin from `cos_sin` (same shapes and dtype)."""
-        return rope(q, k, cos, sin)
+    def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hk, D] rotated by cos/sin from `cos_sin` (same shapes; dtype: the
+        output's, default q's)."""
+        return rope(q, k, cos, sin, dtype or q.dtype)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
