@@ -75,7 +75,7 @@ def _one_buffer(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> tuple[t
     as a cat would be a copy there."""
     if not torch.compiler.is_compiling():
         return q.to(dtype), k.to(dtype)
-    qk = torch.cat((q, k), dim=1).to(dtype)
+    qk = torch.cat((q.to(dtype), k.to(dtype)), dim=1)  # cast first: each part's kernel writes dtype
     return qk[:, :q.shape[1]], qk[:, q.shape[1]:]
 
 
