@@ -1,5 +1,6 @@
-"""The KV layer's one hook into the model: `before_store`, called by the attention layer on q/k/v
-right before the backend stores K/V, on every backend (torch reference and Triton alike).
+"""The KV layer's hooks into the model: `before_store`, called by the attention layer on q/k/v
+right before the backend stores K/V, on every backend (torch reference and Triton alike); before it,
+`qk_dtype`, the dtype the layer's format wants q and k in (asked before RoPE, which writes it).
 
 In order:
   1. test hook: scaled key channels in one layer (`key_outliers`), with the query channels scaled
@@ -76,7 +77,7 @@ def qk_dtype(cache: LayerKVCache, x: torch.Tensor) -> torch.dtype:
     prefill (0.075 s of the H200 long-context run), while the model's RoPE kernel writes fp16 for
     free. fp16 holds every bf16 value of the range the kernels already assume (they read q, and
     dequantize keys, in fp16); the key rotation and the store then run on fp16 q and k."""
-    if cache.bits == 8 and x.is_cuda and x.dtype == torch.bfloat16 and cache.fake_quant is None:
+    if cache.bits == 8 and x.is_cuda and x.dtype == torch.bfloat16:
         return torch.float16
     return x.dtype
 
