@@ -75,7 +75,7 @@ def _one_buffer(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> tuple[t
     rotation, nanokv.kv.rotation.maybe_rotate) is one GEMM. Run as written (CPU, eager): two tensors,
     as a cat would be a copy there."""
     if not torch.compiler.is_compiling():
-        return q.to(dtype), k.to(dtype)
+        return (q, k) if q.dtype == dtype else (q.to(dtype), k.to(dtype))
     qk = torch.cat((q.to(dtype), k.to(dtype)), dim=1)  # cast first: each part's kernel writes dtype
     return qk[:, :q.shape[1]], qk[:, q.shape[1]:]
 
