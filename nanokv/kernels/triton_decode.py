@@ -104,33 +104,22 @@ def _reduce_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_splits, stride_ot, stri
                  num_splits, stride_ot, stride_oh, D, BLOCK_S, BLOCK_D, "")
 
 
-_SCRATCH: dict[torch.device, torch.Tensor] = {}
-
-
-def _scratch(device: torch.device, numel: int) -> torch.Tensor:
-    """A cached fp32 buffer: after the first (warm-up) step no allocation happens here, so the
-    decode path stays capturable in a CUDA graph."""
-    buf = _SCRATCH.get(device)
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(max(numel, 1 << 16), dtype=torch.float32, device=device)
-        _SCRATCH[device] = buf
-    return buf[:numel]
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_BUFFERS: dict[tuple[str, torch.device], torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
 
 
-def _counters(device: torch.device, numel: int) -> torch.Tensor:
-    """The in-kernel split merge's arrival counters (merge_if_last): int32, zero between launches (the
-    merging program resets its own). Cached like _scratch; an outgrown buffer is kept alive, since a
-    graph captured earlier still points at it."""
-    buf = _COUNTERS.get(device)
+def _buffer(kind: str, device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A cached buffer per (kind, device), zero when made: "partials" (fp32, the splits' outputs) and
+    "counts" (int32, the in-kernel merge's arrival counters, which must be zero between launches;
+    merge_if_last resets its own). After the first (warm-up) step nothing is allocated here, so the
+    decode path stays capturable in a CUDA graph; an outgrown buffer is kept alive, since a graph
+    captured earlier still points at it."""
+    buf = _BUFFERS.get((kind, device))
     if buf is None or buf.numel() < numel:
         if buf is not None:
             _RETIRED.append(buf)
-        buf = torch.zeros(max(numel, 1 << 14), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
+        buf = torch.zeros(max(numel, 1 << 16), dtype=dtype, device=device)
+        _BUFFERS[(kind, device)] = buf
     return buf[:numel]
 
 
@@ -171,7 +160,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     k, v = code_args(cache, words, int8_keys=transposed)
     split = num_splits > 1
     if split:
-        buf = _scratch(q.device, B * Hq * num_splits * (D + 2))
+        buf = _buffer("partials", q.device, B * Hq * num_splits * (D + 2), torch.float32)
         part_o, part_ml = buf[:B * Hq * num_splits * D], buf[B * Hq * num_splits * D:]
     else:
         part_o = part_ml = out  # unused
@@ -195,7 +184,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
         if swap_maxnreg > 0:
             common["maxnreg"] = swap_maxnreg
         merged = split and swap_merge
-        counts = _counters(q.device, B * H) if merged else seq_lens  # (unused unless merged)
+        counts = _buffer("counts", q.device, B * H, torch.int32) if merged else seq_lens  # (unused unless merged)
         decode_int8_swap_kernel[(B, H, num_splits)](*args, count_ptr=counts, **common, BLOCK_G=next_pow2(G),
                                                     MERGE=merged, BLOCK_S=next_pow2(num_splits))
     else:
