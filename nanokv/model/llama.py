@@ -47,15 +47,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """rope: (cos, sin) [T, 1, D/2] for this step's positions; x [T, hidden] -> [T, hidden]."""
-        T, D = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = q.reshape(T, -1, D), k.reshape(T, -1, D)  # [T, Hq, D], [T, Hk, D]
-        dt = self.attn.qk_dtype(q)  # the attention's compute dtype: the RoPE kernel writes it
+        T, D, n, hq = x.shape[0], self.head_dim, self.q_size + self.kv_size, self.q_size // self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hk) * D]
+        qk, v = qkv[:, :n].view(T, -1, D), qkv[:, n:]  # [T, Hq + Hk, D]: q's heads, then k's
+        dt = self.attn.qk_dtype(qk)  # the attention's compute dtype: the RoPE kernel writes it
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope, dt)
+            qk = qk_norm_rope(qk, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope, dt, hq)
         else:
-            q, k = RotaryEmbedding.rotate(q, k, *rope, dt)
-        o = self.attn(q.reshape(T, -1), k.reshape(T, -1), v)
+            qk = RotaryEmbedding.rotate(qk, *rope, dt)
+        o = self.attn(qk[:, :hq].reshape(T, -1), qk[:, hq:].reshape(T, -1), v)
         return self.o_proj(o)
 
 

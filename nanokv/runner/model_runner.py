@@ -234,18 +234,33 @@ class ModelRunner:
         token dst[i] is tokens[src[i]], sampled by the previous step and not yet seen by the host."""
         fed = feed is not None and bool(feed[1])
         extra = [np.asarray(feed[2], dtype=np.int64), np.asarray(feed[1], dtype=np.int64)] \
-            if feed is not None and fed else None
-        ids, pos, md, extra_t = self.build_metadata(items, extra)
+            if feed is not None and fed else []
+        rows = logits_rows if logits_rows is not None else list(range(len(items)))
+        # the token index of each sampled row's last token, sent with the metadata: built on the host
+        # after the forward (torch.tensor(..., device=)), its pageable copy waited for the whole
+        # forward to finish and left the GPU idle through the host's next step (0.17-0.28 s of a
+        # long-context run's prefills, H200)
+        last = self._last_tokens(items, rows) if rows and not all_logits else None
+        ids, pos, md, extra_t = self.build_metadata(items, extra + ([last] if last is not None else []))
         if feed is not None and fed:
-            dst_t, src_t = extra_t
+            dst_t, src_t = extra_t[:2]
             ids.index_copy_(0, dst_t, feed[0].index_select(0, src_t))
         try:
-            return self._run(ids, pos, md, items, logits_rows, all_logits)
+            return self._run(ids, pos, md, rows, extra_t[-1] if last is not None else None, all_logits)
         finally:
             if self.stage is not None:  # blocks filled by this step are quantized: free their staging
                 self.stage.finish(defer=True)  # (the device map changes with the next step's copy)
 
-    def _run(self, ids, pos, md, items, logits_rows, all_logits) -> torch.Tensor | None:
+    @staticmethod
+    def _last_tokens(items, rows: list[int]) -> np.ndarray | None:
+        """Packed index [len(rows)] of each row's last query token; None for a decode-only step
+        whose rows are all its tokens (the logits are then the hidden states' in order)."""
+        ends = np.cumsum(np.fromiter((it[2] for it in items), dtype=np.int64, count=len(items))) - 1
+        if len(rows) == len(items) == int(ends[-1]) + 1:
+            return None
+        return ends[np.asarray(rows, dtype=np.int64)]
+
+    def _run(self, ids, pos, md, rows, last, all_logits) -> torch.Tensor | None:
         with forward_context(md, self.kv_caches, self.backend, self.batch_invariant):
             if self.graphs is not None and not all_logits and self.graphs.can_run(md):
                 hidden = self.graphs.run(ids, pos, md)
@@ -253,13 +268,9 @@ class ModelRunner:
                 hidden = self.model(ids, pos)
             if all_logits:
                 return self.model.compute_logits(hidden)
-            rows = logits_rows if logits_rows is not None else list(range(len(items)))
             if not rows:
                 return None
             # sampling logits stay in the model's dtype on a GPU (a [B, 151936] float32 copy costs
             # more than the argmax; the sampler upcasts where it needs to): float32 on the CPU path
             f32 = self.device.type != "cuda"
-            if len(rows) == len(items) == hidden.shape[0]:  # decode-only: every row is its last token
-                return self.model.compute_logits(hidden, f32)
-            idx = torch.tensor([md.query_start_loc_cpu[r + 1] - 1 for r in rows], device=self.device)
-            return self.model.compute_logits(hidden[idx], f32)
+            return self.model.compute_logits(hidden if last is None else hidden[last], f32)

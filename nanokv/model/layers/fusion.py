@@ -3,7 +3,8 @@
 A decode step of a small model at batch 256 is hundreds of tiny kernels (each RMSNorm alone is a
 cast, a square, a mean, an rsqrt and three products); a CUDA graph removes their launch cost but
 not their memory round trips. On CUDA, with fusion enabled, each chain below becomes one
-generated kernel. The plain functions stay the reference path: CPU, `enforce_eager`, tests.
+generated kernel, except q's and k's norm + RoPE, which is one hand-written Triton kernel
+(nanokv.kernels.triton_rope). The plain functions stay the reference path: CPU, `enforce_eager`, tests.
 """
 
 from __future__ import annotations
@@ -68,30 +69,37 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def _one_buffer(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D] and k [T, Hk, D] in `dtype` (the attention's, nanokv.kv.hooks.qk_dtype). Compiled
-    (fusion on, a GPU): views of one [T, Hq + Hk, D] buffer, which one generated kernel writes (not
-    one each; the norms' reductions fuse in too), so that a product both then take (a KV format's key
-    rotation, nanokv.kv.rotation.maybe_rotate) is one GEMM. Run as written (CPU, eager): two tensors,
-    as a cat would be a copy there."""
-    if not torch.compiler.is_compiling():
-        return (q, k) if q.dtype == dtype else (q.to(dtype), k.to(dtype))
-    qk = torch.cat((q.to(dtype), k.to(dtype)), dim=1)  # cast first: each part's kernel writes dtype
-    return qk[:, :q.shape[1]], qk[:, q.shape[1]:]
+def _head_weight(qw: torch.Tensor, kw: torch.Tensor, hq: int, h: int) -> torch.Tensor:
+    """[h, D]: q's norm weight on the first hq heads, k's on the rest."""
+    return torch.where(torch.arange(h, device=qw.device).unsqueeze(1) < hq, qw, kw)
 
 
-@fusable
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k [T, Hk, D] -> rotated (same shapes), in dtype."""
-    return _one_buffer(_rotate(q, cos, sin), _rotate(k, cos, sin), dtype)
+def _on_gpu_kernel(qk: torch.Tensor) -> bool:
+    # the hand-written kernel (nanokv.kernels.triton_rope) where the other fusions would compile:
+    # Inductor made two or three kernels of q's and k's norm + RoPE, or one slow one of them joined
+    return _ENABLED and qk.is_cuda
 
 
-@fusable
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, eps: float,
-                 cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3: per-head RMSNorm of q and k, then RoPE. q [T, Hq, D], k [T, Hk, D], returned in dtype."""
-    return _one_buffer(_rotate(_rms(q, qw, eps), cos, sin), _rotate(_rms(k, kw, eps), cos, sin), dtype)
+def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """qk [T, Hq + Hk, D] (q's heads, then k's) -> rotated, in dtype: one new [T, Hq + Hk, D] tensor."""
+    if _on_gpu_kernel(qk):
+        from nanokv.kernels import triton_rope
+        return triton_rope.qk_norm_rope(qk, cos, sin, dtype)
+    return _rotate(qk, cos, sin).to(dtype)
+
+
+def qk_norm_rope(qk: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, eps: float, cos: torch.Tensor,
+                 sin: torch.Tensor, dtype: torch.dtype, hq: int) -> torch.Tensor:
+    """Qwen3: per-head RMSNorm (q's weight on the first hq heads, k's on the rest), then RoPE.
+
+    qk [T, Hq + Hk, D] (e.g. a view of the qkv projection's output) -> one new [T, Hq + Hk, D]
+    tensor in dtype (the attention's, nanokv.kv.hooks.qk_dtype). q and k as one tensor: on a GPU
+    that is one kernel launch for both, and the heads stay adjacent, so a product both then take (a
+    KV format's key rotation, nanokv.kv.rotation.maybe_rotate) is one GEMM."""
+    if _on_gpu_kernel(qk):
+        from nanokv.kernels import triton_rope
+        return triton_rope.qk_norm_rope(qk, cos, sin, dtype, (qw, kw, eps, hq))
+    return _rotate(_rms(qk, _head_weight(qw, kw, hq, qk.shape[1]), eps), cos, sin).to(dtype)
 
 
 @fusable

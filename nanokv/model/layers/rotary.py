@@ -77,15 +77,15 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     @staticmethod
-    def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D] rotated by cos/sin from `cos_sin` (same shapes; dtype: the
-        output's, default q's)."""
-        return rope(q, k, cos, sin, dtype or q.dtype)
+    def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """qk [T, H, D] (e.g. q's heads then k's) rotated by cos/sin from `cos_sin`, a new tensor of
+        the same shape (dtype: the output's, default qk's)."""
+        return rope(qk, cos, sin, dtype or qk.dtype)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq, D], k [T, Hk, D] -> rotated q, k (same shapes and dtype)."""
-        return self.rotate(q, k, *self.cos_sin(positions, q.dtype))
-
+        qk = self.rotate(torch.cat((q, k), dim=1), *self.cos_sin(positions, q.dtype))
+        return qk[:, :q.shape[1]], qk[:, q.shape[1]:]

@@ -1,0 +1,69 @@
+"""q/k RMSNorm (Qwen3) + RoPE + cast in one Triton kernel, over q's and k's heads as one tensor.
+
+One program per token reads its [H, D] rows of q then k heads (H = Hq + Hk; a strided view of the
+qkv projection's output), normalizes each head, rotates it and writes [H, D] in the attention's
+dtype. In a CUDA-graphed decode step this is one launch per layer: Inductor's fusion of the same
+function took two or three kernels (0.26-0.40 s of the H200 long-context run) and its single-kernel
+form of the joint tensor was slower still (0.44 s, session 11).
+
+Roundings follow the compiled torch function (nanokv.model.layers.fusion, fp32 inside a kernel):
+the normalized row is rounded to the input dtype before the weight (HF's order), the weighted row
+again, and the rotation is computed in fp32 and rounded once to the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _qk_norm_rope_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, o_ptr,
+                         stride_xt, stride_xh, stride_ct, stride_st, eps, HQ, H,
+                         DH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_DH)
+    d_ok = offs_d < DH
+    m2 = (offs_h < H)[:, None] & d_ok[None, :]
+    xr = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
+    x1 = tl.load(xr, mask=m2, other=0.0)  # [BLOCK_H, BLOCK_DH]: dims [0, D/2) of each head
+    x2 = tl.load(xr + DH, mask=m2, other=0.0)  # dims [D/2, D): the rotation's pairs (i, i + D/2)
+    xdt = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    if NORM:
+        ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * DH)  # [BLOCK_H]
+        r = (1.0 / tl.sqrt_rn(ms + eps))[:, None]
+        is_q = (offs_h < HQ)[:, None]
+        w1 = tl.where(is_q, tl.load(qw_ptr + offs_d, mask=d_ok, other=0.0)[None, :],
+                      tl.load(kw_ptr + offs_d, mask=d_ok, other=0.0)[None, :]).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(qw_ptr + DH + offs_d, mask=d_ok, other=0.0)[None, :],
+                      tl.load(kw_ptr + DH + offs_d, mask=d_ok, other=0.0)[None, :]).to(tl.float32)
+        x1 = ((x1 * r).to(xdt).to(tl.float32) * w1).to(xdt).to(tl.float32)
+        x2 = ((x2 * r).to(xdt).to(tl.float32) * w2).to(xdt).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_ct + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + t * stride_st + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    orow = o_ptr + t * H * 2 * DH + offs_h[:, None] * (2 * DH) + offs_d[None, :]
+    tl.store(orow, (x1 * c - x2 * s).to(o_ptr.dtype.element_ty), mask=m2)
+    tl.store(orow + DH, (x2 * c + x1 * s).to(o_ptr.dtype.element_ty), mask=m2)
+
+
+def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
+                 norm: tuple[torch.Tensor, torch.Tensor, float, int] | None = None) -> torch.Tensor:
+    """qk [T, H, D] (last dim contiguous; q's heads then k's) -> [T, H, D] in dtype, rotated by
+    cos/sin [T, 1, D/2] (nanokv.model.layers.rotary.cos_sin); norm = (q weight [D], k weight [D],
+    eps, Hq) first normalizes each head, q's weight on the first Hq heads."""
+    T, H, D = qk.shape
+    out = torch.empty((T, H, D), dtype=dtype, device=qk.device)
+    if T == 0:
+        return out
+    if qk.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("qk_norm_rope: qk, cos and sin need a contiguous last dim")
+    qw, kw, eps, hq = norm if norm is not None else (qk, qk, 0.0, H)  # (not read without NORM)
+    _qk_norm_rope_kernel[(T,)](
+        qk, qw, kw, cos, sin, out, qk.stride(0), qk.stride(1), cos.stride(0), sin.stride(0), float(eps), hq, H,
+        DH=D // 2, BLOCK_H=triton.next_power_of_2(H), BLOCK_DH=triton.next_power_of_2(D // 2),
+        NORM=norm is not None, num_warps=4)
+    return out
