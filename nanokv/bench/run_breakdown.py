@@ -2,7 +2,7 @@
 `python -m nanokv.bench.run_breakdown --workload longctx --bits 16|8|4 [--out FILE]`.
 
 Runs the workload as `nanokv bench` does (same engine settings, warm-up first), once under
-torch.profiler (device kernels only), and sums kernel time by kind: decode attention, prefill
+torch.profiler (device kernels; host ops too with --host), and sums kernel time by kind: decode attention, prefill
 attention, matmuls, KV writes (store / quantize), the rest; the wall time minus all kernel time is
 the device's idle time (host-bound stretches). Decode attention is then set against its floor, the
 KV bytes the decode steps must read over the copy bandwidth measured in the same process, so a
@@ -24,7 +24,7 @@ from nanokv.bench.gpu import make_workload, measure_copy_bandwidth
 
 KINDS = [  # first match wins; names as the profiler reports kernels on the H200 (Triton, cuBLAS, flash)
     ("decode_attention", r"_decode_kernel|decode_int4|decode_int8_swap|_reduce_kernel"),
-    ("prefill_attention", r"flash|fmha|_prefill_kernel|read_back"),
+    ("prefill_attention", r"flash|fmha|_prefill_kernel|read_?back"),
     ("matmul", r"nvjet|gemm|cutlass|splitKreduce|xmma|cublas"),
     ("kv_write", r"store|blockquant|fill_|quantize"),
 ]
@@ -68,12 +68,40 @@ def idle_profile(prof, windows: int = 20) -> dict[str, object]:
             "busy_fraction_per_window": [round(b / width, 3) for b in busy]}
 
 
+def largest_gaps(prof, n: int = 10, host_ops: int = 4) -> list[dict[str, object]]:
+    """The n longest stretches with no kernel running: where in the run (s from the first kernel),
+    how long, the kernels on either side, and, when host events were profiled (--host), the host
+    ops that overlap the gap most (name, seconds of overlap): what the device was waiting for."""
+    dev = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                 if ev.device_type.name == "CUDA" and ev.time_range.end > ev.time_range.start)
+    host = [(ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+            if ev.device_type.name == "CPU"]
+    gaps, end, last = [], dev[0][0] if dev else 0, ""
+    for s, e, name in dev:
+        if s > end:
+            gaps.append((s - end, end, s, last, name))
+        if e >= end:
+            end, last = e, name
+    out: list[dict[str, object]] = []
+    for length, a, b, before, after in sorted(gaps, reverse=True)[:n]:
+        over: dict[str, float] = {}
+        for hs, he, name in host:
+            o = min(he, b) - max(hs, a)
+            if o > 0:
+                over[name] = over.get(name, 0.0) + o / 1e6
+        out.append({"at_s": (a - dev[0][0]) / 1e6, "idle_s": length / 1e6, "before": before, "after": after,
+                    "host": sorted(over.items(), key=lambda kv: -kv[1])[:host_ops]})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="longctx")
     ap.add_argument("--bits", type=int, default=16, choices=(16, 8, 4))
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--out", default=None, help="JSON file")
+    ap.add_argument("--host", action="store_true",
+                    help="also profile host ops, to name what overlaps the longest idle gaps (slows the host)")
     args = ap.parse_args(argv)
     from torch.profiler import ProfilerActivity, profile
 
@@ -89,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     llm.generate(prompts[:4], params[:4], use_tqdm=False)
     eng.cache_manager.reset_prefix_cache()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.host else [])
+    with profile(activities=acts) as prof:
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
@@ -111,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
            "idle_s": wall - busy, "decode_attention_floor_s": floor, "rest_s": rest,
            "wall_at_floor_s": rest + floor, "output_tokens": sum(outs), "copy_bandwidth_Bps": bw,
            "kv_bytes_per_token": kv_per_token,
-           "top_kernels": dict(sorted(top.items(), key=lambda kv: -kv[1])[:40]), **idle_profile(prof)}
+           "top_kernels": dict(sorted(top.items(), key=lambda kv: -kv[1])[:40]), **idle_profile(prof),
+           "largest_gaps": largest_gaps(prof)}
     print(f"[{args.workload} bits {args.bits}] wall {wall:.2f} s (profiled); kernels {busy:.2f} s,"
           f" idle {wall - busy:.2f} s")
     for k, v in sums.items():
@@ -124,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
               f" {res['busy_fraction_per_window']}")
     for k, v in list(res["top_kernels"].items())[:8]:
         print(f"    {v:7.3f} s  {k[:90]}")
+    print("  longest idle gaps (at s: idle ms, kernel before -> after; host ops overlapping with --host):")
+    for g in res["largest_gaps"]:
+        host = ", ".join(f"{name[:40]} {o * 1e3:.2f}" for name, o in g["host"])
+        print(f"    {g['at_s']:7.3f}: {g['idle_s'] * 1e3:6.2f} ms  {str(g['before'])[:40]} -> {str(g['after'])[:40]}"
+              + (f"  [{host}]" if host else ""))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
