@@ -38,7 +38,6 @@ def fusable(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     run.__name__ = fn.__name__
     run.__doc__ = fn.__doc__
-    run.__wrapped__ = fn  # type: ignore[attr-defined]  # (tests compile it on the CPU)
     return run
 
 
