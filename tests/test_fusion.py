@@ -102,3 +102,44 @@ def test_bad_layout_is_an_error_naming_the_inputs() -> None:
     qk, _, _, cos, sin, _ = _inputs(torch.float32)
     with pytest.raises(ValueError, match="contiguous last dim"):
         triton_rope.qk_norm_rope(qk.transpose(1, 2), cos, sin, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,d", [((4, 2), 32), ((3, 3), 64), ((2, 1), 48)])
+def test_triton_rope_applies_the_kv_rotation_as_its_gemm_would(dtype, heads, d) -> None:
+    """rot: the KV format's q/k rotation (Hadamard at 32 and 64, a QR matrix at 48) in the same
+    kernel: as rounding the RoPE output to dtype and multiplying by R; head counts below the dot's
+    16 rows, a half dim of 24."""
+    from nanokv.kv.rotation import rotation_matrix
+    qk, qw, kw, cos, sin, hq = _inputs(dtype, *heads, d=d)
+    r = rotation_matrix(d, dtype)
+    plain = _compiled_semantics(qk, qw, kw, 1e-6, cos, sin, dtype, hq)
+    want = (plain.float() @ r.float()).to(dtype)
+    got = triton_rope.qk_norm_rope(qk.to(DEV), cos.to(DEV), sin.to(DEV), dtype, (qw.to(DEV), kw.to(DEV), 1e-6, hq),
+                                   r.to(DEV)).cpu()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert not torch.allclose(got.float(), plain.float(), atol=0.05)  # (it did rotate)
+    with pytest.raises(ValueError, match="rot must be"):
+        triton_rope.qk_norm_rope(qk, cos, sin, dtype, rot=r[:, :-1])
+
+
+def test_engine_with_the_rotation_in_the_rope_kernel_stores_the_same_int8_cache(monkeypatch) -> None:
+    """TritonConfig.qk_rotation_in_rope: the rotation moves from before_store into the RoPE step
+    (here its torch form: no GPU); the int8 cache the run leaves and the greedy tokens are the same,
+    so the rotation ran exactly once."""
+    from nanokv.engine.llm import LLM
+    from nanokv.sampling import SamplingParams
+    prompts = [[(5 * i + 3 + j) % 997 + 2 for i in range(20)] for j in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    toks, caches = {}, {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("NANOKV_TRITON", f"qk_rotation_in_rope={flag}")
+        llm = LLM("random:tiny-llama", num_gpu_blocks=16, block_size=16, max_num_batched_tokens=128, device="cpu",
+                  attention_backend="triton", enable_compression=True, quantization_bitwidth=8)
+        assert llm.engine.runner.backend.config.qk_rotation_in_rope == (flag == "1")
+        toks[flag] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        caches[flag] = [(c.k.clone(), c.k_scale.clone()) for c in llm.engine.runner.kv_caches]
+    assert toks["0"] == toks["1"]
+    for (k0, s0), (k1, s1) in zip(caches["0"], caches["1"]):
+        assert torch.equal(k0, k1) and torch.equal(s0, s1)

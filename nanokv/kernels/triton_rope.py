@@ -9,6 +9,10 @@ form of the joint tensor was slower still (0.44 s, session 11).
 Roundings follow the compiled torch function (nanokv.model.layers.fusion, fp32 inside a kernel):
 the normalized row is rounded to the input dtype before the weight (HF's order), the weighted row
 again, and the rotation is computed in fp32 and rounded once to the output dtype.
+
+Optionally (`rot`) the same program multiplies the rows by a KV format's rotation R [D, D]
+(nanokv.kv.rotation: q and k of int8/int4 layers), with the rounding of the GEMM it replaces
+(input in the output dtype, fp32 sums, one rounding): one launch less per layer and step.
 """
 
 from __future__ import annotations
@@ -19,9 +23,25 @@ import triton.language as tl
 
 
 @triton.jit
-def _qk_norm_rope_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, o_ptr,
+def _rotate_halves(a, b, r_ptr, offs_d, d_ok, DH: tl.constexpr, PREC: tl.constexpr):
+    """[a | b] @ R for R [2 DH, 2 DH] (row-major) -> its two halves, fp32: y1 = a R11 + b R21,
+    y2 = a R12 + b R22. a, b: [BLOCK_H, BLOCK_DH] in the output dtype (rounded as the GEMM's input)."""
+    m = d_ok[:, None] & d_ok[None, :]
+    rr = r_ptr + offs_d[:, None] * (2 * DH) + offs_d[None, :]
+    r11 = tl.load(rr, mask=m, other=0.0)
+    r12 = tl.load(rr + DH, mask=m, other=0.0)
+    r21 = tl.load(rr + DH * 2 * DH, mask=m, other=0.0)
+    r22 = tl.load(rr + DH * 2 * DH + DH, mask=m, other=0.0)
+    y1 = tl.dot(b, r21, tl.dot(a, r11, input_precision=PREC), input_precision=PREC)
+    y2 = tl.dot(b, r22, tl.dot(a, r12, input_precision=PREC), input_precision=PREC)
+    return y1, y2
+
+
+@triton.jit
+def _qk_norm_rope_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, o_ptr,
                          stride_xt, stride_xh, stride_ct, stride_st, eps, HQ, H,
-                         DH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr, NORM: tl.constexpr):
+                         DH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr, NORM: tl.constexpr,
+                         ROT: tl.constexpr, PREC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_DH)
@@ -45,25 +65,41 @@ def _qk_norm_rope_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, o_ptr,
         x2 = ((x2 * r).to(xdt).to(tl.float32) * w2).to(xdt).to(tl.float32)
     c = tl.load(cos_ptr + t * stride_ct + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + t * stride_st + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    odt = o_ptr.dtype.element_ty
+    y1 = (x1 * c - x2 * s).to(odt)
+    y2 = (x2 * c + x1 * s).to(odt)
+    if ROT:  # the KV format's rotation of q and k (nanokv.kv.rotation), as its GEMM on these rows would
+        y1, y2 = _rotate_halves(y1, y2, r_ptr, offs_d, d_ok, DH, PREC)
     orow = o_ptr + t * H * 2 * DH + offs_h[:, None] * (2 * DH) + offs_d[None, :]
-    tl.store(orow, (x1 * c - x2 * s).to(o_ptr.dtype.element_ty), mask=m2)
-    tl.store(orow + DH, (x2 * c + x1 * s).to(o_ptr.dtype.element_ty), mask=m2)
+    tl.store(orow, y1.to(odt), mask=m2)
+    tl.store(orow + DH, y2.to(odt), mask=m2)
 
 
 def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
-                 norm: tuple[torch.Tensor, torch.Tensor, float, int] | None = None) -> torch.Tensor:
+                 norm: tuple[torch.Tensor, torch.Tensor, float, int] | None = None,
+                 rot: torch.Tensor | None = None) -> torch.Tensor:
     """qk [T, H, D] (last dim contiguous; q's heads then k's) -> [T, H, D] in dtype, rotated by
     cos/sin [T, 1, D/2] (nanokv.model.layers.rotary.cos_sin); norm = (q weight [D], k weight [D],
-    eps, Hq) first normalizes each head, q's weight on the first Hq heads."""
+    eps, Hq) first normalizes each head, q's weight on the first Hq heads; rot [D, D] (in dtype)
+    then multiplies every head (a KV format's rotation of q and k), its input rounded to dtype."""
     T, H, D = qk.shape
     out = torch.empty((T, H, D), dtype=dtype, device=qk.device)
     if T == 0:
         return out
     if qk.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("qk_norm_rope: qk, cos and sin need a contiguous last dim")
+    if rot is not None:
+        if rot.shape != (D, D) or rot.dtype != dtype:
+            raise ValueError(f"qk_norm_rope: rot must be a [{D}, {D}] {dtype} matrix, got {tuple(rot.shape)} "
+                             f"{rot.dtype}")
+        rot = rot.contiguous()  # (a QR rotation, for head dims not a power of two, comes column-major)
     qw, kw, eps, hq = norm if norm is not None else (qk, qk, 0.0, H)  # (not read without NORM)
+    # the rotation's dots need >= 16 rows and inner size (padding rows and dims are masked)
+    bh, bd = triton.next_power_of_2(H), triton.next_power_of_2(D // 2)
+    if rot is not None:
+        bh, bd = max(bh, 16), max(bd, 16)
     _qk_norm_rope_kernel[(T,)](
-        qk, qw, kw, cos, sin, out, qk.stride(0), qk.stride(1), cos.stride(0), sin.stride(0), float(eps), hq, H,
-        DH=D // 2, BLOCK_H=triton.next_power_of_2(H), BLOCK_DH=triton.next_power_of_2(D // 2),
-        NORM=norm is not None, num_warps=4)
+        qk, qw, kw, cos, sin, rot if rot is not None else qk, out, qk.stride(0), qk.stride(1), cos.stride(0),
+        sin.stride(0), float(eps), hq, H, DH=D // 2, BLOCK_H=bh, BLOCK_DH=bd, NORM=norm is not None,
+        ROT=rot is not None, PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=4)
     return out

@@ -82,15 +82,25 @@ def qk_dtype(cache: LayerKVCache, x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def fused_rotation(layer: int, cache: LayerKVCache, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """R [D, D] in dtype when this layer's format rotates q and k (step 2 below) and the model's RoPE
+    kernel may apply it instead (before_store is then told `rotated`); None otherwise, and while the
+    outlier test hook, which must act before the rotation, is set for the layer."""
+    if not cache.rotate or (_OUTLIERS and layer in _OUTLIERS):
+        return None
+    return rotation_matrix(x.shape[-1], dtype, x.device)
+
+
 def before_store(layer: int, cache: LayerKVCache, md: Any, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k and v [T, Hk, D] (post-RoPE) -> (q, k, v) to hand to store + attention."""
+                 v: torch.Tensor, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k and v [T, Hk, D] (post-RoPE) -> (q, k, v) to hand to store + attention.
+    rotated: q and k arrive already rotated (fused_rotation)."""
     if _OUTLIERS and layer in _OUTLIERS:
         channels, factor = _OUTLIERS[layer]
         k, q = k.clone(), q.clone()
         k[..., list(channels)] *= factor
         q[..., list(channels)] /= factor
-    if cache.rotate:
+    if cache.rotate and not rotated:
         q, k = maybe_rotate(q, k, cache.bits, rotate=True)
     if cache.rotate_v:  # int4 values are stored as v R (the output is rotated back in after_attention)
         v = v @ rotation_matrix(v.shape[-1], v.dtype, v.device)

@@ -51,11 +51,12 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hk) * D]
         qk, v = qkv[:, :n].view(T, -1, D), qkv[:, n:]  # [T, Hq + Hk, D]: q's heads, then k's
         dt = self.attn.qk_dtype(qk)  # the attention's compute dtype: the RoPE kernel writes it
+        rot = self.attn.qk_rotation(qk, dt)  # the KV format's q/k rotation, when the RoPE kernel applies it
         if self.q_norm is not None and self.k_norm is not None:
-            qk = qk_norm_rope(qk, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope, dt, hq)
+            qk = qk_norm_rope(qk, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope, dt, hq, rot)
         else:
-            qk = RotaryEmbedding.rotate(qk, *rope, dt)
-        o = self.attn(qk[:, :hq].reshape(T, -1), qk[:, hq:].reshape(T, -1), v)
+            qk = RotaryEmbedding.rotate(qk, *rope, dt, rot)
+        o = self.attn(qk[:, :hq].reshape(T, -1), qk[:, hq:].reshape(T, -1), v, rotated=rot is not None)
         return self.o_proj(o)
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from nanokv.attention.backend import REFERENCE
 from nanokv.attention.metadata import get_context
-from nanokv.kv.hooks import after_attention, before_store, qk_dtype
+from nanokv.kv.hooks import after_attention, before_store, fused_rotation, qk_dtype
 
 
 class Attention(nn.Module):
@@ -33,9 +33,20 @@ class Attention(nn.Module):
             return x.dtype
         return qk_dtype(ctx.kv_caches[self.layer_idx], x)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq*D], k and v [T, Hk*D] (already rotated; q and k may be in the attention's own
-        dtype, qk_dtype) -> attention output [T, Hq*D] in v's dtype (the model's)."""
+    def qk_rotation(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """The KV format's rotation R [D, D] for the model's RoPE kernel to apply to q and k, when the
+        backend asks for that (TritonConfig.qk_rotation_in_rope) and the layer's format rotates;
+        else None (the rotation then happens in before_store)."""
+        ctx = get_context()
+        cfg = getattr(ctx.backend, "config", None)
+        if ctx.metadata is None or not getattr(cfg, "qk_rotation_in_rope", False):
+            return None
+        return fused_rotation(self.layer_idx, ctx.kv_caches[self.layer_idx], x, dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotated: bool = False) -> torch.Tensor:
+        """q [T, Hq*D], k and v [T, Hk*D] (RoPE applied; q and k may be in the attention's own dtype,
+        qk_dtype, and with `rotated` already multiplied by qk_rotation's R) -> attention output
+        [T, Hq*D] in v's dtype (the model's)."""
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -52,7 +63,7 @@ class Attention(nn.Module):
             cache = ctx.kv_caches[self.layer_idx]
             # KV compression (owned by nanokv.kv): Hadamard-rotate q/k when this layer's format
             # says so, sample the compression error, test hooks. Before the store, on every backend.
-            q, k, v = before_store(self.layer_idx, cache, md, q, k, v)
+            q, k, v = before_store(self.layer_idx, cache, md, q, k, v, rotated)
             backend = ctx.backend or REFERENCE
             backend.store_kvcache(k, v, cache, md.slot_mapping)
             o = backend.paged_attention(q, cache, md, self.scale, k=k, v=v)

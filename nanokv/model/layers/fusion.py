@@ -79,26 +79,33 @@ def _on_gpu_kernel(qk: torch.Tensor) -> bool:
     return _ENABLED and qk.is_cuda
 
 
-def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """qk [T, Hq + Hk, D] (q's heads, then k's) -> rotated, in dtype: one new [T, Hq + Hk, D] tensor."""
+def _times(x: torch.Tensor, rot: torch.Tensor | None) -> torch.Tensor:
+    return x if rot is None else x @ rot
+
+
+def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
+         rot: torch.Tensor | None = None) -> torch.Tensor:
+    """qk [T, Hq + Hk, D] (q's heads, then k's) -> rotated, in dtype: one new [T, Hq + Hk, D] tensor
+    (then times rot [D, D] in dtype, a KV format's rotation of q and k, when given)."""
     if _on_gpu_kernel(qk):
         from nanokv.kernels import triton_rope
-        return triton_rope.qk_norm_rope(qk, cos, sin, dtype)
-    return _rotate(qk, cos, sin).to(dtype)
+        return triton_rope.qk_norm_rope(qk, cos, sin, dtype, rot=rot)
+    return _times(_rotate(qk, cos, sin).to(dtype), rot)
 
 
 def qk_norm_rope(qk: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, eps: float, cos: torch.Tensor,
-                 sin: torch.Tensor, dtype: torch.dtype, hq: int) -> torch.Tensor:
+                 sin: torch.Tensor, dtype: torch.dtype, hq: int, rot: torch.Tensor | None = None) -> torch.Tensor:
     """Qwen3: per-head RMSNorm (q's weight on the first hq heads, k's on the rest), then RoPE.
 
     qk [T, Hq + Hk, D] (e.g. a view of the qkv projection's output) -> one new [T, Hq + Hk, D]
     tensor in dtype (the attention's, nanokv.kv.hooks.qk_dtype). q and k as one tensor: on a GPU
     that is one kernel launch for both, and the heads stay adjacent, so a product both then take (a
-    KV format's key rotation, nanokv.kv.rotation.maybe_rotate) is one GEMM."""
+    KV format's key rotation, nanokv.kv.rotation.maybe_rotate) is one GEMM, or, given as rot, is
+    applied here (on a GPU inside the same kernel)."""
     if _on_gpu_kernel(qk):
         from nanokv.kernels import triton_rope
-        return triton_rope.qk_norm_rope(qk, cos, sin, dtype, (qw, kw, eps, hq))
-    return _rotate(_rms(qk, _head_weight(qw, kw, hq, qk.shape[1]), eps), cos, sin).to(dtype)
+        return triton_rope.qk_norm_rope(qk, cos, sin, dtype, (qw, kw, eps, hq), rot)
+    return _times(_rotate(_rms(qk, _head_weight(qw, kw, hq, qk.shape[1]), eps), cos, sin).to(dtype), rot)
 
 
 @fusable

@@ -77,11 +77,11 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     @staticmethod
-    def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               dtype: torch.dtype | None = None) -> torch.Tensor:
+    def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype | None = None,
+               rot: torch.Tensor | None = None) -> torch.Tensor:
         """qk [T, H, D] (e.g. q's heads then k's) rotated by cos/sin from `cos_sin`, a new tensor of
-        the same shape (dtype: the output's, default qk's)."""
-        return rope(qk, cos, sin, dtype or qk.dtype)
+        the same shape (dtype: the output's, default qk's; rot: see fusion.rope)."""
+        return rope(qk, cos, sin, dtype or qk.dtype, rot)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
