@@ -23,8 +23,8 @@ def test_decode_kernels_compile_for_sm90(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "nanokv.bench.compile_sm90", "--out", str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("ok decode")]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("ok ")]
     assert len(lines) == len(r.stdout.splitlines()), r.stdout  # every variant built, none FAILed
-    for kind in ("bits=16", "bits=8", "bits=4", "min_rows=-1"):  # each kernel (-1: triton_decode_swap)
+    for kind in ("bits=16", "bits=8", "bits=4", "min_rows=-1", "rope rot=False", "rope rot=True"):  # each kernel
         assert any(kind in ln for ln in lines), (kind, r.stdout)
     assert all(int(ln.split(": ")[1].split()[0]) > 10_000 for ln in lines)  # real cubins

@@ -1,4 +1,4 @@
-"""Compile the decode kernels for an H100/H200 (sm_90) on any machine, no GPU needed.
+"""Compile the decode kernels (and the q/k norm + RoPE kernel) for an H100/H200 (sm_90) on any machine, no GPU needed.
 
   python -m nanokv.bench.compile_sm90 [--sass DIR]
 
@@ -24,6 +24,7 @@ from triton.compiler import ASTSource
 from nanokv.kernels.triton_decode import _decode_kernel
 from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
 from nanokv.kernels.triton_decode_swap import decode_int8_swap_kernel
+from nanokv.kernels.triton_rope import _qk_norm_rope_kernel
 
 PTRS = dict(q_ptr="*bf16", k_ptr="*i32", v_ptr="*i32", ks_ptr="*fp16", vs_ptr="*fp16", kz_ptr="*fp16",
             vz_ptr="*fp16", kst_ptr="*bf16", vst_ptr="*bf16", stage_ptr="*i32", bt_ptr="*i32",
@@ -64,6 +65,19 @@ def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_r
     return ck.asm["cubin"]
 
 
+def compile_rope(rot: bool) -> bytes:
+    """The q/k norm + RoPE kernel at Qwen3-0.6B shapes (24 heads of 128, bf16 in, fp16 out for an
+    int8 layer), with or without the KV rotation's dots -> the sm_90 cubin."""
+    fn = _qk_norm_rope_kernel
+    const = dict(DH=64, BLOCK_H=32, BLOCK_DH=64, NORM=True, ROT=rot, PREC="tf32")
+    ptrs = dict(x_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", r_ptr="*fp16",
+                o_ptr="*fp16", eps="fp32")
+    names = fn.arg_names
+    sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in names}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["cubin"]
+
+
 def resources(cubin_path: str) -> str:
     """'REG:n ... SHARED:n' from cuobjdump, or '' where the tool is missing."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -96,6 +110,17 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, "wb") as f:
             f.write(cubin)
         print(f"ok {name}: {len(cubin)} bytes {resources(path)}", flush=True)
+    for rot in (False, True):
+        try:
+            cubin = compile_rope(rot)
+        except Exception as e:  # reported, then the run fails
+            failed += 1
+            print(f"FAIL rope rot={rot}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        path = os.path.join(out, f"rope_{int(rot)}.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        print(f"ok rope rot={rot}: {len(cubin)} bytes {resources(path)}", flush=True)
     return 1 if failed else 0
 
 
