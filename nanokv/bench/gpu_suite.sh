@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything the GPU issues measure.
 #   bash nanokv/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf] [pool] [ncu]
+#                                  [pairs] [rotab] [breakdown]
+# pairs: int8 then bf16 on the long-context workload, PAIRS times (issue 4's ratio, same machine);
+# rotab: int8 with TritonConfig.qk_rotation_in_rope on, then off, PAIRS times; breakdown: run_breakdown
+# of int8 and bf16 with host ops (the longest idle gaps and what overlaps them)
 # Results: $OUT/*.json and $OUT/suite.log; a summary table is printed last.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -43,6 +47,24 @@ for ph in $phases; do
         ncu --import "$OUT/ncu_$b.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${b}_sass.csv" 2>&1
       done ;;
     hf) run hf $BENCH --workload nanovllm --compare hf --num-seqs 64 --out "$OUT/nanovllm_hf64.json" ;;
+    pairs)
+      for i in $(seq "${PAIRS:-2}"); do
+        run pair${i}_int8 $BENCH --workload longctx --enable-compression --quantization-bitwidth 8 \
+          --out "$OUT/pair${i}_int8.json"
+        run pair${i}_bf16 $BENCH --workload longctx --out "$OUT/pair${i}_bf16.json"
+      done ;;
+    rotab)
+      for i in $(seq "${PAIRS:-2}"); do
+        run rot${i}_on env NANOKV_TRITON=qk_rotation_in_rope=1 $BENCH --workload longctx --enable-compression \
+          --quantization-bitwidth 8 --out "$OUT/rot${i}_on.json"
+        run rot${i}_off $BENCH --workload longctx --enable-compression --quantization-bitwidth 8 \
+          --out "$OUT/rot${i}_off.json"
+      done ;;
+    breakdown)
+      for b in 8 16; do
+        run breakdown_$b python3 -m nanokv.bench.run_breakdown --workload longctx --bits $b --host \
+          --out "$OUT/breakdown_$b.json"
+      done ;;
   esac
 done
 echo "===== summary" | tee -a "$LOG"
