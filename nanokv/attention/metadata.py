@@ -39,7 +39,8 @@ class AttentionMetadata:
     # host copies for the CPU reference path (avoid device syncs)
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
-    # extra per-step information for backends (e.g. attention-mass accumulation for sparsity)
+    # extra per-step information for backends (e.g. attention-mass accumulation for sparsity) and
+    # the runner (the sampled rows' token index, ModelRunner.build_metadata)
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property

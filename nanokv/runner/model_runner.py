@@ -160,12 +160,17 @@ class ModelRunner:
         return int(n)
 
     # ---- one step -----------------------------------------------------------------------------
-    def build_metadata(self, items, extra: list[np.ndarray] | None = None
+    def build_metadata(self, items, extra: list[np.ndarray] | None = None, logits_rows: list[int] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[torch.Tensor]]:
         """items: list of (token_ids, num_computed, num_new, block_table, is_prefill), prefills first.
 
         Returns input_ids [T], positions [T], metadata, and `extra` host arrays on the device: all
         of them sent in one copy (nanokv.runner.h2d). Host work is numpy, one pass per sequence.
+        logits_rows: rows to sample; unless they are every token of the step (decode only), the
+        packed index of each one's last token goes in the same copy, as md.extras["logits_index"].
+        (Built on the host after the forward, torch.tensor(..., device=), that pageable copy waited
+        for the whole forward and left the GPU idle through the host's next step: 0.17-0.28 s of
+        a long-context run's prefills, H200.)
         """
         bs = self.block_size
         B = len(items)
@@ -193,6 +198,9 @@ class ModelRunner:
         positions = np.arange(T, dtype=np.int64) - qsl[:-1][row] + starts[row]
         blk = tables[row, positions // bs].astype(np.int64)
         slots = np.where(blk >= 0, blk * bs + positions % bs, -1)
+        last: list[np.ndarray] = []
+        if logits_rows and not len(logits_rows) == B == T:
+            last = [qsl[1:][np.asarray(logits_rows, dtype=np.int64)] - 1]
         num_prefills = sum(1 for it in items if it[4])
         num_prefill_tokens = int(lens[:num_prefills].sum())
         qsl_list = qsl.tolist()
@@ -203,10 +211,11 @@ class ModelRunner:
             stage_upd = self.stage.pending()  # its device-map updates travel in the same copy
         ids, pos, slot_t, qsl_t, lens_t, tables_t, *extra_t = self.uploader.upload(
             [np.asarray(input_ids, dtype=np.int64), positions, slots, qsl.astype(np.int32),
-             ends.astype(np.int32), tables, *(extra or []), *stage_upd])
+             ends.astype(np.int32), tables, *(extra or []), *last, *stage_upd])
         if self.stage is not None:
             self.stage.apply(*extra_t[-3:])
             extra_t = extra_t[:-3]
+        last_t = extra_t.pop() if last else None
         md = AttentionMetadata(
             slot_mapping=slot_t,
             query_start_loc=qsl_t,
@@ -220,6 +229,8 @@ class ModelRunner:
             query_start_loc_cpu=qsl_list,
             seq_lens_cpu=seq_lens,
         )
+        if last_t is not None:
+            md.extras["logits_index"] = last_t
         if self.attn_probe is not None:  # read by nanokv.kv.hooks.before_store in every layer
             md.extras["attn_probe"] = self.attn_probe.begin(md)
         return ids, pos, md, extra_t
@@ -236,31 +247,17 @@ class ModelRunner:
         extra = [np.asarray(feed[2], dtype=np.int64), np.asarray(feed[1], dtype=np.int64)] \
             if feed is not None and fed else []
         rows = logits_rows if logits_rows is not None else list(range(len(items)))
-        # the token index of each sampled row's last token, sent with the metadata: built on the host
-        # after the forward (torch.tensor(..., device=)), its pageable copy waited for the whole
-        # forward to finish and left the GPU idle through the host's next step (0.17-0.28 s of a
-        # long-context run's prefills, H200)
-        last = self._last_tokens(items, rows) if rows and not all_logits else None
-        ids, pos, md, extra_t = self.build_metadata(items, extra + ([last] if last is not None else []))
+        ids, pos, md, extra_t = self.build_metadata(items, extra, None if all_logits else rows)
         if feed is not None and fed:
-            dst_t, src_t = extra_t[:2]
+            dst_t, src_t = extra_t
             ids.index_copy_(0, dst_t, feed[0].index_select(0, src_t))
         try:
-            return self._run(ids, pos, md, rows, extra_t[-1] if last is not None else None, all_logits)
+            return self._run(ids, pos, md, rows, all_logits)
         finally:
             if self.stage is not None:  # blocks filled by this step are quantized: free their staging
                 self.stage.finish(defer=True)  # (the device map changes with the next step's copy)
 
-    @staticmethod
-    def _last_tokens(items, rows: list[int]) -> np.ndarray | None:
-        """Packed index [len(rows)] of each row's last query token; None for a decode-only step
-        whose rows are all its tokens (the logits are then the hidden states' in order)."""
-        ends = np.cumsum(np.fromiter((it[2] for it in items), dtype=np.int64, count=len(items))) - 1
-        if len(rows) == len(items) == int(ends[-1]) + 1:
-            return None
-        return ends[np.asarray(rows, dtype=np.int64)]
-
-    def _run(self, ids, pos, md, rows, last, all_logits) -> torch.Tensor | None:
+    def _run(self, ids, pos, md, rows, all_logits) -> torch.Tensor | None:
         with forward_context(md, self.kv_caches, self.backend, self.batch_invariant):
             if self.graphs is not None and not all_logits and self.graphs.can_run(md):
                 hidden = self.graphs.run(ids, pos, md)
@@ -273,4 +270,5 @@ class ModelRunner:
             # sampling logits stay in the model's dtype on a GPU (a [B, 151936] float32 copy costs
             # more than the argmax; the sampler upcasts where it needs to): float32 on the CPU path
             f32 = self.device.type != "cuda"
+            last = md.extras.get("logits_index")  # (absent: decode only, every row is its last token)
             return self.model.compute_logits(hidden if last is None else hidden[last], f32)
