@@ -8,7 +8,8 @@ layers split the input dim and all-reduce their partial sums.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -24,34 +25,60 @@ _CPU_PANEL_ROWS = 768  # output rows per sgemm for small CPU batches (MergedColu
 
 def invariant_rows(m: int) -> int:
     """Rows a CPU matmul of m rows is padded to (batch_invariant) so that each row's result is the
-    one it gets in a matmul of any number of rows: measured on this project's CPUs (MKL sgemm,
-    every SmolLM2 shape, 1 to 2048 rows): 4, 8 and 12 or more rows give the same bits as 2048,
-    1-3, 5-7 and 9-11 do not. tests/test_batch_invariant.py checks it on the machine it runs on."""
-    if m >= 12 or m in (4, 8):
-        return m
-    return 4 if m < 4 else 8 if m < 8 else 12
+    one it gets in a matmul of any number of rows. Measured (MKL sgemm, one thread, SmolLM2's
+    shapes, 1 to 2076 rows): on one of this project's CPUs 4, 8 and 12 or more rows give the same
+    bits, on another (AVX-512 with FP16, session 12) 16 or more do, 2-15 another and 1 a third.
+    tests/test_batch_invariant.py checks it on the machine it runs on."""
+    return max(m, 16)
+
+
+def _invariant(x: torch.Tensor) -> bool:
+    ctx = current_context()
+    return ctx is not None and ctx.batch_invariant and x.device.type == "cpu" and x.dim() == 2
 
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:
     """x [m, in] with zero rows appended up to invariant_rows(m) when the forward in progress is
     batch-invariant (the engine's batch_invariant, CPU only)."""
-    ctx = current_context()
-    if ctx is None or not ctx.batch_invariant or x.device.type != "cpu" or x.dim() != 2:
+    if not _invariant(x):
         return x
     r = invariant_rows(x.shape[0])
     return x if r == x.shape[0] else torch.cat([x, x.new_zeros(r - x.shape[0], x.shape[1])])
 
 
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    # with two threads MKL splits the sum over `in` between them for some row counts (the 1536-wide
+    # down projection at 57-192 rows, session 12's CPU), which changes the bits; one thread keeps
+    # one summation order per row count (about 2x the time of these matmuls, batch_invariant only)
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def matmul_threads(x: torch.Tensor) -> AbstractContextManager[None]:
+    """Around a matmul of x's rows: one thread when the forward is batch-invariant (CPU)."""
+    return _one_thread() if _invariant(x) else nullcontext()
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
            panel_rows: int | None = None) -> torch.Tensor:
-    """F.linear, its rows padded under batch_invariant (pad_rows). panel_rows: on the CPU, a batch of
-    4 to 64 rows multiplies `panel_rows` output rows of w at a time (each output is the same dot
-    product, so the result is unchanged; MergedColumnParallelLinear says when it pays)."""
+    """F.linear; under batch_invariant (CPU) its rows padded (pad_rows) and one thread. panel_rows:
+    on the CPU, a batch of 4 to 64 rows multiplies `panel_rows` output rows of w at a time (each
+    output is the same dot product, so the result is unchanged; MergedColumnParallelLinear says
+    when it pays)."""
     xp = pad_rows(x)
-    if panel_rows and x.device.type == "cpu" and b is None and 4 <= xp.shape[0] <= 64:
-        y = torch.cat([F.linear(xp, wp) for wp in w.split(panel_rows)], dim=-1)
-    else:
-        y = F.linear(xp, w, b)
+    with matmul_threads(x):
+        if panel_rows and x.device.type == "cpu" and b is None and 4 <= xp.shape[0] <= 64:
+            y = torch.cat([F.linear(xp, wp) for wp in w.split(panel_rows)], dim=-1)
+        else:
+            y = F.linear(xp, w, b)
     return y if xp is x else y[: x.shape[0]]
 
 
