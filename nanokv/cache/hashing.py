@@ -8,9 +8,10 @@ hash and can never share a block (no cross-tenant timing side channel).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nanokv.errors import NanoKVError
@@ -40,6 +41,21 @@ def root_hash(cache_salt: str | None = None, algo: str = "sha256") -> bytes:
     return h.digest()
 
 
+_NO_EXTRA = struct.pack("<I", 0)
+
+
+def _constructor(algo: str) -> Callable[[bytes], Any]:
+    _new(algo)  # an unknown algorithm: the named error
+    return hashlib.sha256 if algo == "sha256" else functools.partial(hashlib.blake2b, digest_size=32)
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f"<{len(token_ids)}q", *token_ids)
+    except struct.error as exc:  # non-int or out-of-range token ids come from user input
+        raise NanoKVError("token_ids", f"token ids must be integers in int64 range ({exc})") from exc
+
+
 def block_hash(
     parent: bytes, token_ids: Sequence[int], extra_keys: bytes = b"", algo: str = "sha256"
 ) -> bytes:
@@ -48,10 +64,7 @@ def block_hash(
     h.update(parent)
     h.update(struct.pack("<I", len(extra_keys)))
     h.update(extra_keys)
-    try:
-        h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    except struct.error as exc:  # non-int or out-of-range token ids come from user input
-        raise NanoKVError("token_ids", f"token ids must be integers in int64 range ({exc})") from exc
+    h.update(_pack(token_ids))
     return h.digest()
 
 
@@ -74,8 +87,16 @@ def hash_full_blocks(
     n_full = len(token_ids) // block_size
     if max_blocks is not None:
         n_full = min(n_full, max_blocks)
+    if n_full <= start_block:
+        return []
+    # the blocks' token bytes packed at once, and each block hashed in one update of
+    # parent || no extra keys || tokens (the bytes block_hash feeds): a long prompt's blocks are
+    # hashed on admission, ~3x faster than a hash object and four updates per block
+    raw = _pack(token_ids[start_block * block_size:n_full * block_size])
+    new = _constructor(algo)
+    step = 8 * block_size
     out: list[bytes] = []
-    for i in range(start_block, n_full):
-        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size], algo=algo)
+    for i in range(n_full - start_block):
+        parent = new(parent + _NO_EXTRA + raw[i * step:(i + 1) * step]).digest()
         out.append(parent)
     return out
