@@ -25,6 +25,7 @@ def test_decode_kernels_compile_for_sm90(tmp_path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("ok ")]
     assert len(lines) == len(r.stdout.splitlines()), r.stdout  # every variant built, none FAILed
-    for kind in ("bits=16", "bits=8", "bits=4", "min_rows=-1", "rope rot=False", "rope rot=True"):  # each kernel
+    for kind in ("bits=16", "bits=8", "bits=4", "min_rows=-1", "rope rot=False", "rope rot=True",
+                 "norm add=False", "norm add=True", "silu_mul"):  # each kernel
         assert any(kind in ln for ln in lines), (kind, r.stdout)
     assert all(int(ln.split(": ")[1].split()[0]) > 10_000 for ln in lines)  # real cubins

@@ -1,4 +1,4 @@
-"""Compile the decode kernels (and the q/k norm + RoPE kernel) for an H100/H200 (sm_90) on any machine, no GPU needed.
+"""Compile the decode kernels (and the q/k norm + RoPE, RMSNorm, SiLU-and-mul kernels) for sm_90 on any machine.
 
   python -m nanokv.bench.compile_sm90 [--sass DIR]
 
@@ -24,6 +24,7 @@ from triton.compiler import ASTSource
 from nanokv.kernels.triton_decode import _decode_kernel
 from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
 from nanokv.kernels.triton_decode_swap import decode_int8_swap_kernel
+from nanokv.kernels.triton_norm import _rms_kernel, _silu_mul_kernel
 from nanokv.kernels.triton_rope import _qk_norm_rope_kernel
 
 PTRS = dict(q_ptr="*bf16", k_ptr="*i32", v_ptr="*i32", ks_ptr="*fp16", vs_ptr="*fp16", kz_ptr="*fp16",
@@ -65,17 +66,34 @@ def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_r
     return ck.asm["cubin"]
 
 
-def compile_rope(rot: bool) -> bytes:
-    """The q/k norm + RoPE kernel at Qwen3-0.6B shapes (24 heads of 128, bf16 in, fp16 out for an
-    int8 layer), with or without the KV rotation's dots -> the sm_90 cubin."""
-    fn = _qk_norm_rope_kernel
-    const = dict(DH=64, BLOCK_H=32, BLOCK_DH=64, NORM=True, ROT=rot, PREC="tf32")
-    ptrs = dict(x_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", r_ptr="*fp16",
-                o_ptr="*fp16", eps="fp32")
+def _compile(fn, const: dict, ptrs: dict, num_warps: int = 4) -> bytes:
     names = fn.arg_names
     sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in names}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["cubin"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps)).asm["cubin"]
+
+
+def compile_rope(rot: bool) -> bytes:
+    """The q/k norm + RoPE kernel at Qwen3-0.6B shapes (24 heads of 128, bf16 in, fp16 out for an
+    int8 layer), with or without the KV rotation's dots -> the sm_90 cubin."""
+    return _compile(_qk_norm_rope_kernel, dict(DH=64, BLOCK_H=32, BLOCK_DH=64, NORM=True, ROT=rot, PREC="tf32"),
+                    dict(x_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16",
+                         r_ptr="*fp16", o_ptr="*fp16", eps="fp32"))
+
+
+def compile_norm(add: bool) -> bytes:
+    """The RMSNorm kernel (with the residual add or not) at Qwen3-0.6B's hidden size, bf16."""
+    return _compile(_rms_kernel, dict(BLOCK=1024, ADD=add),
+                    dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", o_ptr="*bf16", s_ptr="*bf16", eps="fp32"))
+
+
+def compile_silu() -> bytes:
+    return _compile(_silu_mul_kernel, dict(BLOCK=1024), dict(x_ptr="*bf16", o_ptr="*bf16"))
+
+
+OTHERS = {"rope rot=False": lambda: compile_rope(False), "rope rot=True": lambda: compile_rope(True),
+          "norm add=False": lambda: compile_norm(False), "norm add=True": lambda: compile_norm(True),
+          "silu_mul": compile_silu}
 
 
 def resources(cubin_path: str) -> str:
@@ -110,17 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, "wb") as f:
             f.write(cubin)
         print(f"ok {name}: {len(cubin)} bytes {resources(path)}", flush=True)
-    for rot in (False, True):
+    for name, build in OTHERS.items():
         try:
-            cubin = compile_rope(rot)
+            cubin = build()
         except Exception as e:  # reported, then the run fails
             failed += 1
-            print(f"FAIL rope rot={rot}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
-        path = os.path.join(out, f"rope_{int(rot)}.cubin")
+        path = os.path.join(out, re.sub(r"\W+", "_", name) + ".cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        print(f"ok rope rot={rot}: {len(cubin)} bytes {resources(path)}", flush=True)
+        print(f"ok {name}: {len(cubin)} bytes {resources(path)}", flush=True)
     return 1 if failed else 0
 
 

@@ -64,7 +64,8 @@ class ModelRunner:
                                               else cfg.enable_compression)
         self.backend = make_backend(cfg.attention_backend, device, batch_invariant=self.batch_invariant)
         # fused elementwise chains (torch.compile) ride with the CUDA graphs: off in eager mode
-        set_fusion(device.type == "cuda" and not cfg.enforce_eager and not os.environ.get("NANOKV_NO_FUSION"))
+        set_fusion(device.type == "cuda" and not cfg.enforce_eager and not os.environ.get("NANOKV_NO_FUSION"),
+                   kernels=not os.environ.get("NANOKV_COMPILED_NORMS"))
         self.num_blocks = self._decide_num_blocks()
         # int4 layers quantize a block once it fills; open blocks wait in full-precision staging,
         # one table for all layers (nanokv.kv.staging)

@@ -2,9 +2,11 @@
 
 A decode step of a small model at batch 256 is hundreds of tiny kernels (each RMSNorm alone is a
 cast, a square, a mean, an rsqrt and three products); a CUDA graph removes their launch cost but
-not their memory round trips. On CUDA, with fusion enabled, each chain below becomes one
-generated kernel, except q's and k's norm + RoPE, which is one hand-written Triton kernel
-(nanokv.kernels.triton_rope). The plain functions stay the reference path: CPU, `enforce_eager`, tests.
+not their memory round trips. On CUDA, with fusion enabled, each chain below is one hand-written
+Triton kernel (nanokv.kernels.triton_rope, nanokv.kernels.triton_norm); `NANOKV_COMPILED_NORMS=1`
+makes the norms and SiLU-and-mul Inductor-generated kernels instead (torch.compile: the same device
+time, more host time per call). The plain functions stay the reference path: CPU, `enforce_eager`,
+tests.
 """
 
 from __future__ import annotations
@@ -16,11 +18,16 @@ import torch
 import torch.nn.functional as F
 
 _ENABLED = False
+_KERNELS = True  # the norms and SiLU-and-mul as hand-written kernels (else torch.compile)
 
 
-def set_fusion(enabled: bool) -> None:
-    global _ENABLED
-    _ENABLED = enabled
+def set_fusion(enabled: bool, kernels: bool = True) -> None:
+    global _ENABLED, _KERNELS
+    _ENABLED, _KERNELS = enabled, kernels
+
+
+def _kernel_ok(x: torch.Tensor) -> bool:
+    return _ENABLED and _KERNELS and x.is_cuda
 
 
 def fusable(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -49,17 +56,34 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @fusable
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., H] -> RMSNorm(x) * weight."""
+def _rms_norm_compiled(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _rms(x, weight, eps)
 
 
 @fusable
+def _add_rms_norm_compiled(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x + residual
+    return _rms(s, weight, eps), s
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H] -> RMSNorm(x) * weight."""
+    if _kernel_ok(x):
+        from nanokv.kernels import triton_norm
+        if triton_norm.supported(x, weight):
+            return triton_norm.rms_norm(x, weight, eps)
+    return _rms_norm_compiled(x, weight, eps)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual)."""
-    s = x + residual
-    return _rms(s, weight, eps), s
+    if _kernel_ok(x):
+        from nanokv.kernels import triton_norm
+        if triton_norm.supported(x, weight, residual):
+            return triton_norm.add_rms_norm(x, residual, weight, eps)
+    return _add_rms_norm_compiled(x, residual, weight, eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -109,7 +133,14 @@ def qk_norm_rope(qk: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, eps: floa
 
 
 @fusable
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2*I] = [gate | up] -> silu(gate) * up  [T, I]."""
+def _silu_mul_compiled(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2*I] = [gate | up] -> silu(gate) * up  [T, I]."""
+    if _kernel_ok(x):
+        from nanokv.kernels import triton_norm
+        return triton_norm.silu_mul(x)
+    return _silu_mul_compiled(x)
