@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything the GPU issues measure.
 #   bash nanokv/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf] [pool] [ncu]
-#                                  [pairs] [rotab] [breakdown]
+#                                  [pairs] [rotab] [breakdown] [variants] [hostprof]
 # pairs: int8 then bf16 on the long-context workload, PAIRS times (issue 4's ratio, same machine);
 # rotab: int8 with TritonConfig.qk_rotation_in_rope on, then off, PAIRS times; breakdown: run_breakdown
-# of int8 and bf16 with host ops (the longest idle gaps and what overlaps them)
+# of int8 and bf16 with host ops (the longest idle gaps and what overlaps them); variants: the int8
+# long-context run once per VARIANTS entry ("name=ENV=VALUE", space-separated), e.g.
+# VARIANTS="compiled_norms=NANOKV_COMPILED_NORMS=1 rot_off=NANOKV_TRITON=qk_rotation_in_rope=0";
+# hostprof: host time of the int8 run's prefill phase (nanokv.bench.host_profile)
 # Results: $OUT/*.json and $OUT/suite.log; a summary table is printed last.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -57,9 +60,15 @@ for ph in $phases; do
       for i in $(seq "${PAIRS:-2}"); do
         run rot${i}_on env NANOKV_TRITON=qk_rotation_in_rope=1 $BENCH --workload longctx --enable-compression \
           --quantization-bitwidth 8 --out "$OUT/rot${i}_on.json"
-        run rot${i}_off $BENCH --workload longctx --enable-compression --quantization-bitwidth 8 \
+        run rot${i}_off env NANOKV_TRITON=qk_rotation_in_rope=0 $BENCH --workload longctx --enable-compression --quantization-bitwidth 8 \
           --out "$OUT/rot${i}_off.json"
       done ;;
+    variants)
+      for v in ${VARIANTS:-}; do
+        run var_${v%%=*} env "${v#*=}" $BENCH --workload longctx --enable-compression --quantization-bitwidth 8 \
+          --out "$OUT/var_${v%%=*}.json"
+      done ;;
+    hostprof) run hostprof_8 python3 -m nanokv.bench.host_profile --bits 8 --out "$OUT/hostprof_8.json" ;;
     breakdown)
       for b in 8 16; do
         run breakdown_$b python3 -m nanokv.bench.run_breakdown --workload longctx --bits $b --host \
