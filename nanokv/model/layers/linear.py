@@ -73,13 +73,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     on the CPU, a batch of 4 to 64 rows multiplies `panel_rows` output rows of w at a time (each
     output is the same dot product, so the result is unchanged; MergedColumnParallelLinear says
     when it pays)."""
+    if not _invariant(x):  # (the GPU path: one context lookup)
+        return _linear(x, w, b, panel_rows)
     xp = pad_rows(x)
-    with matmul_threads(x):
-        if panel_rows and x.device.type == "cpu" and b is None and 4 <= xp.shape[0] <= 64:
-            y = torch.cat([F.linear(xp, wp) for wp in w.split(panel_rows)], dim=-1)
-        else:
-            y = F.linear(xp, w, b)
+    with _one_thread():
+        y = _linear(xp, w, b, panel_rows)
     return y if xp is x else y[: x.shape[0]]
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, panel_rows: int | None) -> torch.Tensor:
+    if panel_rows and x.device.type == "cpu" and b is None and 4 <= x.shape[0] <= 64:
+        return torch.cat([F.linear(x, wp) for wp in w.split(panel_rows)], dim=-1)
+    return F.linear(x, w, b)
 
 
 def _divide(n: int, tp: int, what: str) -> int:
