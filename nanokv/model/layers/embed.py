@@ -12,7 +12,7 @@ from torch import nn
 
 from nanokv.distributed import all_gather, all_reduce, get_tp_rank, get_tp_size
 from nanokv.errors import NanoKVError
-from nanokv.model.layers.linear import matmul_threads, pad_rows
+from nanokv.model.layers.linear import matmul_for, pad_rows
 
 _CPU_PANEL_ROWS = 1024  # vocab rows per LM-head matmul on the CPU (see ParallelLMHead.forward)
 
@@ -58,9 +58,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             # in panels of vocab rows: one sgemm over all ~50k rows runs at a fraction of the speed
             # of the same work in 1024-row panels whose output stays in cache (1.5x on a decode
             # batch of 16). Each logit is the same dot product, so the result is unchanged.
-            hp = pad_rows(hidden)
-            with matmul_threads(hidden):
-                logits = torch.cat([F.linear(hp, w) for w in self.weight.split(_CPU_PANEL_ROWS)], dim=-1)
+            hp, mm = pad_rows(hidden), matmul_for(hidden)
+            logits = torch.cat([mm(hp, w) for w in self.weight.split(_CPU_PANEL_ROWS)], dim=-1)
             logits = logits[: hidden.shape[0]]
         else:
             logits = F.linear(hidden, self.weight)

@@ -9,7 +9,7 @@ layers split the input dim and all-reduce their partial sums.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -48,13 +48,7 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def _one_thread() -> Iterator[None]:
-    # with two threads MKL splits the sum over `in` between them for some row counts (the 1536-wide
-    # down projection at 57-192 rows, session 12's CPU), which changes the bits; one thread keeps
-    # one summation order per row count (about 2x the time of these matmuls, batch_invariant only)
     n = torch.get_num_threads()
-    if n == 1:
-        yield
-        return
     torch.set_num_threads(1)
     try:
         yield
@@ -62,29 +56,53 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(n)
 
 
-def matmul_threads(x: torch.Tensor) -> AbstractContextManager[None]:
-    """Around a matmul of x's rows: one thread when the forward is batch-invariant (CPU)."""
-    return _one_thread() if _invariant(x) else nullcontext()
+# (rows, out, in, dtype, bias, threads) -> whether MKL's multi-threaded product gave the one-thread bits
+_THREADS_AGREE: dict[tuple, bool] = {}
+
+
+def invariant_sgemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with the bits of one thread. With two threads MKL splits the sum over `in` between
+    them for some shapes (session 12's CPU: the 1536-wide down projection at 57-192 rows), which
+    changes the bits; one thread keeps one summation order per row count, at about twice the time.
+    So the first product of each shape runs both ways: where they agree bit for bit (every element
+    of a real product summed in another order would not), that shape runs on all threads after."""
+    n = torch.get_num_threads()
+    if n == 1:
+        return F.linear(x, w, b)
+    key = (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is None, n)
+    agree = _THREADS_AGREE.get(key)
+    if agree:
+        return F.linear(x, w, b)
+    with _one_thread():
+        y = F.linear(x, w, b)
+    if agree is None:
+        _THREADS_AGREE[key] = torch.equal(F.linear(x, w, b), y)
+    return y
+
+
+def matmul_for(x: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """The product to use on x's rows: invariant_sgemm when the forward is batch-invariant (CPU)."""
+    return invariant_sgemm if _invariant(x) else F.linear
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
            panel_rows: int | None = None) -> torch.Tensor:
-    """F.linear; under batch_invariant (CPU) its rows padded (pad_rows) and one thread. panel_rows:
-    on the CPU, a batch of 4 to 64 rows multiplies `panel_rows` output rows of w at a time (each
-    output is the same dot product, so the result is unchanged; MergedColumnParallelLinear says
-    when it pays)."""
+    """F.linear; under batch_invariant (CPU) its rows padded (pad_rows) and one thread's bits
+    (invariant_sgemm). panel_rows: on the CPU, a batch of 4 to 64 rows multiplies `panel_rows`
+    output rows of w at a time (each output is the same dot product, so the result is unchanged;
+    MergedColumnParallelLinear says when it pays)."""
     if not _invariant(x):  # (the GPU path: one context lookup)
-        return _linear(x, w, b, panel_rows)
+        return _linear(x, w, b, panel_rows, F.linear)
     xp = pad_rows(x)
-    with _one_thread():
-        y = _linear(xp, w, b, panel_rows)
+    y = _linear(xp, w, b, panel_rows, invariant_sgemm)
     return y if xp is x else y[: x.shape[0]]
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, panel_rows: int | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, panel_rows: int | None,
+            mm: Callable[..., torch.Tensor]) -> torch.Tensor:
     if panel_rows and x.device.type == "cpu" and b is None and 4 <= x.shape[0] <= 64:
-        return torch.cat([F.linear(x, wp) for wp in w.split(panel_rows)], dim=-1)
-    return F.linear(x, w, b)
+        return torch.cat([mm(x, wp) for wp in w.split(panel_rows)], dim=-1)
+    return mm(x, w, b)
 
 
 def _divide(n: int, tp: int, what: str) -> int:
