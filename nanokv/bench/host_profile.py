@@ -77,15 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[t % V for t in p][:L - o - 1] for p, o in zip(prompts, outs)]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)
-    res: dict[str, object] = {"workload": args.workload, "bits": args.bits}
     llm.engine.cache_manager.reset_prefix_cache()
-    res["plain"] = _prefill_phase(llm, prompts, params, None)
+    plain = _prefill_phase(llm, prompts, params, None)
     llm.engine.cache_manager.reset_prefix_cache()
     prof = cProfile.Profile()
-    res["profiled"] = _prefill_phase(llm, prompts, params, prof)
-    for key in ("plain", "profiled"):
-        r = res[key]
-        assert isinstance(r, dict)
+    phases = {"plain": plain, "profiled": _prefill_phase(llm, prompts, params, prof)}
+    res: dict[str, object] = {"workload": args.workload, "bits": args.bits, **phases}
+    for key, r in phases.items():
         print(f"[{args.workload} bits {args.bits} {key}] prefill phase: {r['steps']} steps, wall {r['wall_s']:.3f} s,"
               f" host in step() {r['host_step_s']:.3f} s (median {r['host_step_ms_median']:.2f} ms)")
     tables = {}
