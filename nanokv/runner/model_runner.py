@@ -63,7 +63,7 @@ class ModelRunner:
         self.batch_invariant = torch_cpu and (cfg.batch_invariant if cfg.batch_invariant is not None
                                               else cfg.enable_compression)
         self.backend = make_backend(cfg.attention_backend, device, batch_invariant=self.batch_invariant)
-        # fused elementwise chains (torch.compile) ride with the CUDA graphs: off in eager mode
+        # fused elementwise chains (Triton kernels, or torch.compile) ride with the CUDA graphs: off in eager mode
         set_fusion(device.type == "cuda" and not cfg.enforce_eager and not os.environ.get("NANOKV_NO_FUSION"),
                    kernels=not os.environ.get("NANOKV_COMPILED_NORMS"))
         self.num_blocks = self._decide_num_blocks()
