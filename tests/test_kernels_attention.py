@@ -309,3 +309,27 @@ def test_split_counts_by_format_and_batch() -> None:
     assert [choose_splits(cfg, B, 8, 4096, 132) for B in (1, 16, 64, 128)] == [16, 4, 1, 1]
     assert choose_splits(cfg, 128, 8, 4096, 132, 8, 8) == cfg.quant_min_splits  # tiles of 16 > 8-token blocks
     assert choose_splits(TritonConfig(decode_splits=3), 128, 8, 4096, 132, 8, 16) == 3
+
+
+@pytest.mark.parametrize("G,bs,swap_n,splits,dims_major", [(2, 16, 16, 1, False), (2, 32, 16, 3, False),
+                                                           (3, 32, 32, 2, False), (1, 16, 16, 9, False),
+                                                           (2, 16, 16, 2, True), (2, 32, 16, 1, True)])
+def test_int4_decode_swap(G: int, bs: int, swap_n: int, splits: int, dims_major: bool,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transposed int4 kernel (triton_decode_swap4: one block's key scales folded into the query
+    per tile, open blocks from staging in a second loop) against the reference: holes, split-K with
+    empty splits, a one-token context, values token-major (the cache's layout) and dims-major (read
+    through the strides it is given)."""
+    import nanokv.kv.cache as cache_mod
+    cache, md, q = build_batch(4, torch.float16, bs, 2, G, 32, [], [1, 40, 130, 301], holes=True, seed=G + bs)
+    if dims_major:
+        monkeypatch.setattr(cache_mod, "v_transposed", lambda bits: bits in (8, 4))
+        cache.v = cache.v.transpose(2, 3).contiguous().transpose(2, 3)
+    cfg = small_cfg(splits=splits, block_n=32)
+    cfg.quant_swap_block_n = swap_n
+    cfg.quant_swap4 = True
+    assert runs_transposed(4, swap_n, True, bs, int4=True)
+    for _ in range(2):
+        check(cache, md, q, cfg)
+        for counts in (buf for (kind, _), buf in triton_decode._BUFFERS.items() if kind == "counts"):
+            assert int(counts.abs().sum()) == 0

@@ -24,6 +24,7 @@ from triton.compiler import ASTSource
 from nanokv.kernels.triton_decode import _decode_kernel
 from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
 from nanokv.kernels.triton_decode_swap import decode_int8_swap_kernel
+from nanokv.kernels.triton_decode_swap4 import decode_int4_swap_kernel
 from nanokv.kernels.triton_norm import _rms_kernel, _silu_mul_kernel
 from nanokv.kernels.triton_rope import _qk_norm_rope_kernel
 
@@ -32,14 +33,17 @@ PTRS = dict(q_ptr="*bf16", k_ptr="*i32", v_ptr="*i32", ks_ptr="*fp16", vs_ptr="*
             seq_lens_ptr="*i32", count_ptr="*i32", out_ptr="*bf16", part_o_ptr="*fp32", part_ml_ptr="*fp32",
             qk_scale="fp32")
 # (bits, block_n, warps, lazy_tau, min_rows): the defaults and the variants the GPU bench times;
-# min_rows -1 = int8 with the products transposed (triton_decode_swap)
+# min_rows -1 = int8 with the products transposed (triton_decode_swap); int4 transposed
+# (triton_decode_swap4): -2 values dims-major, -3 token-major
 VARIANTS = [(16, 64, 8, 0, 16), (8, 32, 1, 0, 16), (8, 32, 1, 8, 16), (8, 32, 1, 0, 1),
-            (4, 32, 1, 0, 1), (4, 32, 1, 8, 1), (4, 32, 1, 0, 16), (4, 128, 4, 0, 1), (8, 16, 1, 0, -1)]
+            (4, 32, 1, 0, 1), (4, 32, 1, 8, 1), (4, 32, 1, 0, 16), (4, 128, 4, 0, 1), (8, 16, 1, 0, -1),
+            (4, 16, 1, 0, -2), (4, 16, 1, 0, -3)]
 
 
 def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_rows: int = 16) -> bytes:
     """Qwen3-0.6B decode shapes (G 2, D 128, 16-token blocks, bf16 queries) -> the sm_90 cubin."""
-    fn = decode_int8_swap_kernel if min_rows < 0 else decode_int4_kernel if bits == 4 else _decode_kernel
+    fn = (decode_int4_swap_kernel if min_rows < -1 else decode_int8_swap_kernel if min_rows < 0
+          else decode_int4_kernel if bits == 4 else _decode_kernel)
     const = dict(D=128, DH=64, G=2, BS=16, CDT=tl.float16, ASM=True, WORDS=True, FOLD_V=True, BLOCK_DH=64,
                  BLOCK_N=block_n, SPLIT=True, LAZY_TAU=lazy_tau)
     ptrs = dict(PTRS)
@@ -50,6 +54,9 @@ def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_r
         ptrs.update(v_ptr="*i8", **({"k_ptr": "*i8"} if min_rows < 0 else {}))
     if min_rows < 0:
         const.update(BLOCK_G=2, MERGE=True, BLOCK_S=8)  # 8 splits merged in the kernel (the defaults)
+        if min_rows < -1:  # uint8 codes; a stride of 1 is specialized by the launcher
+            ptrs.update(k_ptr="*u8", v_ptr="*u8")
+            const.update({"stride_vt" if min_rows == -2 else "stride_vd": 1})
     elif bits == 4:
         const.update(int4_tiles(2, 16, block_n, min_rows))
     else:

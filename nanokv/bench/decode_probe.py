@@ -16,7 +16,7 @@ from typing import cast
 import torch
 
 from nanokv.bench.gpu_kernels import SH, decode_fn, kv_bytes, timed
-from nanokv.kernels import triton_decode, triton_decode_int4, triton_decode_swap
+from nanokv.kernels import triton_decode, triton_decode_int4, triton_decode_swap, triton_decode_swap4
 from nanokv.kernels.triton_backend import TritonConfig, apply_overrides, config_from_env
 from nanokv.kernels.triton_selfcheck import make_batch
 
@@ -25,7 +25,7 @@ def compiled_resources() -> list[str]:
     """Registers, spills and shared memory of every decode kernel compiled so far in this process."""
     out = []
     for fn in (triton_decode._decode_kernel, triton_decode_int4.decode_int4_kernel,
-               triton_decode_swap.decode_int8_swap_kernel):
+               triton_decode_swap.decode_int8_swap_kernel, triton_decode_swap4.decode_int4_swap_kernel):
         for dev_cache in getattr(fn, "device_caches", {}).values():  # none under the interpreter
             for k in dev_cache[0].values():
                 out.append(f"{fn.__name__}: regs {k.n_regs} spills {k.n_spills} smem {k.metadata.shared}")
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-like", action="store_true",
                     help="lengths spread over [ctx/2, ctx], K/V written by the store (int4: newest blocks "
                          "staged, as in a decode step); also times the int4 quantize-on-fill kernel")
+    ap.add_argument("--v-dims-major", action="store_true",
+                    help="int4: values re-laid out dims-major per block before the variants run (read by "
+                         "the transposed int4 kernel only: give quant_swap4=1 in every variant)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     B, bs = args.batch, args.block_size
@@ -57,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         fills = sum((L - 1) % bs == bs - 1 for L in lens)
         ms = timed(lambda i: quantize_filled_graphsafe(cache, slots))
         print(f"int4 fill kernel, {B} tokens x {cache.num_kv_heads} heads, {fills} blocks filled: {ms * 1e3:.1f} us")
+    if args.v_dims_major and args.bits == 4:
+        import nanokv.kv.cache as cache_mod
+        cache_mod.v_transposed = lambda bits: bits in (8, 4)  # (check_layout's rule, this process only)
+        cache.v = cache.v.transpose(2, 3).contiguous().transpose(2, 3)
     first = None
     for spec in args.variants.split(";"):
         torch.manual_seed(1)  # every variant gets the same queries: outputs comparable

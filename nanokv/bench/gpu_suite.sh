@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything the GPU issues measure.
 #   bash nanokv/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf] [pool] [ncu]
-#                                  [pairs] [rotab] [breakdown] [variants] [hostprof]
+#                                  [pairs] [rotab] [breakdown] [variants] [hostprof] [swap4]
 # pairs: int8 then bf16 on the long-context workload, PAIRS times (issue 4's ratio, same machine);
 # rotab: int8 with TritonConfig.qk_rotation_in_rope on, then off, PAIRS times; breakdown: run_breakdown
 # of int8 and bf16 with host ops (the longest idle gaps and what overlaps them); variants: the int8
@@ -68,6 +68,21 @@ for ph in $phases; do
         run var_${v%%=*} env "${v#*=}" $BENCH --workload longctx --enable-compression --quantization-bitwidth 8 \
           --out "$OUT/var_${v%%=*}.json"
       done ;;
+    swap4)  # the transposed int4 decode (TritonConfig.quant_swap4): GPU tests, per-call A/B, whole runs
+      run swap4_tests python3 -m pytest -q -x tests/test_kernels_attention.py -k decode_swap
+      PROBE="python3 -m nanokv.bench.decode_probe --bits 4 --batch 128 --ctx 4096 --engine-like --time"
+      run probe4_bs16 $PROBE --block-size 16 --variants "quant_swap4=0;quant_swap4=1"
+      run probe4dm_bs16 $PROBE --block-size 16 --v-dims-major --variants "quant_swap4=1;quant_swap4=1,quant_swap_stages=2"
+      run probe4_bs32 $PROBE --block-size 32 --variants "quant_swap4=0;quant_swap4=1;quant_swap4=1,quant_swap_block_n=32"
+      run probe4dm_bs32 $PROBE --block-size 32 --v-dims-major \
+        --variants "quant_swap4=1;quant_swap4=1,quant_swap_block_n=32;quant_swap4=1,quant_swap_maxnreg=128"
+      run probe8 python3 -m nanokv.bench.decode_probe --bits 8 --batch 128 --ctx 4096 --engine-like --time
+      run e2e_int4_swap env NANOKV_TRITON=quant_swap4=1 $BENCH --workload longctx --enable-compression \
+        --quantization-bitwidth 4 --out "$OUT/e2e_int4_swap.json"
+      run e2e_int4 $BENCH --workload longctx --enable-compression --quantization-bitwidth 4 --out "$OUT/e2e_int4.json"
+      run e2e_bf16 $BENCH --workload longctx --out "$OUT/e2e_bf16.json"
+      run e2e_int4_swap_bs32 env NANOKV_TRITON=quant_swap4=1 $BENCH --workload longctx --enable-compression \
+        --quantization-bitwidth 4 --block-size 32 --out "$OUT/e2e_int4_swap_bs32.json" ;;
     hostprof) run hostprof_8 python3 -m nanokv.bench.host_profile --bits 8 --out "$OUT/hostprof_8.json" ;;
     breakdown)
       for b in 8 16; do

@@ -83,6 +83,9 @@ class TritonConfig:
     # the split count rounded down to a power of two. Engine-like lengths up to 4096 (H200, session 10):
     # 16 sequences 35.8 us at 16 splits vs 44.2 at 8; 32 sequences 60.3 at 8 vs 70.8 at 11, 65.2 at 16
     quant_swap_programs_per_sm: int = 16
+    # int4 decode through the transposed kernel too (triton_decode_swap4: one block's key scales folded
+    # into the query per tile, codes as uint8 tiles), with the quant_swap_* tiles, splits and merge
+    quant_swap4: bool = False
     # int8/int4 layers: the model's q/k norm + RoPE kernel (triton_rope) also applies the format's q/k
     # rotation, instead of a separate GEMM per layer and step (nanokv.kv.hooks.fused_rotation).
     # H200 long-context int8 run, session 12: 11,130 tok/s with it vs 10,827 without (one pair)
@@ -148,7 +151,8 @@ def choose_splits(cfg: TritonConfig, num_seqs: int, num_kv_heads: int, max_seq_l
         return cfg.decode_splits
     want = -(-cfg.programs_per_sm * sms // max(1, num_seqs * num_kv_heads))
     floor = cfg.quant_min_splits if bits < 16 else 1
-    if runs_transposed(bits, cfg.quant_swap_block_n, True, block_size):  # (fp16 compute assumed)
+    if runs_transposed(bits, cfg.quant_swap_block_n, True, block_size,  # (fp16 compute assumed)
+                       int4=cfg.quant_swap4 and cfg.quant_fold_k):
         n = max(1, -(-cfg.quant_swap_programs_per_sm * sms // max(1, num_seqs * num_kv_heads)))
         want = 1 << (n.bit_length() - 1)  # rounded down to a power of two (more splits measured slower)
         floor = cfg.quant_swap_min_splits
@@ -170,7 +174,7 @@ def decode_options(cfg: TritonConfig, cache: LayerKVCache) -> dict:
                 fold_k=cfg.quant_fold_k, fold_v=cfg.quant_fold_v, maxnreg=cfg.quant_maxnreg if q else 0,
                 lazy_tau=cfg.quant_lazy_tau if q else 0, min_rows=quant_rows(cfg, cache.bits),
                 swap_block_n=cfg.quant_swap_block_n if q else 0, swap_maxnreg=cfg.quant_swap_maxnreg,
-                swap_stages=cfg.quant_swap_stages, swap_merge=cfg.quant_swap_merge)
+                swap_stages=cfg.quant_swap_stages, swap_merge=cfg.quant_swap_merge, swap4=cfg.quant_swap4)
 
 
 def decode_tiles(cfg: TritonConfig, quantized: bool) -> tuple[int, int, int]:

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
 from nanokv.kernels.triton_decode_swap import decode_int8_swap_kernel, runs_transposed
+from nanokv.kernels.triton_decode_swap4 import decode_int4_swap_kernel
 from nanokv.kernels.triton_dequant import use_asm, use_words
 from nanokv.kernels.triton_kvtile import (
     code_args,
@@ -128,7 +129,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  num_warps: int = 4, num_stages: int = 2, asm: bool | None = None,
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
                  maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, swap_block_n: int = 0,
-                 swap_maxnreg: int = 0, swap_stages: int = 0, swap_merge: bool = True) -> torch.Tensor:
+                 swap_maxnreg: int = 0, swap_stages: int = 0, swap_merge: bool = True,
+                 swap4: bool = False) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
@@ -144,7 +146,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     swap_maxnreg and swap_stages are its register cap and pipeline depth instead of maxnreg and
     num_stages (0 = none / num_stages); swap_merge: its splits are merged inside the kernel by the
     last program of each (sequence, KV head) (merge_if_last), not by a reduce launch. int8 values are
-    never read as words (dims-major, nanokv.kv.cache)."""
+    never read as words (dims-major, nanokv.kv.cache). swap4: int4 (with fold_k) goes to the transposed
+    int4 kernel (triton_decode_swap4) under the same tile rule, instead of triton_decode_int4."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
@@ -156,8 +159,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     kst, vst, stage_of, *strides = stage_args(cache)
     cdt = compute_dtype(q.dtype, cache.bits)
     words = use_words(cache.quantized, cdt, D) if words is None else words
-    transposed = runs_transposed(cache.bits, swap_block_n, words, cache.block_size)
-    k, v = code_args(cache, words, int8_keys=transposed)
+    transposed = runs_transposed(cache.bits, swap_block_n, words, cache.block_size, int4=swap4 and fold_k)
+    k, v = (cache.k, cache.v) if transposed and cache.bits == 4 else code_args(cache, words, int8_keys=transposed)
     split = num_splits > 1
     if split:
         buf = _buffer("partials", q.device, B * Hq * num_splits * (D + 2), torch.float32)
@@ -175,18 +178,22 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                   BLOCK_N=block_n, SPLIT=split, LAZY_TAU=lazy_tau, num_warps=num_warps, num_stages=num_stages,
                   **({"maxnreg": maxnreg} if maxnreg > 0 else {}))
     merged = False
-    if cache.bits == 4 and fold_k:
-        decode_int4_kernel[(B, H, num_splits)](*args, **common,
-                                               **int4_tiles(G, cache.block_size, block_n, min_rows))
-    elif transposed:
+    if transposed:
         common.update(BLOCK_N=swap_block_n, num_stages=swap_stages or num_stages)
         common.pop("maxnreg", None)
         if swap_maxnreg > 0:
             common["maxnreg"] = swap_maxnreg
         merged = split and swap_merge
         counts = _buffer("counts", q.device, B * H, torch.int32) if merged else seq_lens  # (unused unless merged)
-        decode_int8_swap_kernel[(B, H, num_splits)](*args, count_ptr=counts, **common, BLOCK_G=next_pow2(G),
-                                                    MERGE=merged, BLOCK_S=next_pow2(num_splits))
+        swap = dict(count_ptr=counts, **common, BLOCK_G=next_pow2(G), MERGE=merged, BLOCK_S=next_pow2(num_splits))
+        if cache.bits == 4:
+            decode_int4_swap_kernel[(B, H, num_splits)](*args, stride_vd=cache.v.stride(3),
+                                                        stride_vt=cache.v.stride(2), **swap)
+        else:
+            decode_int8_swap_kernel[(B, H, num_splits)](*args, **swap)
+    elif cache.bits == 4 and fold_k:
+        decode_int4_kernel[(B, H, num_splits)](*args, **common,
+                                               **int4_tiles(G, cache.block_size, block_n, min_rows))
     else:
         _decode_kernel[(B, H, num_splits)](*args, **common, BITS=cache.bits if cache.quantized else 16,
                                            BLOCK_G=max(min_rows if cache.quantized else 16, next_pow2(G)))

@@ -30,12 +30,13 @@ from nanokv.kernels.triton_kvtile import split_range
 from nanokv.kernels.triton_softmax import merge_if_last, store_decode
 
 
-def runs_transposed(bits: int, swap_block_n: int, words: bool = True, block_size: int = 16) -> bool:
-    """Whether a decode goes to this kernel: int8 with fp16 compute (`words`, as the untransposed
-    kernel's word reads need), tiles of >= 16 tokens (the PV product's inner size, the tensor-core
-    dot's minimum) inside one block. The one rule for the launch (triton_decode.paged_decode) and
-    the split count (triton_backend.choose_splits)."""
-    return bits == 8 and words and swap_block_n >= 16 and block_size % swap_block_n == 0
+def runs_transposed(bits: int, swap_block_n: int, words: bool = True, block_size: int = 16,
+                    int4: bool = False) -> bool:
+    """Whether a decode goes to this kernel (int8) or its int4 counterpart (triton_decode_swap4, when
+    `int4`): fp16 compute (`words`, as the untransposed kernels' word reads need), tiles of >= 16
+    tokens (the PV product's inner size, the tensor-core dot's minimum) inside one block. The one rule
+    for the launch (triton_decode.paged_decode) and the split count (triton_backend.choose_splits)."""
+    return (bits == 8 or (bits == 4 and int4)) and words and swap_block_n >= 16 and block_size % swap_block_n == 0
 
 
 @triton.jit
