@@ -123,8 +123,8 @@ def test_resize_keeps_quantized_blocks_and_scales():
         resize_layer_cache(c, 4)
         for n, t in before.items():
             assert torch.equal(getattr(c, n), t[:4]), (bits, n)
-        # int8 values stay dims-major ([N, H, D, bs] memory), as the kernels read them
-        assert is_transposed(c.v) == (bits == 8) and not is_transposed(c.k)
+        # int8 and int4 values stay dims-major ([N, H, D, bs] memory), as the kernels read them
+        assert is_transposed(c.v) and not is_transposed(c.k)
 
 
 def controller_run(**kw):

@@ -311,25 +311,39 @@ def test_split_counts_by_format_and_batch() -> None:
     assert choose_splits(TritonConfig(decode_splits=3), 128, 8, 4096, 132, 8, 16) == 3
 
 
-@pytest.mark.parametrize("G,bs,swap_n,splits,dims_major", [(2, 16, 16, 1, False), (2, 32, 16, 3, False),
-                                                           (3, 32, 32, 2, False), (1, 16, 16, 9, False),
-                                                           (2, 16, 16, 2, True), (2, 32, 16, 1, True)])
-def test_int4_decode_swap(G: int, bs: int, swap_n: int, splits: int, dims_major: bool,
-                          monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("G,bs,swap_n,splits,prefetch", [(2, 16, 16, 1, False), (2, 32, 16, 3, True),
+                                                         (3, 32, 32, 2, False), (1, 16, 16, 9, True),
+                                                         (2, 64, 16, 2, False)])
+def test_int4_decode_swap(G: int, bs: int, swap_n: int, splits: int, prefetch: bool) -> None:
     """The transposed int4 kernel (triton_decode_swap4: one block's key scales folded into the query
     per tile, open blocks from staging in a second loop) against the reference: holes, split-K with
-    empty splits, a one-token context, values token-major (the cache's layout) and dims-major (read
-    through the strides it is given)."""
-    import nanokv.kv.cache as cache_mod
+    empty splits, a one-token context, tiles of a whole block or part of one, metadata loaded in the
+    tile or a tile ahead. Twice: the in-kernel merge must leave its counters at zero."""
     cache, md, q = build_batch(4, torch.float16, bs, 2, G, 32, [], [1, 40, 130, 301], holes=True, seed=G + bs)
-    if dims_major:
-        monkeypatch.setattr(cache_mod, "v_transposed", lambda bits: bits in (8, 4))
-        cache.v = cache.v.transpose(2, 3).contiguous().transpose(2, 3)
     cfg = small_cfg(splits=splits, block_n=32)
     cfg.quant_swap_block_n = swap_n
     cfg.quant_swap4 = True
-    assert runs_transposed(4, swap_n, True, bs, int4=True)
+    cfg.quant_swap4_prefetch = prefetch
+    assert runs_transposed(4, swap_n, True, bs, int4=True) and not runs_transposed(4, swap_n, True, bs)
     for _ in range(2):
         check(cache, md, q, cfg)
         for counts in (buf for (kind, _), buf in triton_decode._BUFFERS.items() if kind == "counts"):
             assert int(counts.abs().sum()) == 0
+
+
+def test_int4_decode_swap_early_staged() -> None:
+    """A block staged before a sequence's newest one (not what a decode step leaves, but any staging
+    must read right): the transposed int4 kernel must read it from staging, which here holds other
+    values than its codes (the reference reads staging for staged blocks), so reading the codes fails."""
+    bs = 16
+    cache, md, q = build_batch(4, torch.float16, bs, 2, 2, 32, [], [40, 130], holes=False, seed=5)
+    assert cache.stage is not None and cache.k_stage is not None and cache.v_stage is not None
+    used = set(cache.stage.stage_of[cache.stage.stage_of >= 0].tolist())
+    slot = next(i for i in range(cache.k_stage.shape[0]) if i not in used)
+    g = torch.Generator().manual_seed(9)
+    cache.k_stage[slot] = torch.randn(cache.k_stage[slot].shape, generator=g).to(cache.k_stage.dtype)
+    cache.v_stage[slot] = torch.randn(cache.v_stage[slot].shape, generator=g).to(cache.v_stage.dtype)
+    cache.stage.stage_of[int(md.block_tables[1, 2])] = slot  # a full block of the second sequence
+    cfg = small_cfg(splits=2, block_n=16)
+    cfg.quant_swap4 = True
+    check(cache, md, q, cfg)

@@ -52,11 +52,12 @@ def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_r
         const.update(CDT=tl.bfloat16, WORDS=False)
     if bits == 8:  # int8 values are read as bytes (dims-major blocks); the transposed kernel's keys too
         ptrs.update(v_ptr="*i8", **({"k_ptr": "*i8"} if min_rows < 0 else {}))
+    if bits == 4:  # int4 codes as bytes (both int4 kernels)
+        ptrs.update(k_ptr="*u8", v_ptr="*u8")
     if min_rows < 0:
         const.update(BLOCK_G=2, MERGE=True, BLOCK_S=8)  # 8 splits merged in the kernel (the defaults)
-        if min_rows < -1:  # uint8 codes; a stride of 1 is specialized by the launcher
-            ptrs.update(k_ptr="*u8", v_ptr="*u8")
-            const.update({"stride_vt" if min_rows == -2 else "stride_vd": 1})
+        if min_rows < -1:  # a stride of 1 is specialized by the launcher
+            const.update({"stride_vt" if min_rows == -2 else "stride_vd": 1}, PREFETCH=False)
     elif bits == 4:
         const.update(int4_tiles(2, 16, block_n, min_rows))
     else:

@@ -45,9 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-like", action="store_true",
                     help="lengths spread over [ctx/2, ctx], K/V written by the store (int4: newest blocks "
                          "staged, as in a decode step); also times the int4 quantize-on-fill kernel")
-    ap.add_argument("--v-dims-major", action="store_true",
-                    help="int4: values re-laid out dims-major per block before the variants run (read by "
-                         "the transposed int4 kernel only: give quant_swap4=1 in every variant)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     B, bs = args.batch, args.block_size
@@ -60,10 +57,6 @@ def main(argv: list[str] | None = None) -> int:
         fills = sum((L - 1) % bs == bs - 1 for L in lens)
         ms = timed(lambda i: quantize_filled_graphsafe(cache, slots))
         print(f"int4 fill kernel, {B} tokens x {cache.num_kv_heads} heads, {fills} blocks filled: {ms * 1e3:.1f} us")
-    if args.v_dims_major and args.bits == 4:
-        import nanokv.kv.cache as cache_mod
-        cache_mod.v_transposed = lambda bits: bits in (8, 4)  # (check_layout's rule, this process only)
-        cache.v = cache.v.transpose(2, 3).contiguous().transpose(2, 3)
     first = None
     for spec in args.variants.split(";"):
         torch.manual_seed(1)  # every variant gets the same queries: outputs comparable

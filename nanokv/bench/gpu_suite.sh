@@ -69,20 +69,21 @@ for ph in $phases; do
           --out "$OUT/var_${v%%=*}.json"
       done ;;
     swap4)  # the transposed int4 decode (TritonConfig.quant_swap4): GPU tests, per-call A/B, whole runs
-      run swap4_tests python3 -m pytest -q -x tests/test_kernels_attention.py -k decode_swap
+      run swap4_tests python3 -m pytest -q -x tests/test_kernels_attention.py tests/test_kernels_blockquant.py \
+        tests/test_fusion.py -k "swap or int4 or 4- or blockquant or fill"
       PROBE="python3 -m nanokv.bench.decode_probe --bits 4 --batch 128 --ctx 4096 --engine-like --time"
-      run probe4_bs16 $PROBE --block-size 16 --variants "quant_swap4=0;quant_swap4=1"
-      run probe4dm_bs16 $PROBE --block-size 16 --v-dims-major --variants "quant_swap4=1;quant_swap4=1,quant_swap_stages=2"
-      run probe4_bs32 $PROBE --block-size 32 --variants "quant_swap4=0;quant_swap4=1;quant_swap4=1,quant_swap_block_n=32"
-      run probe4dm_bs32 $PROBE --block-size 32 --v-dims-major \
-        --variants "quant_swap4=1;quant_swap4=1,quant_swap_block_n=32;quant_swap4=1,quant_swap_maxnreg=128"
-      run probe8 python3 -m nanokv.bench.decode_probe --bits 8 --batch 128 --ctx 4096 --engine-like --time
-      run e2e_int4_swap env NANOKV_TRITON=quant_swap4=1 $BENCH --workload longctx --enable-compression \
-        --quantization-bitwidth 4 --out "$OUT/e2e_int4_swap.json"
-      run e2e_int4 $BENCH --workload longctx --enable-compression --quantization-bitwidth 4 --out "$OUT/e2e_int4.json"
+      SW="quant_swap4=1"
+      for bs in 16 32; do
+        run probe4_bs$bs $PROBE --block-size $bs --variants "quant_swap4=0;$SW;$SW,quant_swap4_maxnreg=128;$SW,quant_swap4_maxnreg=112;$SW,quant_swap4_prefetch=1;$SW,quant_swap_stages=2;$SW,quant_swap_block_n=32"
+      done
+      for v in ${SWAP4_RUNS:-"s16:quant_swap4=1:16"}; do  # name:NANOKV_TRITON:block size
+        IFS=: read -r name tcfg bs <<< "$v"
+        run e2e_$name env NANOKV_TRITON=$tcfg $BENCH --workload longctx --enable-compression \
+          --quantization-bitwidth 4 --block-size $bs --out "$OUT/e2e_$name.json"
+      done
       run e2e_bf16 $BENCH --workload longctx --out "$OUT/e2e_bf16.json"
-      run e2e_int4_swap_bs32 env NANOKV_TRITON=quant_swap4=1 $BENCH --workload longctx --enable-compression \
-        --quantization-bitwidth 4 --block-size 32 --out "$OUT/e2e_int4_swap_bs32.json" ;;
+      run e2e_int4 $BENCH --workload longctx --enable-compression --quantization-bitwidth 4 --out "$OUT/e2e_int4.json"
+      run e2e_int8 $BENCH --workload longctx --enable-compression --quantization-bitwidth 8 --out "$OUT/e2e_int8.json" ;;
     hostprof) run hostprof_8 python3 -m nanokv.bench.host_profile --bits 8 --out "$OUT/hostprof_8.json" ;;
     breakdown)
       for b in 8 16; do

@@ -86,6 +86,9 @@ class TritonConfig:
     # int4 decode through the transposed kernel too (triton_decode_swap4: one block's key scales folded
     # into the query per tile, codes as uint8 tiles), with the quant_swap_* tiles, splits and merge
     quant_swap4: bool = False
+    # its register cap (0 = none) and whether it loads each tile's block, scales and zeros a tile ahead
+    quant_swap4_maxnreg: int = 0
+    quant_swap4_prefetch: bool = False
     # int8/int4 layers: the model's q/k norm + RoPE kernel (triton_rope) also applies the format's q/k
     # rotation, instead of a separate GEMM per layer and step (nanokv.kv.hooks.fused_rotation).
     # H200 long-context int8 run, session 12: 11,130 tok/s with it vs 10,827 without (one pair)
@@ -174,7 +177,8 @@ def decode_options(cfg: TritonConfig, cache: LayerKVCache) -> dict:
                 fold_k=cfg.quant_fold_k, fold_v=cfg.quant_fold_v, maxnreg=cfg.quant_maxnreg if q else 0,
                 lazy_tau=cfg.quant_lazy_tau if q else 0, min_rows=quant_rows(cfg, cache.bits),
                 swap_block_n=cfg.quant_swap_block_n if q else 0, swap_maxnreg=cfg.quant_swap_maxnreg,
-                swap_stages=cfg.quant_swap_stages, swap_merge=cfg.quant_swap_merge, swap4=cfg.quant_swap4)
+                swap_stages=cfg.quant_swap_stages, swap_merge=cfg.quant_swap_merge, swap4=cfg.quant_swap4,
+                swap4_prefetch=cfg.quant_swap4_prefetch, swap4_maxnreg=cfg.quant_swap4_maxnreg)
 
 
 def decode_tiles(cfg: TritonConfig, quantized: bool) -> tuple[int, int, int]:

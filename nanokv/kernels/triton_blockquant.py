@@ -34,8 +34,9 @@ def _codes(x, lo, scale):
 def _fill_quant_kernel(
     slot_ptr, stage_ptr, kst_ptr, vst_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
     stride_stn, stride_sth, stride_cn, stride_ch, stride_kn, stride_kh, stride_vn, stride_vh,
-    BS: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr,
+    stride_vt, stride_vd, BS: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr,
 ):
+    # stride_vt, stride_vd: the value codes' token and byte strides (values dims-major, nanokv.kv.cache)
     # grid (T, H, 2): the keys (axis 2 = 0) and the values (1) of a block are separate programs, so
     # each program's chain of dependent loads, reductions and stores is half as long
     t = tl.program_id(0)
@@ -77,7 +78,8 @@ def _fill_quant_kernel(
             sc_v = _safe_scale(tl.div_rn(hi_v - lo_v, 15.0).to(tl.float16))
             z_v = lo_v.to(tl.float16)
             packed = _codes(v_lo, z_v[:, None], sc_v[:, None]) | (_codes(v_hi, z_v[:, None], sc_v[:, None]) << 4)
-            tl.store(vc_ptr + crow, packed.to(tl.uint8), mask=m2)
+            vrow = blk * stride_kn + h * stride_kh + offs_t[:, None] * stride_vt + offs_d[None, :] * stride_vd
+            tl.store(vc_ptr + vrow, packed.to(tl.uint8), mask=m2)
             vmeta = blk * stride_vn + h * stride_vh + offs_t  # [BS] into [N, H, bs]
             tl.store(vs_ptr + vmeta, sc_v)
             tl.store(vz_ptr + vmeta, z_v)
@@ -99,5 +101,6 @@ def quantize_filled_graphsafe(cache: LayerKVCache, slot_mapping: torch.Tensor) -
         cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero,
         cache.k_stage.stride(0), cache.k_stage.stride(1), cache.k_scale.stride(0), cache.k_scale.stride(1),
         cache.k.stride(0), cache.k.stride(1), cache.v_scale.stride(0), cache.v_scale.stride(1),
+        cache.v.stride(2), cache.v.stride(3),
         BS=bs, DH=D // 2, BLOCK_DH=max(16, next_pow2(D // 2)), num_warps=4 if bs <= 64 else 8,
     )

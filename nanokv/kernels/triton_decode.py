@@ -130,7 +130,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
                  maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, swap_block_n: int = 0,
                  swap_maxnreg: int = 0, swap_stages: int = 0, swap_merge: bool = True,
-                 swap4: bool = False) -> torch.Tensor:
+                 swap4: bool = False, swap4_prefetch: bool = False, swap4_maxnreg: int = 0) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
@@ -147,7 +147,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     num_stages (0 = none / num_stages); swap_merge: its splits are merged inside the kernel by the
     last program of each (sequence, KV head) (merge_if_last), not by a reduce launch. int8 values are
     never read as words (dims-major, nanokv.kv.cache). swap4: int4 (with fold_k) goes to the transposed
-    int4 kernel (triton_decode_swap4) under the same tile rule, instead of triton_decode_int4."""
+    int4 kernel (triton_decode_swap4) under the same tile rule, instead of triton_decode_int4, with its own
+    register cap (swap4_maxnreg) and tile-ahead metadata loads (swap4_prefetch)."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
@@ -160,7 +161,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     cdt = compute_dtype(q.dtype, cache.bits)
     words = use_words(cache.quantized, cdt, D) if words is None else words
     transposed = runs_transposed(cache.bits, swap_block_n, words, cache.block_size, int4=swap4 and fold_k)
-    k, v = (cache.k, cache.v) if transposed and cache.bits == 4 else code_args(cache, words, int8_keys=transposed)
+    # uint8 key codes for both int4 kernels (int8 tiles for the transposed int8 one), else code_args' views
+    k, v = code_args(cache, words, int8_keys=transposed or (cache.bits == 4 and fold_k))
     split = num_splits > 1
     if split:
         buf = _buffer("partials", q.device, B * Hq * num_splits * (D + 2), torch.float32)
@@ -181,14 +183,15 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     if transposed:
         common.update(BLOCK_N=swap_block_n, num_stages=swap_stages or num_stages)
         common.pop("maxnreg", None)
-        if swap_maxnreg > 0:
-            common["maxnreg"] = swap_maxnreg
+        cap = swap4_maxnreg if cache.bits == 4 else swap_maxnreg
+        if cap > 0:
+            common["maxnreg"] = cap
         merged = split and swap_merge
         counts = _buffer("counts", q.device, B * H, torch.int32) if merged else seq_lens  # (unused unless merged)
         swap = dict(count_ptr=counts, **common, BLOCK_G=next_pow2(G), MERGE=merged, BLOCK_S=next_pow2(num_splits))
         if cache.bits == 4:
-            decode_int4_swap_kernel[(B, H, num_splits)](*args, stride_vd=cache.v.stride(3),
-                                                        stride_vt=cache.v.stride(2), **swap)
+            decode_int4_swap_kernel[(B, H, num_splits)](*args, stride_vd=cache.v.stride(3), stride_vt=cache.v.stride(2),
+                                                        PREFETCH=swap4_prefetch, **swap)
         else:
             decode_int8_swap_kernel[(B, H, num_splits)](*args, **swap)
     elif cache.bits == 4 and fold_k:

@@ -28,9 +28,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nanokv.kernels.triton_dequant import load_code_words
+from nanokv.kernels.triton_dequant import int4_tile_f16
 from nanokv.kernels.triton_kvtile import (
     fold_v_weights,
+    int4_value_codes,
     split_range,
     stage_rows,
     tile_rows,
@@ -39,15 +40,15 @@ from nanokv.kernels.triton_softmax import decode_softmax_step, softmax_update, s
 
 
 @triton.jit
-def _codes4(c_ptr, rows, valid, offs_d, d_mask, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr,
-            CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr):
-    """int4 code tile as two [BLOCK_N, BLOCK_DH] halves in the compute dtype (codes 0..15, exact)."""
-    if WORDS:
-        c_lo, c_hi = load_code_words(c_ptr, rows, valid, 0, BLOCK_N, BLOCK_DH, 4, ASM)
+def _codes4(c_ptr, rows, valid, offs_d, d_mask, CDT: tl.constexpr, ASM: tl.constexpr):
+    """int4 key tile as two [BLOCK_N, BLOCK_DH] halves in the compute dtype (codes 0..15, exact):
+    a uint8 tile, split in registers (int32 words here made Triton 3.9's compiler fail once the
+    values were read as dims-major runs)."""
+    packed = tl.load(c_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0)
+    if CDT == tl.float16:
+        return int4_tile_f16(packed, ASM)
     else:
-        packed = tl.load(c_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0)
-        c_lo, c_hi = (packed & 15).to(CDT), (packed >> 4).to(CDT)
-    return c_lo, c_hi
+        return (packed & 15).to(CDT), (packed >> 4).to(CDT)
 
 
 @triton.jit
@@ -124,12 +125,13 @@ def decode_int4_kernel(
         srows = phys64 * stride_sn + kvh * stride_sh + tok % BS
         qs_lo, qs_hi, bias = _fold_query(q_lo, q_hi, ks_ptr, kz_ptr, bt_row, start // BS + j_r, used, hi, kvh,
                                          stride_cn, stride_ch, offs_d, d_mask, DH, BS, CDT)
-        c_lo, c_hi = _codes4(k_ptr, rows, valid, offs_d, d_mask, BLOCK_N, BLOCK_DH, CDT, ASM, WORDS)
+        c_lo, c_hi = _codes4(k_ptr, rows, valid, offs_d, d_mask, CDT, ASM)
         s = tl.dot(qs_hi, tl.trans(c_hi), tl.dot(qs_lo, tl.trans(c_lo))) + bias[:, None]
         own = (jc[None, :] == j_r[:, None]) & valid[None, :]  # [BLOCK_G, BLOCK_N]
         s = tl.where(own, s * qk_scale, float("-inf"))
         p, alpha, m_i, l_i, acc_lo, acc_hi = decode_softmax_step(s, m_i, l_i, acc_lo, acc_hi, LAZY_TAU)
-        v_lo, v_hi = _codes4(v_ptr, rows, valid, offs_d, d_mask, BLOCK_N, BLOCK_DH, CDT, ASM, WORDS)
+        v_lo, v_hi = int4_value_codes(v_ptr, bt_row, start, hi, kvh, stride_kn, stride_kh, offs_d, d_mask, BS,
+                                      BLOCK_N, CDT, ASM)  # (dims-major blocks; staged tokens' p is 0)
         vs = tl.load(vs_ptr + srows, mask=valid, other=0.0)  # [BLOCK_N] fp16
         vz = tl.load(vz_ptr + srows, mask=valid, other=0.0)
         if FOLD_V:

@@ -24,49 +24,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from nanokv.kernels.triton_dequant import int4_tile_f16
 from nanokv.kernels.triton_kvtile import split_range
 from nanokv.kernels.triton_softmax import merge_if_last, store_decode
-
-# 4 bytes in b32 register $4 -> fp16 1024 + code for the low nibbles ($0, $1: bytes 0-1, 2-3) and the
-# high nibbles ($2, $3): spread the bytes over half-words, mask a nibble, splice it under 0x6400
-# (lop3 0xEA = (a & b) | c), subtract 1024. Same trick as triton_dequant's int8 splice.
-_INT4_TILE_PTX = tl.constexpr("""{
-    .reg .b32 x, y, z, m, o;
-    mov.b32 z, 0;
-    mov.b32 m, 0x000F000F;
-    mov.b32 o, 0x64006400;
-    prmt.b32 x, $4, z, 0x4140;
-    prmt.b32 y, $4, z, 0x4342;
-    lop3.b32 $0, x, m, o, 0xEA;
-    lop3.b32 $1, y, m, o, 0xEA;
-    shr.b32 x, x, 4;
-    shr.b32 y, y, 4;
-    lop3.b32 $2, x, m, o, 0xEA;
-    lop3.b32 $3, y, m, o, 0xEA;
-    sub.f16x2 $0, $0, o;
-    sub.f16x2 $1, $1, o;
-    sub.f16x2 $2, $2, o;
-    sub.f16x2 $3, $3, o;
-    }""")
-
-
-@triton.jit
-def int4_tile_f16(c, ASM: tl.constexpr):
-    """A uint8 tile of packed int4 codes (any shape) -> (low nibbles, high nibbles) as fp16 tiles of
-    the same shape, exactly; ASM: four bytes per PTX call in whatever layout the tile has."""
-    if ASM:
-        return tl.inline_asm_elementwise(_INT4_TILE_PTX, "=r,=r,=r,=r,r", [c], dtype=(tl.float16, tl.float16),
-                                         is_pure=True, pack=4)
-    else:
-        return (c & 15).to(tl.float16), (c >> 4).to(tl.float16)
 
 
 @triton.jit
 def _tile_meta(bt_row, stage_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, start, hi, kvh, stride_sn, stride_sh,
                stride_cn, stride_ch, offs_n, offs_d, DH: tl.constexpr, BS: tl.constexpr):
     """The tile at token `start` (inside one block): (physical block, or -1 past hi / hole / staged;
-    staged flag; key scale and zero halves [BLOCK_DH]; value scales and zeros [BLOCK_N]). Loaded one
-    tile ahead, as triton_decode_swap does: their first use stalled every tile otherwise."""
+    staged flag; key scale and zero halves [BLOCK_DH]; value scales and zeros [BLOCK_N])."""
     phys = tl.load(bt_row + start // BS, mask=start < hi, other=-1)
     slot = tl.load(stage_ptr + tl.maximum(phys, 0), mask=phys >= 0, other=-1)
     staged = (slot >= 0).to(tl.int32)
@@ -74,10 +41,10 @@ def _tile_meta(bt_row, stage_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, start, hi, kvh
     # (phys + 0 * offs): broadcast before comparing, as in triton_decode_swap (the CPU interpreter)
     crow = tl.maximum(phys, 0).to(tl.int64) * stride_cn + kvh * stride_ch + offs_d
     dm = (offs_d < DH) & (phys + 0 * offs_d >= 0)
-    ks_lo = tl.load(ks_ptr + crow, mask=dm, other=0.0).to(tl.float32)
-    ks_hi = tl.load(ks_ptr + crow + DH, mask=dm, other=0.0).to(tl.float32)
-    kz_lo = tl.load(kz_ptr + crow, mask=dm, other=0.0).to(tl.float32)
-    kz_hi = tl.load(kz_ptr + crow + DH, mask=dm, other=0.0).to(tl.float32)
+    ks_lo = tl.load(ks_ptr + crow, mask=dm, other=0.0)
+    ks_hi = tl.load(ks_ptr + crow + DH, mask=dm, other=0.0)
+    kz_lo = tl.load(kz_ptr + crow, mask=dm, other=0.0)
+    kz_hi = tl.load(kz_ptr + crow + DH, mask=dm, other=0.0)
     nm = (start + offs_n < hi) & (phys + 0 * offs_n >= 0)
     srow = tl.maximum(phys, 0).to(tl.int64) * stride_sn + kvh * stride_sh + start % BS + offs_n
     vs = tl.load(vs_ptr + srow, mask=nm, other=0.0)
@@ -97,11 +64,12 @@ def decode_int4_swap_kernel(
     D: tl.constexpr, DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr,
     CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr, FOLD_V: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    LAZY_TAU: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    LAZY_TAU: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # argument list of triton_decode._decode_kernel plus the merge counters and the value codes'
     # (dim, token) strides; k_ptr / v_ptr: uint8 codes (byte j = dims j and j + DH). WORDS, FOLD_V and
     # LAZY_TAU are unused (both folds always on). DH must equal BLOCK_DH (a power of 2 >= 16).
+    # PREFETCH: each tile's block, scales and zeros loaded one tile ahead (more registers)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -116,6 +84,8 @@ def decode_int4_swap_kernel(
     qm = (offs_g < G)[None, :] & (offs_d < DH)[:, None]
     qt_lo = tl.load(qt_rows, mask=qm, other=0.0).to(tl.float32)  # [BLOCK_DH, BLOCK_G]: q^T halves
     qt_hi = tl.load(qt_rows + DH, mask=qm, other=0.0).to(tl.float32)
+    qc_lo = qt_lo.to(CDT)
+    qc_hi = qt_hi.to(CDT)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -128,10 +98,15 @@ def decode_int4_swap_kernel(
         bt_row, stage_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, lo, hi, kvh, stride_sn, stride_sh, stride_cn, stride_ch,
         offs_n, offs_d, DH, BS)
     for start in range(lo, hi, BLOCK_N):  # whole tiles (split_range): start % BLOCK_N == 0
-        phys, staged, ks_lo, ks_hi, kz_lo, kz_hi, vs, vz = phys_n, stg_n, ksl_n, ksh_n, kzl_n, kzh_n, vs_n, vz_n
-        phys_n, stg_n, ksl_n, ksh_n, kzl_n, kzh_n, vs_n, vz_n = _tile_meta(
-            bt_row, stage_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, start + BLOCK_N, hi, kvh, stride_sn, stride_sh,
-            stride_cn, stride_ch, offs_n, offs_d, DH, BS)
+        if PREFETCH:  # this tile's metadata was loaded in the previous one (registers, loop-carried)
+            phys, staged, ks_lo, ks_hi, kz_lo, kz_hi, vs, vz = phys_n, stg_n, ksl_n, ksh_n, kzl_n, kzh_n, vs_n, vz_n
+            phys_n, stg_n, ksl_n, ksh_n, kzl_n, kzh_n, vs_n, vz_n = _tile_meta(
+                bt_row, stage_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, start + BLOCK_N, hi, kvh, stride_sn, stride_sh,
+                stride_cn, stride_ch, offs_n, offs_d, DH, BS)
+        else:
+            phys, staged, ks_lo, ks_hi, kz_lo, kz_hi, vs, vz = _tile_meta(
+                bt_row, stage_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, start, hi, kvh, stride_sn, stride_sh,
+                stride_cn, stride_ch, offs_n, offs_d, DH, BS)
         early = early | (staged * (start < newest).to(tl.int32))
         valid = (start + offs_n < hi) & (phys + 0 * offs_n >= 0)
         base = tl.maximum(phys, 0).to(tl.int64) * stride_kn + kvh * stride_kh
@@ -139,9 +114,9 @@ def decode_int4_swap_kernel(
         # codes not masked: an invalid token's row is inside the cache, its codes finite, its p 0
         k_lo, k_hi = int4_tile_f16(tl.load(k_ptr + base + tin[:, None] * stride_ks + offs_d[None, :]), ASM)
         # fp32 products, then fp16: the zero point may be far larger than the step (the bias keeps it)
-        qs_lo = (qt_lo * ks_lo[:, None]).to(CDT)
-        qs_hi = (qt_hi * ks_hi[:, None]).to(CDT)
-        bias = tl.sum(qt_lo * kz_lo[:, None] + qt_hi * kz_hi[:, None], axis=0)  # [BLOCK_G]
+        qs_lo = qc_lo * ks_lo.to(CDT)[:, None]  # fp16: as exact as an fp32 product rounded once
+        qs_hi = qc_hi * ks_hi.to(CDT)[:, None]
+        bias = tl.sum(qt_lo * kz_lo.to(tl.float32)[:, None] + qt_hi * kz_hi.to(tl.float32)[:, None], axis=0)
         st = tl.dot(k_hi, qs_hi, tl.dot(k_lo, qs_lo)) + bias[None, :]  # [BLOCK_N, BLOCK_G] fp32
         st = tl.where(valid[:, None], st * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(st, axis=0))
@@ -158,8 +133,6 @@ def decode_int4_swap_kernel(
         acc_hi = tl.dot(v_hi, pv, acc_hi * alpha[None, :])
 
     # staged tokens in full precision (plain q): the newest block, or the whole split (see above)
-    qc_lo = qt_lo.to(CDT)
-    qc_hi = qt_hi.to(CDT)
     for start in range(tl.where(early > 0, lo, tl.maximum(lo, newest)), hi, BLOCK_N):
         phys = tl.load(bt_row + start // BS)
         slot = tl.load(stage_ptr + tl.maximum(phys, 0), mask=phys >= 0, other=-1)

@@ -83,6 +83,37 @@ def int8_tile_f16(c, ASM: tl.constexpr):
         return c.to(tl.float16)
 
 
+# 4 bytes in b32 register $2 -> fp16 1024 + code of their low (or high) nibbles in $0 (bytes 0-1) and
+# $1 (bytes 2-3): spread the bytes over half-words, (shift,) mask a nibble, splice it under 0x6400
+# (lop3 0xEA = (a & b) | c), subtract 1024: the int8 splice's trick. One output per call (ptxas
+# shares the two calls' byte spreads: the transposed int4 loop is as long as with one two-output call).
+_INT4_NIB = """{{
+    .reg .b32 x, y, z, m, o;
+    mov.b32 z, 0;
+    mov.b32 m, 0x000F000F;
+    mov.b32 o, 0x64006400;
+    prmt.b32 x, $2, z, 0x4140;
+    prmt.b32 y, $2, z, 0x4342;{shift}
+    lop3.b32 $0, x, m, o, 0xEA;
+    lop3.b32 $1, y, m, o, 0xEA;
+    sub.f16x2 $0, $0, o;
+    sub.f16x2 $1, $1, o;
+    }}"""
+_INT4_LO_PTX = tl.constexpr(_INT4_NIB.format(shift=""))
+_INT4_HI_PTX = tl.constexpr(_INT4_NIB.format(shift="\n    shr.b32 x, x, 4;\n    shr.b32 y, y, 4;"))
+
+
+@triton.jit
+def int4_tile_f16(c, ASM: tl.constexpr):
+    """A uint8 tile of packed int4 codes (any shape) -> (low nibbles, high nibbles) as fp16 tiles of
+    the same shape, exactly; ASM: four bytes per PTX call in whatever layout the tile has."""
+    if ASM:
+        return (tl.inline_asm_elementwise(_INT4_LO_PTX, "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4),
+                tl.inline_asm_elementwise(_INT4_HI_PTX, "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4))
+    else:
+        return (c & 15).to(tl.float16), (c >> 4).to(tl.float16)
+
+
 @triton.jit
 def _int4_word_asm(w):
     """int32 word of 4 packed bytes -> 8 fp16: low nibbles of bytes 0..3, then high nibbles."""

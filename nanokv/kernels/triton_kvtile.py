@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanokv.kernels.triton_dequant import int8_tile_f16, load_code_words
+from nanokv.kernels.triton_dequant import int4_tile_f16, int8_tile_f16, load_code_words
 
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -130,25 +130,50 @@ def stage_rows(stage_ptr, phys, valid, tok, kvh, stride_cn, stride_ch, stride_st
 
 
 @triton.jit
-def int8_value_codes(v_ptr, bt_row_ptr, start, hi, kvh, stride_n, stride_h, offs_d, d_mask, HALF: tl.constexpr,
-                     DH: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, CDT: tl.constexpr,
-                     ASM: tl.constexpr):
-    """int8 value codes of tokens [start, start + BLOCK_N) (start % BLOCK_N == 0), dims HALF * DH +
-    offs_d, as a [BLOCK_N, BLOCK_DH] tile in CDT (converted exactly, in the load layout). Values are
-    stored dims-major per block ([N, H, D, bs], nanokv.kv.cache): the tile is read as runs of TB
-    tokens that share a block, each [BLOCK_DH, TB] with tokens contiguous (vector loads), one table
-    read per run. Not masked by token: a token past hi or in a hole reads block 0, whose codes are
-    finite, and its softmax weight is 0."""
+def _value_runs(v_ptr, bt_row_ptr, start, hi, kvh, stride_n, stride_h, rows, d_mask, BS: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Value codes of tokens [start, start + BLOCK_N) (start % BLOCK_N == 0) at byte rows `rows`
+    [BLOCK_DH] of the dims-major block ([N, H, D, bs], int4 [N, H, D/2, bs]; nanokv.kv.cache), as
+    [NB, BLOCK_DH, TB]: runs of TB tokens that share a block, tokens contiguous (vector loads), one
+    table read per run. Not masked by token: a token past hi or in a hole reads block 0, whose codes
+    are finite, and its softmax weight is 0."""
     TB: tl.constexpr = BS if BS < BLOCK_N else BLOCK_N
     NB: tl.constexpr = BLOCK_N // TB
     tok0 = start + tl.arange(0, NB) * TB  # [NB] first token of each run
     phys = tl.load(bt_row_ptr + tok0 // BS, mask=tok0 < hi, other=-1)
     base = tl.maximum(phys, 0).to(tl.int64) * stride_n + kvh * stride_h + tok0 % BS
     base = tl.multiple_of(base, TB)  # stride_n, stride_h are multiples of 16, tok0 % BS of TB
-    ptr = (v_ptr + base[:, None, None] + (HALF * DH + offs_d)[None, :, None] * BS
-           + tl.arange(0, TB)[None, None, :])  # [NB, BLOCK_DH, TB]
-    c = _codes_to(tl.load(ptr, mask=d_mask[None, :, None], other=0), CDT, ASM)  # converted in the load layout
-    return tl.trans(tl.reshape(tl.permute(c, (1, 0, 2)), [offs_d.shape[0], BLOCK_N]))
+    ptr = v_ptr + base[:, None, None] + rows[None, :, None] * BS + tl.arange(0, TB)[None, None, :]
+    return tl.load(ptr, mask=d_mask[None, :, None], other=0)
+
+
+@triton.jit
+def _runs_tile(c, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[NB, BLOCK_DH, TB] runs -> the [BLOCK_N, BLOCK_DH] tile (token-major, as the products take it)."""
+    return tl.trans(tl.reshape(tl.permute(c, (1, 0, 2)), [BLOCK_DH, BLOCK_N]))
+
+
+@triton.jit
+def int8_value_codes(v_ptr, bt_row_ptr, start, hi, kvh, stride_n, stride_h, offs_d, d_mask, HALF: tl.constexpr,
+                     DH: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, CDT: tl.constexpr,
+                     ASM: tl.constexpr):
+    """int8 value codes of tokens [start, start + BLOCK_N), dims HALF * DH + offs_d, as a
+    [BLOCK_N, BLOCK_DH] tile in CDT (converted exactly, in the load layout; see _value_runs)."""
+    c = _value_runs(v_ptr, bt_row_ptr, start, hi, kvh, stride_n, stride_h, HALF * DH + offs_d, d_mask, BS, BLOCK_N)
+    return _runs_tile(_codes_to(c, CDT, ASM), offs_d.shape[0], BLOCK_N)
+
+
+@triton.jit
+def int4_value_codes(v_ptr, bt_row_ptr, start, hi, kvh, stride_n, stride_h, offs_d, d_mask, BS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr):
+    """int4 value codes of tokens [start, start + BLOCK_N) as two [BLOCK_N, BLOCK_DH] tiles in CDT,
+    dims offs_d (low nibbles) and D/2 + offs_d (high); see _value_runs."""
+    c = _value_runs(v_ptr, bt_row_ptr, start, hi, kvh, stride_n, stride_h, offs_d, d_mask, BS, BLOCK_N)
+    if CDT == tl.float16:
+        c_lo, c_hi = int4_tile_f16(c, ASM)
+    else:
+        c_lo, c_hi = (c & 15).to(CDT), (c >> 4).to(CDT)
+    return _runs_tile(c_lo, offs_d.shape[0], BLOCK_N), _runs_tile(c_hi, offs_d.shape[0], BLOCK_N)
 
 
 @triton.jit
@@ -158,8 +183,9 @@ def pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, 
                   DH: tl.constexpr, BITS: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr,
                   WORDS: tl.constexpr, FOLD_V: tl.constexpr, BS: tl.constexpr):
     """acc += p @ V for one tile of tokens [start, start + BLOCK_N). p: [BLOCK_M, BLOCK_N] fp32 (0
-    on invalid tokens); acc: fp32 halves. int8 values are read through the block table by
-    int8_value_codes (bt_row_ptr .. stride_h), never as words; other formats use rows.
+    on invalid tokens); acc: fp32 halves. int8 and int4 values are read through the block table by
+    int8_value_codes / int4_value_codes (bt_row_ptr .. stride_h; dims-major blocks), never as words;
+    16-bit values use rows.
 
     int8 with FOLD_V: the per-token V scale goes into p instead of into every V element,
     acc += (p * vs[None, :]) @ codes: [BLOCK_M, BLOCK_N] multiplies instead of [BLOCK_N, D]; see
@@ -170,13 +196,11 @@ def pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, 
     m2 = valid[:, None] & d_mask[None, :]  # [BLOCK_N, BLOCK_DH]
     pc = p.to(CDT)
     if BITS < 16:
-        if WORDS and BITS == 4:
-            c_lo, c_hi = load_code_words(v_ptr, rows, valid, 0, p.shape[1], acc_lo.shape[1], 4, ASM)
-        elif BITS == 4:
-            packed = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0)
-            c_lo, c_hi = (packed & 15).to(CDT), (packed >> 4).to(CDT)
+        BLOCK_N: tl.constexpr = p.shape[1]
+        if BITS == 4:
+            c_lo, c_hi = int4_value_codes(v_ptr, bt_row_ptr, start, hi, kvh, stride_n, stride_h, offs_d, d_mask,
+                                          BS, BLOCK_N, CDT, ASM)
         else:
-            BLOCK_N: tl.constexpr = p.shape[1]
             c_lo = int8_value_codes(v_ptr, bt_row_ptr, start, hi, kvh, stride_n, stride_h, offs_d, d_mask, 0,
                                     DH, BS, BLOCK_N, CDT, ASM)
             c_hi = int8_value_codes(v_ptr, bt_row_ptr, start, hi, kvh, stride_n, stride_h, offs_d, d_mask, 1,
@@ -239,11 +263,10 @@ def stage_args(cache) -> tuple:
 
 
 def code_args(cache, words: bool, int8_keys: bool = False) -> tuple:
-    """(k, v) code tensors as the kernels take them: int32 views where codes are read as words
-    (keys, and int4 values), int8 otherwise. int8 values are never words (stored dims-major,
-    nanokv.kv.cache); int8_keys: the kernel reads int8 key tiles too (triton_decode_swap)."""
-    k = cache.k.view(torch.int32) if words and not int8_keys else cache.k
-    return k, cache.v.view(torch.int32) if words and cache.bits == 4 else cache.v
+    """(k, v) code tensors as the kernels take them: keys as an int32 view where codes are read as
+    words, as stored otherwise; int8_keys: the kernel reads int8 key tiles (triton_decode_swap).
+    Values are never words (quantized ones are stored dims-major, nanokv.kv.cache)."""
+    return (cache.k.view(torch.int32) if words and not int8_keys else cache.k), cache.v
 
 
 def kv_meta_args(cache) -> tuple:

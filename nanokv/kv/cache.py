@@ -7,16 +7,18 @@ rank, bs = block_size, D = head_dim. A block id means the same thing in every la
   bits=8   k, v: int8  [N, H, bs, D]      k_scale, v_scale: float16 [N, H, bs]  (symmetric, per token-head)
            v is a transposed view: its memory is [N, H, D, bs] (block_tensor, v_transposed)
   bits=4   k, v: uint8 [N, H, bs, D // 2] (dim d in the low nibble, d + D/2 in the high nibble)
+           v is a transposed view, as int8's: its memory is [N, H, D // 2, bs]
            k_scale, k_zero: float16 [N, H, D]   keys per channel over the block's tokens (KIVI)
            v_scale, v_zero: float16 [N, H, bs]  values per token-head, stored rotated (v R)
            k_stage, v_stage: [S, H, bs, D] model dtype: full-precision staging of open blocks, shared
            block -> slot map `stage` (nanokv.kv.staging): a block is quantized once, when it fills
 
 [H, bs, D] per block keeps one (block, head) tile contiguous, so a decode program reads bs*D
-consecutive elements per block. int8 values keep the tile contiguous too but dims-major ([D, bs]):
-the decode's value product reads V^T tiles (tokens along the tensor-core operand's inner dimension),
-and with tokens contiguous in memory the compiler loads the int8 operand straight into registers
-(one 16-byte copy per row) instead of a byte-wise transposing gather (nanokv.kernels.triton_decode_swap).
+consecutive elements per block. int8 and int4 values keep the tile contiguous too but dims-major
+([D, bs], int4 [D/2, bs] bytes): the decode's value product reads V^T tiles (tokens along the
+tensor-core operand's inner dimension), and with tokens contiguous in memory the compiler loads the
+code operand straight into registers (one 16-byte copy per row) instead of a byte-wise transposing
+gather (nanokv.kernels.triton_decode_swap, triton_decode_swap4).
 Indexing `v` logically ([N, H, bs, D]) works unchanged; only kernels see the strides.
 
 int4 values are stored rotated by the same orthonormal R (v R): the attention output is rotated back
@@ -111,8 +113,8 @@ def allocate_layer_cache(
 
 
 def v_transposed(bits: int) -> bool:
-    """Whether this format stores its value codes dims-major per block (int8)."""
-    return bits == 8
+    """Whether this format stores its value codes dims-major per block (int8, int4)."""
+    return bits in (8, 4)
 
 
 def block_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
@@ -164,7 +166,7 @@ def _allocate(
         chan = (num_blocks, num_kv_heads, head_dim)
         return LayerKVCache(
             4, torch.zeros(half, dtype=torch.uint8, device=device),
-            torch.zeros(half, dtype=torch.uint8, device=device),
+            block_tensor(half, torch.uint8, device, transposed=v_transposed(4)),
             k_scale=torch.zeros(chan, dtype=torch.float16, device=device),
             v_scale=torch.zeros(meta, dtype=torch.float16, device=device),
             k_zero=torch.zeros(chan, dtype=torch.float16, device=device),
