@@ -199,20 +199,22 @@ def test_quant_decode_fewer_padded_rows(bits: int, min_rows: int, G: int, block_
     check(cache, md, q, cfg)
 
 
-@pytest.mark.parametrize("fold_k", [True, False])
-@pytest.mark.parametrize("bs", [8, 16])
-def test_int4_decode_staged_before_newest_block(fold_k: bool, bs: int) -> None:
+@pytest.mark.parametrize("kernel,bs", [("fold", 8), ("fold", 16), ("generic", 8), ("generic", 16), ("swap4", 16),
+                                       ("swap4", 32)])
+def test_int4_decode_staged_before_newest_block(kernel: str, bs: int) -> None:
     """In a runner decode step only a sequence's newest block is open; a block staged anywhere else
-    (here: a full block re-staged with new contents) must still be read from staging."""
+    (here: a full block re-staged with new contents) must still be read from staging, by each int4
+    decode kernel (folded, generic, transposed)."""
     cache, md, q = build_batch(4, torch.float16, bs, 2, 2, 32, [], [70, 100], holes=False, seed=bs)
     assert cache.stage is not None
-    blk = int(md.block_tables[1, 2])  # a full block of sequence 1, three blocks before its newest
+    blk = int(md.block_tables[1, 2])  # a full block of sequence 1, before its newest
     rows = blk * bs + torch.arange(bs)
     cache.stage.plan(rows.numpy())
-    k, v = torch.randn(2, bs, 2, 32).to(torch.float16) * 3
+    k, v = (torch.randn(2, bs, 2, 32).to(torch.float16) * 3).to(DEV)
     reference.store_kvcache(k, v, cache, rows.to(DEV))  # into staging: the pool keeps the old codes
-    cfg = small_cfg(splits=2, block_n=32)
-    cfg.quant_fold_k = fold_k
+    cfg = small_cfg(splits=2, block_n=16 if kernel == "swap4" else 32)
+    cfg.quant_fold_k = kernel != "generic"
+    cfg.quant_swap4 = kernel == "swap4"
     check(cache, md, q, cfg)
 
 
@@ -311,10 +313,9 @@ def test_split_counts_by_format_and_batch() -> None:
     assert choose_splits(TritonConfig(decode_splits=3), 128, 8, 4096, 132, 8, 16) == 3
 
 
-@pytest.mark.parametrize("G,bs,swap_n,splits,prefetch", [(2, 16, 16, 1, False), (2, 32, 16, 3, True),
-                                                         (3, 32, 32, 2, False), (1, 16, 16, 9, True),
-                                                         (2, 64, 16, 2, False)])
-def test_int4_decode_swap(G: int, bs: int, swap_n: int, splits: int, prefetch: bool) -> None:
+@pytest.mark.parametrize("G,bs,swap_n,splits,prefetch", [(2, 16, 16, 1, 0), (2, 32, 16, 3, 2), (3, 32, 32, 2, 1),
+                                                         (1, 16, 16, 9, 2), (2, 64, 16, 2, 0)])
+def test_int4_decode_swap(G: int, bs: int, swap_n: int, splits: int, prefetch: int) -> None:
     """The transposed int4 kernel (triton_decode_swap4: one block's key scales folded into the query
     per tile, open blocks from staging in a second loop) against the reference: holes, split-K with
     empty splits, a one-token context, tiles of a whole block or part of one, metadata loaded in the
@@ -329,21 +330,3 @@ def test_int4_decode_swap(G: int, bs: int, swap_n: int, splits: int, prefetch: b
         check(cache, md, q, cfg)
         for counts in (buf for (kind, _), buf in triton_decode._BUFFERS.items() if kind == "counts"):
             assert int(counts.abs().sum()) == 0
-
-
-def test_int4_decode_swap_early_staged() -> None:
-    """A block staged before a sequence's newest one (not what a decode step leaves, but any staging
-    must read right): the transposed int4 kernel must read it from staging, which here holds other
-    values than its codes (the reference reads staging for staged blocks), so reading the codes fails."""
-    bs = 16
-    cache, md, q = build_batch(4, torch.float16, bs, 2, 2, 32, [], [40, 130], holes=False, seed=5)
-    assert cache.stage is not None and cache.k_stage is not None and cache.v_stage is not None
-    used = set(cache.stage.stage_of[cache.stage.stage_of >= 0].tolist())
-    slot = next(i for i in range(cache.k_stage.shape[0]) if i not in used)
-    g = torch.Generator().manual_seed(9)
-    cache.k_stage[slot] = torch.randn(cache.k_stage[slot].shape, generator=g).to(cache.k_stage.dtype)
-    cache.v_stage[slot] = torch.randn(cache.v_stage[slot].shape, generator=g).to(cache.v_stage.dtype)
-    cache.stage.stage_of[int(md.block_tables[1, 2])] = slot  # a full block of the second sequence
-    cfg = small_cfg(splits=2, block_n=16)
-    cfg.quant_swap4 = True
-    check(cache, md, q, cfg)

@@ -69,20 +69,19 @@ for ph in $phases; do
           --out "$OUT/var_${v%%=*}.json"
       done ;;
     swap4)  # the transposed int4 decode (TritonConfig.quant_swap4): GPU tests, per-call A/B, whole runs
-      run swap4_tests python3 -m pytest -q -x tests/test_kernels_attention.py tests/test_kernels_blockquant.py \
+      run swap4_tests python3 -m pytest -q tests/test_kernels_attention.py tests/test_kernels_blockquant.py \
         tests/test_fusion.py -k "swap or int4 or 4- or blockquant or fill"
       PROBE="python3 -m nanokv.bench.decode_probe --bits 4 --batch 128 --ctx 4096 --engine-like --time"
-      SW="quant_swap4=1"
-      for bs in 16 32; do
-        run probe4_bs$bs $PROBE --block-size $bs --variants "quant_swap4=0;$SW;$SW,quant_swap4_maxnreg=128;$SW,quant_swap4_maxnreg=112;$SW,quant_swap4_prefetch=1;$SW,quant_swap_stages=2;$SW,quant_swap_block_n=32"
-      done
-      for v in ${SWAP4_RUNS:-"s16:quant_swap4=1:16"}; do  # name:NANOKV_TRITON:block size
+      run probe4_bs16 $PROBE --block-size 16 --variants "${PROBE16:-}"
+      run probe4_bs32 $PROBE --block-size 32 --variants "${PROBE32:-}"
+      for v in ${SWAP4_RUNS:-"s16::16"}; do  # name:NANOKV_TRITON:block size; names bf16* = 16-bit runs
         IFS=: read -r name tcfg bs <<< "$v"
+        if [[ $name == bf16* ]]; then run e2e_$name $BENCH --workload longctx --out "$OUT/e2e_$name.json"; continue; fi
         run e2e_$name env NANOKV_TRITON=$tcfg $BENCH --workload longctx --enable-compression \
           --quantization-bitwidth 4 --block-size $bs --out "$OUT/e2e_$name.json"
       done
-      run e2e_bf16 $BENCH --workload longctx --out "$OUT/e2e_bf16.json"
-      run e2e_int4 $BENCH --workload longctx --enable-compression --quantization-bitwidth 4 --out "$OUT/e2e_int4.json"
+      [ -n "${BREAKDOWN4:-}" ] && run breakdown_4 python3 -m nanokv.bench.run_breakdown --workload longctx --bits 4 \
+        --out "$OUT/breakdown_4.json"
       run e2e_int8 $BENCH --workload longctx --enable-compression --quantization-bitwidth 8 --out "$OUT/e2e_int8.json" ;;
     hostprof) run hostprof_8 python3 -m nanokv.bench.host_profile --bits 8 --out "$OUT/hostprof_8.json" ;;
     breakdown)

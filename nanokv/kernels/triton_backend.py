@@ -84,11 +84,16 @@ class TritonConfig:
     # 16 sequences 35.8 us at 16 splits vs 44.2 at 8; 32 sequences 60.3 at 8 vs 70.8 at 11, 65.2 at 16
     quant_swap_programs_per_sm: int = 16
     # int4 decode through the transposed kernel too (triton_decode_swap4: one block's key scales folded
-    # into the query per tile, codes as uint8 tiles), with the quant_swap_* tiles, splits and merge
-    quant_swap4: bool = False
-    # its register cap (0 = none) and whether it loads each tile's block, scales and zeros a tile ahead
-    quant_swap4_maxnreg: int = 0
-    quant_swap4_prefetch: bool = False
+    # into the query per tile, codes as uint8 tiles), with the quant_swap_* tiles, splits and merge.
+    # Long-context decode batch (H200, session 13): 205.2 us vs 288.7 for triton_decode_int4; whole
+    # long-context int4 run 10,448 vs 8,386 tok/s
+    quant_swap4: bool = True
+    # its register cap (0 = none): 128 -> 16 one-warp programs per SM; uncapped it takes 152 (238.3 us),
+    # at 112 it spills nothing but runs 228.8 us (same batch)
+    quant_swap4_maxnreg: int = 128
+    # what it loads a tile ahead: 0 nothing, 1 the block-table entry and staging slot, 2 the scales and
+    # zeros too (uncapped, 168 registers: 210.3 us)
+    quant_swap4_prefetch: int = 0
     # int8/int4 layers: the model's q/k norm + RoPE kernel (triton_rope) also applies the format's q/k
     # rotation, instead of a separate GEMM per layer and step (nanokv.kv.hooks.fused_rotation).
     # H200 long-context int8 run, session 12: 11,130 tok/s with it vs 10,827 without (one pair)

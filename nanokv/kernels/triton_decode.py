@@ -130,7 +130,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
                  maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, swap_block_n: int = 0,
                  swap_maxnreg: int = 0, swap_stages: int = 0, swap_merge: bool = True,
-                 swap4: bool = False, swap4_prefetch: bool = False, swap4_maxnreg: int = 0) -> torch.Tensor:
+                 swap4: bool = False, swap4_prefetch: int = 0, swap4_maxnreg: int = 0) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else

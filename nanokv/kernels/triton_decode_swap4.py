@@ -30,14 +30,19 @@ from nanokv.kernels.triton_softmax import merge_if_last, store_decode
 
 
 @triton.jit
-def _tile_meta(bt_row, stage_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, start, hi, kvh, stride_sn, stride_sh,
-               stride_cn, stride_ch, offs_n, offs_d, DH: tl.constexpr, BS: tl.constexpr):
+def _tile_block(bt_row, stage_ptr, start, hi, BS: tl.constexpr):
     """The tile at token `start` (inside one block): (physical block, or -1 past hi / hole / staged;
-    staged flag; key scale and zero halves [BLOCK_DH]; value scales and zeros [BLOCK_N])."""
+    1 if the block is staged, else 0)."""
     phys = tl.load(bt_row + start // BS, mask=start < hi, other=-1)
     slot = tl.load(stage_ptr + tl.maximum(phys, 0), mask=phys >= 0, other=-1)
-    staged = (slot >= 0).to(tl.int32)
-    phys = tl.where(slot >= 0, -1, phys)
+    return tl.where(slot >= 0, -1, phys), (slot >= 0).to(tl.int32)
+
+
+@triton.jit
+def _tile_scales(phys, ks_ptr, kz_ptr, vs_ptr, vz_ptr, start, hi, kvh, stride_sn, stride_sh, stride_cn, stride_ch,
+                 offs_n, offs_d, DH: tl.constexpr, BS: tl.constexpr):
+    """Block phys's key scale and zero halves [BLOCK_DH] and the tile's value scales and zeros
+    [BLOCK_N], fp16; zeros where phys < 0 or past hi."""
     # (phys + 0 * offs): broadcast before comparing, as in triton_decode_swap (the CPU interpreter)
     crow = tl.maximum(phys, 0).to(tl.int64) * stride_cn + kvh * stride_ch + offs_d
     dm = (offs_d < DH) & (phys + 0 * offs_d >= 0)
@@ -47,9 +52,8 @@ def _tile_meta(bt_row, stage_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, start, hi, kvh
     kz_hi = tl.load(kz_ptr + crow + DH, mask=dm, other=0.0)
     nm = (start + offs_n < hi) & (phys + 0 * offs_n >= 0)
     srow = tl.maximum(phys, 0).to(tl.int64) * stride_sn + kvh * stride_sh + start % BS + offs_n
-    vs = tl.load(vs_ptr + srow, mask=nm, other=0.0)
-    vz = tl.load(vz_ptr + srow, mask=nm, other=0.0)
-    return phys, staged, ks_lo, ks_hi, kz_lo, kz_hi, vs, vz
+    return ks_lo, ks_hi, kz_lo, kz_hi, tl.load(vs_ptr + srow, mask=nm, other=0.0), tl.load(vz_ptr + srow, mask=nm,
+                                                                                          other=0.0)
 
 
 # metadata pointers and sizes vary step to step: not specialized on (see triton_decode)
@@ -69,7 +73,6 @@ def decode_int4_swap_kernel(
     # argument list of triton_decode._decode_kernel plus the merge counters and the value codes'
     # (dim, token) strides; k_ptr / v_ptr: uint8 codes (byte j = dims j and j + DH). WORDS, FOLD_V and
     # LAZY_TAU are unused (both folds always on). DH must equal BLOCK_DH (a power of 2 >= 16).
-    # PREFETCH: each tile's block, scales and zeros loaded one tile ahead (more registers)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -94,19 +97,27 @@ def decode_int4_swap_kernel(
     acc_hi = tl.zeros([BLOCK_DH, BLOCK_G], tl.float32)
     bt_row = bt_ptr + seq * stride_bt
     early = lo * 0  # a staged tile met before the newest block (tests stage at will; decode steps do not)
-    phys_n, stg_n, ksl_n, ksh_n, kzl_n, kzh_n, vs_n, vz_n = _tile_meta(
-        bt_row, stage_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, lo, hi, kvh, stride_sn, stride_sh, stride_cn, stride_ch,
-        offs_n, offs_d, DH, BS)
+    # PREFETCH 1: each tile's block-table entry and staging slot are loaded one tile ahead (they head
+    # a chain of dependent loads); 2: its scales and zeros too (more registers)
+    phys_n, stg_n = _tile_block(bt_row, stage_ptr, lo, hi, BS)
+    ksl_n, ksh_n, kzl_n, kzh_n, vs_n, vz_n = _tile_scales(phys_n, ks_ptr, kz_ptr, vs_ptr, vz_ptr, lo, hi, kvh,
+                                                          stride_sn, stride_sh, stride_cn, stride_ch, offs_n, offs_d,
+                                                          DH, BS)
     for start in range(lo, hi, BLOCK_N):  # whole tiles (split_range): start % BLOCK_N == 0
-        if PREFETCH:  # this tile's metadata was loaded in the previous one (registers, loop-carried)
-            phys, staged, ks_lo, ks_hi, kz_lo, kz_hi, vs, vz = phys_n, stg_n, ksl_n, ksh_n, kzl_n, kzh_n, vs_n, vz_n
-            phys_n, stg_n, ksl_n, ksh_n, kzl_n, kzh_n, vs_n, vz_n = _tile_meta(
-                bt_row, stage_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, start + BLOCK_N, hi, kvh, stride_sn, stride_sh,
-                stride_cn, stride_ch, offs_n, offs_d, DH, BS)
+        if PREFETCH >= 1:
+            phys, staged = phys_n, stg_n
+            phys_n, stg_n = _tile_block(bt_row, stage_ptr, start + BLOCK_N, hi, BS)
         else:
-            phys, staged, ks_lo, ks_hi, kz_lo, kz_hi, vs, vz = _tile_meta(
-                bt_row, stage_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, start, hi, kvh, stride_sn, stride_sh,
-                stride_cn, stride_ch, offs_n, offs_d, DH, BS)
+            phys, staged = _tile_block(bt_row, stage_ptr, start, hi, BS)
+        if PREFETCH >= 2:
+            ks_lo, ks_hi, kz_lo, kz_hi, vs, vz = ksl_n, ksh_n, kzl_n, kzh_n, vs_n, vz_n
+            ksl_n, ksh_n, kzl_n, kzh_n, vs_n, vz_n = _tile_scales(
+                phys_n, ks_ptr, kz_ptr, vs_ptr, vz_ptr, start + BLOCK_N, hi, kvh, stride_sn, stride_sh, stride_cn,
+                stride_ch, offs_n, offs_d, DH, BS)
+        else:
+            ks_lo, ks_hi, kz_lo, kz_hi, vs, vz = _tile_scales(
+                phys, ks_ptr, kz_ptr, vs_ptr, vz_ptr, start, hi, kvh, stride_sn, stride_sh, stride_cn, stride_ch,
+                offs_n, offs_d, DH, BS)
         early = early | (staged * (start < newest).to(tl.int32))
         valid = (start + offs_n < hi) & (phys + 0 * offs_n >= 0)
         base = tl.maximum(phys, 0).to(tl.int64) * stride_kn + kvh * stride_kh
