@@ -85,15 +85,17 @@ class TritonConfig:
     quant_swap_programs_per_sm: int = 16
     # int4 decode through the transposed kernel too (triton_decode_swap4: one block's key scales folded
     # into the query per tile, codes as uint8 tiles), with the quant_swap_* tiles, splits and merge.
-    # Long-context decode batch (H200, session 13): 205.2 us vs 288.7 for triton_decode_int4; whole
-    # long-context int4 run 10,448 vs 8,386 tok/s
+    # Long-context decode batch (B 128, lengths over [2048, 4096], 16-token blocks; H200, session 13):
+    # 188.1 us vs 286.1 for triton_decode_int4
     quant_swap4: bool = True
-    # its register cap (0 = none): 128 -> 16 one-warp programs per SM; uncapped it takes 152 (238.3 us),
-    # at 112 it spills nothing but runs 228.8 us (same batch)
+    # its register cap (0 = none): at 128, 16 one-warp programs per SM fit (same batch, no tile-ahead
+    # loads: 203.6-205.2 us; uncapped it takes 152 registers, 238.3 us; 112 / 120 / 136 / 144: 228.8 /
+    # 218.7 / 231.8 / 223.8 us)
     quant_swap4_maxnreg: int = 128
-    # what it loads a tile ahead: 0 nothing, 1 the block-table entry and staging slot, 2 the scales and
-    # zeros too (uncapped, 168 registers: 210.3 us)
-    quant_swap4_prefetch: int = 0
+    # what it loads a tile ahead: 0 nothing, 1 the block-table entry and staging slot (the head of each
+    # tile's chain of dependent loads), 2 the scales and zeros too. Same batch at 128 registers: 203.6 /
+    # 188.1 / 202.6 us; whole long-context int4 run 10,392 / 10,364 (0) vs 10,916 tok/s (1)
+    quant_swap4_prefetch: int = 1
     # int8/int4 layers: the model's q/k norm + RoPE kernel (triton_rope) also applies the format's q/k
     # rotation, instead of a separate GEMM per layer and step (nanokv.kv.hooks.fused_rotation).
     # H200 long-context int8 run, session 12: 11,130 tok/s with it vs 10,827 without (one pair)

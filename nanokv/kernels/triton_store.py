@@ -69,14 +69,19 @@ def _store_rows(x_ptr, stride_xt, stride_xh, c_ptr, s_ptr, z_ptr, t, crow, strid
 
 @triton.jit
 def _store_kernel(
-    k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
+    k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, stage_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cn, stride_ch, stride_cs, stride_vs, stride_vd, stride_sn, stride_sh,
-    H, DH: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
+    H, DH: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, STAGED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr,
 ):
+    # STAGED (int4): kc/vc are the staging tensors, and a cache slot goes to its block's staging slot
+    # (stage_ptr: [N] block -> slot, -1 = none: not stored), same offset in the block
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
+    if STAGED:
+        st = tl.load(stage_ptr + tl.maximum(slot, 0) // BS, mask=slot >= 0, other=-1).to(tl.int64)
+        slot = tl.where((slot >= 0) & (st >= 0), st * BS + slot % BS, -1)
     keep = slot >= 0
     blk = tl.where(keep, slot // BS, 0)
     off = tl.where(keep, slot % BS, 0)
@@ -103,23 +108,21 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
     check_layout(cache)  # (K and V share block and head strides: one `head` offset serves both)
     ks, vs, kz, vz = kv_meta_args(cache)
     bits = cache.bits if cache.quantized else 16
-    kc, vc = cache.k, cache.v
+    kc, vc, stage_of = cache.k, cache.v, slot_mapping  # (stage_of: unused unless staged)
     if cache.stage is not None:
         # int4: rows go to their block's full-precision staging slot, laid out like a 16-bit cache
-        # ([S, H, bs, D], slot = stage slot * bs + offset); nanokv.kv.blockquant quantizes full blocks
+        # ([S, H, bs, D], slot = stage slot * bs + offset, looked up in the kernel: as torch ops it was
+        # five small kernels per layer and step); nanokv.kv.blockquant quantizes full blocks
         assert cache.k_stage is not None and cache.v_stage is not None
-        bs = cache.block_size
-        st = cache.stage.stage_of[slot_mapping.clamp_min(0) // bs].long()
-        slot_mapping = torch.where((slot_mapping >= 0) & (st >= 0), st * bs + slot_mapping % bs, -1)
-        kc, vc, bits = cache.k_stage, cache.v_stage, 16
+        kc, vc, bits, stage_of = cache.k_stage, cache.v_stage, 16, cache.stage.stage_of
     hb = heads_per_program or (1 if bits == 8 else H)
     block_h = next_pow2(min(hb, H))
     _store_kernel[(T, triton.cdiv(H, block_h))](
-        k, v, slot_mapping, kc, vc, ks, vs, kz, vz,
+        k, v, slot_mapping, kc, vc, ks, vs, kz, vz, stage_of,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(2), vc.stride(3),
         ks.stride(0) if bits < 16 else 0, ks.stride(1) if bits < 16 else 0,
-        H, DH=D // 2, BS=cache.block_size, BITS=bits,
+        H, DH=D // 2, BS=cache.block_size, BITS=bits, STAGED=cache.stage is not None,
         BLOCK_H=block_h, BLOCK_DH=max(16, next_pow2(D // 2)), num_warps=1 if block_h == 1 else 4,
     )
 
