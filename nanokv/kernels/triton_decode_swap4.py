@@ -12,7 +12,8 @@ Codes are loaded as uint8 tiles and split into their two nibbles in registers (i
 the compiler copies them to shared memory as they are and reads them straight into the operand
 layout when the summed dimension is contiguous in memory: dims for keys, tokens for values (values
 stored dims-major per block, nanokv.kv.cache). The value strides are arguments, so the kernel also
-reads token-major values (a transposing gather, slower).
+reads token-major values (a transposing gather: 345 vs 298 us at the long-context decode batch on an
+H200, docs/kernels.md "Session 13").
 
 Open blocks (full-precision staging, nanokv.kv.staging) are scored in a second loop as in
 triton_decode_int4: in a decode step only a sequence's newest block is staged; the main loop masks
@@ -124,8 +125,10 @@ def decode_int4_swap_kernel(
         tin = tl.multiple_of(start % BS, BLOCK_N) + offs_n  # [BLOCK_N] token offsets in the block
         # codes not masked: an invalid token's row is inside the cache, its codes finite, its p 0
         k_lo, k_hi = int4_tile_f16(tl.load(k_ptr + base + tin[:, None] * stride_ks + offs_d[None, :]), ASM)
-        # fp32 products, then fp16: the zero point may be far larger than the step (the bias keeps it)
-        qs_lo = qc_lo * ks_lo.to(CDT)[:, None]  # fp16: as exact as an fp32 product rounded once
+        # q * s in fp16 (q fp16 or bf16, exact in fp16 in the range the kernels assume; the fp32
+        # product rounded once is the same number); the bias q . z in fp32: a channel's zero point
+        # can be far larger than its step
+        qs_lo = qc_lo * ks_lo.to(CDT)[:, None]  # [BLOCK_DH, BLOCK_G]
         qs_hi = qc_hi * ks_hi.to(CDT)[:, None]
         bias = tl.sum(qt_lo * kz_lo.to(tl.float32)[:, None] + qt_hi * kz_hi.to(tl.float32)[:, None], axis=0)
         st = tl.dot(k_hi, qs_hi, tl.dot(k_lo, qs_lo)) + bias[None, :]  # [BLOCK_N, BLOCK_G] fp32
