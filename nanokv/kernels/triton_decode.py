@@ -162,7 +162,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     words = use_words(cache.quantized, cdt, D) if words is None else words
     transposed = runs_transposed(cache.bits, swap_block_n, words, cache.block_size, int4=swap4 and fold_k)
     # uint8 key codes for both int4 kernels (int8 tiles for the transposed int8 one), else code_args' views
-    k, v = code_args(cache, words, int8_keys=transposed or (cache.bits == 4 and fold_k))
+    k, v = code_args(cache, words, byte_keys=transposed or (cache.bits == 4 and fold_k))
     split = num_splits > 1
     if split:
         buf = _buffer("partials", q.device, B * Hq * num_splits * (D + 2), torch.float32)

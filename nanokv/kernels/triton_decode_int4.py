@@ -41,9 +41,9 @@ from nanokv.kernels.triton_softmax import decode_softmax_step, softmax_update, s
 
 @triton.jit
 def _codes4(c_ptr, rows, valid, offs_d, d_mask, CDT: tl.constexpr, ASM: tl.constexpr):
-    """int4 key tile as two [BLOCK_N, BLOCK_DH] halves in the compute dtype (codes 0..15, exact):
-    a uint8 tile, split in registers (int32 words here made Triton 3.9's compiler fail once the
-    values were read as dims-major runs)."""
+    """int4 key tile as two [BLOCK_N, BLOCK_DH] halves in the compute dtype (codes 0..15, exact): a
+    uint8 tile split in registers, as triton_decode_swap4 reads it (both int4 kernels take the codes
+    as stored)."""
     packed = tl.load(c_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0)
     if CDT == tl.float16:
         return int4_tile_f16(packed, ASM)

@@ -207,11 +207,12 @@ def stage_args(cache) -> tuple:
             cache.k_scale.stride(1), cache.k_stage.stride(0), cache.k_stage.stride(1))
 
 
-def code_args(cache, words: bool, int8_keys: bool = False) -> tuple:
+def code_args(cache, words: bool, byte_keys: bool = False) -> tuple:
     """(k, v) code tensors as the kernels take them: keys as an int32 view where codes are read as
-    words, as stored otherwise; int8_keys: the kernel reads int8 key tiles (triton_decode_swap).
-    Values are never words (quantized ones are stored dims-major, nanokv.kv.cache)."""
-    return (cache.k.view(torch.int32) if words and not int8_keys else cache.k), cache.v
+    words, as stored otherwise or when the kernel reads byte tiles (`byte_keys`: the transposed int8
+    kernel, both int4 kernels). Values are never words (quantized ones are stored dims-major,
+    nanokv.kv.cache)."""
+    return (cache.k.view(torch.int32) if words and not byte_keys else cache.k), cache.v
 
 
 def kv_meta_args(cache) -> tuple:
