@@ -107,6 +107,15 @@ def check(cache: LayerKVCache, md: AttentionMetadata, q: torch.Tensor, cfg: Trit
     return err
 
 
+def check_twice_merged(cache: LayerKVCache, md: AttentionMetadata, q: torch.Tensor, cfg: TritonConfig) -> None:
+    """check() twice: a kernel that merges its splits in place (merge_if_last) must leave its arrival
+    counters at zero for the next launch."""
+    for _ in range(2):
+        check(cache, md, q, cfg)
+        for counts in (buf for (kind, _), buf in triton_decode._BUFFERS.items() if kind == "counts"):
+            assert int(counts.abs().sum()) == 0
+
+
 def small_cfg(splits: int = 1, block_n: int = 16) -> TritonConfig:
     return TritonConfig(decode_block_n=block_n, quant_block_n=block_n, quant_swap_block_n=block_n,
                         decode_splits=splits,  # int8 tiles under 16 tokens: the untransposed kernel
@@ -294,10 +303,7 @@ def test_int8_decode_swap_ab(G: int, bs: int, swap_n: int, splits: int, merge: b
     cfg = small_cfg(splits=splits, block_n=32)
     cfg.quant_swap_block_n = swap_n
     cfg.quant_swap_merge = merge
-    for _ in range(2):
-        check(cache, md, q, cfg)
-        for counts in (buf for (kind, _), buf in triton_decode._BUFFERS.items() if kind == "counts"):
-            assert int(counts.abs().sum()) == 0
+    check_twice_merged(cache, md, q, cfg)
 
 
 def test_split_counts_by_format_and_batch() -> None:
@@ -326,7 +332,4 @@ def test_int4_decode_swap(G: int, bs: int, swap_n: int, splits: int, prefetch: i
     cfg.quant_swap4 = True
     cfg.quant_swap4_prefetch = prefetch
     assert runs_transposed(4, swap_n, True, bs, int4=True) and not runs_transposed(4, swap_n, True, bs)
-    for _ in range(2):
-        check(cache, md, q, cfg)
-        for counts in (buf for (kind, _), buf in triton_decode._BUFFERS.items() if kind == "counts"):
-            assert int(counts.abs().sum()) == 0
+    check_twice_merged(cache, md, q, cfg)

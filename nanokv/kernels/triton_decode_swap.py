@@ -27,7 +27,7 @@ import triton.language as tl
 
 from nanokv.kernels.triton_dequant import int8_tile_f16
 from nanokv.kernels.triton_kvtile import split_range
-from nanokv.kernels.triton_softmax import merge_if_last, store_decode
+from nanokv.kernels.triton_softmax import merge_if_last, softmax_update_t, store_decode
 
 
 def runs_transposed(bits: int, swap_block_n: int, words: bool = True, block_size: int = 16,
@@ -107,12 +107,7 @@ def decode_int8_swap_kernel(
         k_hi = int8_tile_f16(tl.load(kp + DH), ASM)
         st = tl.dot(k_hi, qt_hi, tl.dot(k_lo, qt_lo))  # [BLOCK_N, BLOCK_G] fp32 scores (codes)
         st = tl.where(valid[:, None], st * (ks.to(tl.float32) * qk_scale)[:, None], float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(st, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        pt = tl.exp2(st - m_safe[None, :])  # [BLOCK_N, BLOCK_G]
-        l_i = l_i * alpha + tl.sum(pt, axis=0)
-        m_i = m_new
+        pt, alpha, m_i, l_i = softmax_update_t(st, m_i, l_i)  # pt [BLOCK_N, BLOCK_G]
         pv = (pt * vs.to(tl.float32)[:, None]).to(CDT)  # (p * vs)^T, range as in fold_v_weights
         vp = v_ptr + base + offs_d[:, None] * BS + tin[None, :]  # V^T [BLOCK_DH, BLOCK_N], dims-major block
         v_lo = int8_tile_f16(tl.load(vp), ASM)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from nanokv.kernels.triton_dequant import int4_tile_f16
 from nanokv.kernels.triton_kvtile import split_range
-from nanokv.kernels.triton_softmax import merge_if_last, store_decode
+from nanokv.kernels.triton_softmax import merge_if_last, softmax_update_t, store_decode
 
 
 @triton.jit
@@ -133,13 +133,8 @@ def decode_int4_swap_kernel(
         bias = tl.sum(qt_lo * kz_lo.to(tl.float32)[:, None] + qt_hi * kz_hi.to(tl.float32)[:, None], axis=0)
         st = tl.dot(k_hi, qs_hi, tl.dot(k_lo, qs_lo)) + bias[None, :]  # [BLOCK_N, BLOCK_G] fp32
         st = tl.where(valid[:, None], st * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(st, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        pt = tl.exp2(st - m_safe[None, :])  # [BLOCK_N, BLOCK_G]
-        l_i = l_i * alpha + tl.sum(pt, axis=0)
+        pt, alpha, m_i, l_i = softmax_update_t(st, m_i, l_i)  # pt [BLOCK_N, BLOCK_G]
         z_i = z_i * alpha + tl.sum(pt * vz.to(tl.float32)[:, None], axis=0)
-        m_i = m_new
         pv = (pt * vs.to(tl.float32)[:, None]).to(CDT)  # (p * vs)^T, range as in fold_v_weights
         vb = tl.load(v_ptr + base + offs_d[:, None] * stride_vd + tin[None, :] * stride_vt)  # [BLOCK_DH, BLOCK_N]
         v_lo, v_hi = int4_tile_f16(vb, ASM)
@@ -157,13 +152,8 @@ def decode_int4_swap_kernel(
         k_hi = tl.load(kst_ptr + srow[:, None] + DH + offs_d[None, :], mask=sm, other=0.0).to(CDT)
         st = tl.dot(k_hi, qc_hi, tl.dot(k_lo, qc_lo))
         st = tl.where(staged[:, None], st * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(st, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        pt = tl.exp2(st - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(pt, axis=0)
+        pt, alpha, m_i, l_i = softmax_update_t(st, m_i, l_i)
         z_i = z_i * alpha
-        m_i = m_new
         smt = (offs_d < DH)[:, None] & staged[None, :]  # [BLOCK_DH, BLOCK_N]
         v_lo = tl.load(vst_ptr + srow[None, :] + offs_d[:, None], mask=smt, other=0.0).to(CDT)
         v_hi = tl.load(vst_ptr + srow[None, :] + DH + offs_d[:, None], mask=smt, other=0.0).to(CDT)

@@ -25,6 +25,17 @@ def softmax_update(s, m_i, l_i):
 
 
 @triton.jit
+def softmax_update_t(st, m_i, l_i):
+    """softmax_update on transposed scores st [BLOCK_N, ROWS] (the transposed decodes: tokens on
+    axis 0): returns (p^T, alpha, m_new, l_new)."""
+    m_new = tl.maximum(m_i, tl.max(st, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    pt = tl.exp2(st - m_safe[None, :])
+    return pt, alpha, m_new, l_i * alpha + tl.sum(pt, axis=0)
+
+
+@triton.jit
 def lazy_softmax_update(s, m_i, l_i, TAU: tl.constexpr):
     """softmax_update that keeps each row's reference max until some row's max grows by more than
     TAU (base 2; FlashAttention-4's conditional rescaling). Returns (p, alpha, m_ref, l_new, grow):
