@@ -43,8 +43,12 @@ def _steps(bs: int, g: torch.Generator) -> list[list[tuple[int, int]]]:
     return steps
 
 
-@pytest.mark.parametrize("bs,dtype", [(8, torch.float32), (8, torch.float16), (16, torch.float16)])
-def test_graphsafe_fill_quant_equals_eager(dtype: torch.dtype, bs: int) -> None:
+@pytest.mark.parametrize("bs,dtype,compact", [(8, torch.float32, False), (8, torch.float16, False),
+                                              (16, torch.float16, False), (8, torch.float16, True)])
+def test_graphsafe_fill_quant_equals_eager(dtype: torch.dtype, bs: int, compact: bool) -> None:
+    """The kernel given the step's whole slot mapping (captured decode steps, with padding rows) or
+    only the filled blocks' last slots (StageTable.last_slots: eager steps) quantizes exactly what the
+    torch quantize_filled does."""
     g = torch.Generator().manual_seed(bs)
     nblk = 24
     caches: list[LayerKVCache] = [allocate_layer_cache(4, nblk, H, bs, D, dtype, DEV, rotate=False)
@@ -59,6 +63,11 @@ def test_graphsafe_fill_quant_equals_eager(dtype: torch.dtype, bs: int) -> None:
             assert c.stage is not None
             c.stage.plan(slots)
             reference.store_kvcache(k.to(DEV), v.to(DEV), c, torch.from_numpy(slots).to(DEV))
+        if compact:
+            assert caches[1].stage is not None
+            last = caches[1].stage.last_slots()
+            assert set(last.tolist()) == {int(s) for s in slots if s % bs == bs - 1}
+            padded = torch.from_numpy(last).to(DEV)
         quantize_filled(caches[0])
         quantize_filled_graphsafe(caches[1], padded)
         for c in caches:

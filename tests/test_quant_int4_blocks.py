@@ -23,13 +23,16 @@ def _keys(n: int, seed: int = 0) -> torch.Tensor:
     return drift + torch.randn(n, H, D, generator=g) * chan_scale
 
 
-def _step(cache, k, v, slots: list[int]) -> None:
-    """One runner step: plan staging, store, (attention would read here), quantize filled, finish."""
+def _step(cache, k, v, slots: list[int]) -> list[int]:
+    """One runner step: plan staging, store, (attention would read here), quantize filled, finish.
+    Returns the step's filled blocks' last slots (what the GPU fill kernel gets in eager steps)."""
     sm = np.asarray(slots, dtype=np.int64)
     cache.stage.plan(sm)
+    last = cache.stage.last_slots().tolist()
     reference.store_kvcache(k, v, cache, torch.from_numpy(sm))
     quantize_filled(cache)
     cache.stage.finish()
+    return last
 
 
 def test_channel_quant_roundtrip_and_beats_per_token_on_real_key_shapes():
@@ -49,12 +52,13 @@ def test_block_is_staged_until_full_then_quantized_once():
     cache = allocate_layer_cache(4, 8, H, BS, D, torch.float32, "cpu", rotate=False)
     k, v = _keys(2 * BS, 1), _keys(2 * BS, 2)
     # block 3 gets tokens 0..9 in one step, 10..15 plus block 5's first 4 in the next
-    _step(cache, k[:10], v[:10], [3 * BS + i for i in range(10)])
+    assert _step(cache, k[:10], v[:10], [3 * BS + i for i in range(10)]) == []
     assert cache.stage.num_staged == 1
     kg, vg = reference.gather_kv(cache, torch.tensor([3]), torch.float32)  # [1, H, bs, D]
     assert torch.equal(kg[0, :, :10], k[:10].transpose(0, 1))  # open block: exact
     assert int(cache.k_scale[3].count_nonzero()) == 0  # nothing quantized yet
-    _step(cache, k[10:20], v[10:20], [3 * BS + i for i in range(10, 16)] + [5 * BS + i for i in range(4)])
+    filled = _step(cache, k[10:20], v[10:20], [3 * BS + i for i in range(10, 16)] + [5 * BS + i for i in range(4)])
+    assert filled == [3 * BS + BS - 1]
     assert cache.stage.num_staged == 1  # block 3 filled and left staging; block 5 is open
     codes, scale, zero = quant.quantize_int4_channels(k[:BS].transpose(0, 1))
     assert torch.equal(cache.k[3], codes) and torch.equal(cache.k_scale[3], scale)

@@ -134,11 +134,14 @@ def after_attention(layer: int, cache: LayerKVCache, md: Any, o: torch.Tensor) -
     if cache.stage is not None:
         if cache.k.is_cuda:
             # one Triton kernel finds the filled blocks on the device (no host list, no copy, no sync;
-            # bit for bit the torch quantize_filled): in captured decode steps and in eager steps alike
+            # bit for bit the torch quantize_filled): in captured decode steps from the step's slot
+            # mapping; in eager steps from the filled blocks' last slots (the runner's, in the
+            # step's one upload): one program per filled block, not per step token (a 16k-token
+            # prefill chunk launched 262k programs per layer, 15 of 16 with nothing to do)
             from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe
             if cache.monitor is not None and not _capturing(o):
                 _monitor_fill(layer, cache)
-            quantize_filled_graphsafe(cache, md.slot_mapping)
+            quantize_filled_graphsafe(cache, md.extras.get("fill_slots", md.slot_mapping))
         else:
             quantize_filled(cache, layer)
     if cache.rotate_v:

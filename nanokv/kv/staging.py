@@ -64,6 +64,11 @@ class StageTable:
         """[F] int64 on the device: their staging slots."""
         return torch.from_numpy(self._host[self._filling]).to(self.stage_of.device)
 
+    def last_slots(self) -> np.ndarray:
+        """[F] int64: the last cache slot of each block this step fills, a compact slot mapping for
+        the device's quantize-on-fill kernel (it quantizes the blocks whose last slot it is given)."""
+        return self._filling * self.block_size + self.block_size - 1
+
     def first_fill(self) -> int | None:
         """Staging slot of the first block this step fills (host bookkeeping), None if it fills none."""
         return int(self._host[self._filling[0]]) if self._filling.size else None

@@ -207,15 +207,19 @@ class ModelRunner:
         qsl_list = qsl.tolist()
         seq_lens = ends.tolist()
         stage_upd: list[np.ndarray] = []
+        fills: list[np.ndarray] = []
         if self.stage is not None:  # int4: staging slots for every block this step writes
             self.stage.plan(slots, defer=True)
             stage_upd = self.stage.pending()  # its device-map updates travel in the same copy
+            if num_prefills:  # eager step: the fill kernel gets only the filled blocks' last slots
+                fills = [self.stage.last_slots()]
         ids, pos, slot_t, qsl_t, lens_t, tables_t, *extra_t = self.uploader.upload(
             [np.asarray(input_ids, dtype=np.int64), positions, slots, qsl.astype(np.int32),
-             ends.astype(np.int32), tables, *(extra or []), *last, *stage_upd])
+             ends.astype(np.int32), tables, *(extra or []), *last, *fills, *stage_upd])
         if self.stage is not None:
             self.stage.apply(*extra_t[-3:])
             extra_t = extra_t[:-3]
+        fill_t = extra_t.pop() if fills else None
         last_t = extra_t.pop() if last else None
         md = AttentionMetadata(
             slot_mapping=slot_t,
@@ -232,6 +236,8 @@ class ModelRunner:
         )
         if last_t is not None:
             md.extras["logits_index"] = last_t
+        if fill_t is not None:  # (read by nanokv.kv.hooks.after_attention)
+            md.extras["fill_slots"] = fill_t
         if self.attn_probe is not None:  # read by nanokv.kv.hooks.before_store in every layer
             md.extras["attn_probe"] = self.attn_probe.begin(md)
         return ids, pos, md, extra_t
