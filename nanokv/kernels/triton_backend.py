@@ -96,10 +96,6 @@ class TritonConfig:
     # tile's chain of dependent loads), 2 the scales and zeros too. Same batch at 128 registers: 203.6 /
     # 188.1 / 202.6 us; whole long-context int4 run 10,392 / 10,364 (0) vs 10,916 tok/s (1)
     quant_swap4_prefetch: int = 1
-    # its codes as fp16 1024 + c (one lop3 per two codes, no subtraction; the offsets leave through the
-    # bias and one running sum) and its rescale threshold (base 2; it rescales only when a max grows)
-    quant_swap4_biased: bool = True
-    quant_swap4_lazy_tau: int = 0
     # int8/int4 layers: the model's q/k norm + RoPE kernel (triton_rope) also applies the format's q/k
     # rotation, instead of a separate GEMM per layer and step (nanokv.kv.hooks.fused_rotation).
     # H200 long-context int8 run, session 12: 11,130 tok/s with it vs 10,827 without (one pair)
@@ -189,8 +185,7 @@ def decode_options(cfg: TritonConfig, cache: LayerKVCache) -> dict:
                 lazy_tau=cfg.quant_lazy_tau if q else 0, min_rows=quant_rows(cfg, cache.bits),
                 swap_block_n=cfg.quant_swap_block_n if q else 0, swap_maxnreg=cfg.quant_swap_maxnreg,
                 swap_stages=cfg.quant_swap_stages, swap_merge=cfg.quant_swap_merge, swap4=cfg.quant_swap4,
-                swap4_prefetch=cfg.quant_swap4_prefetch, swap4_maxnreg=cfg.quant_swap4_maxnreg,
-                swap4_biased=cfg.quant_swap4_biased, swap4_lazy_tau=cfg.quant_swap4_lazy_tau)
+                swap4_prefetch=cfg.quant_swap4_prefetch, swap4_maxnreg=cfg.quant_swap4_maxnreg)
 
 
 def decode_tiles(cfg: TritonConfig, quantized: bool) -> tuple[int, int, int]:

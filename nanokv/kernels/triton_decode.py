@@ -130,8 +130,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
                  maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, swap_block_n: int = 0,
                  swap_maxnreg: int = 0, swap_stages: int = 0, swap_merge: bool = True,
-                 swap4: bool = False, swap4_prefetch: int = 0, swap4_maxnreg: int = 0,
-                 swap4_biased: bool = False, swap4_lazy_tau: int = 0) -> torch.Tensor:
+                 swap4: bool = False, swap4_prefetch: int = 0, swap4_maxnreg: int = 0) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
@@ -149,9 +148,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     last program of each (sequence, KV head) (merge_if_last), not by a reduce launch. int8 values are
     never read as words (dims-major, nanokv.kv.cache). swap4: int4 (with fold_k) goes to the transposed
     int4 kernel (triton_decode_swap4) under the same tile rule, instead of triton_decode_int4, with its own
-    register cap (swap4_maxnreg) and tile-ahead metadata loads (swap4_prefetch); swap4_biased: its codes
-    enter the products as 1024 + c (no subtraction; offsets removed through the bias and one running
-    sum); swap4_lazy_tau: its rescale threshold (the kernel rescales only when a max grows)."""
+    register cap (swap4_maxnreg) and tile-ahead metadata loads (swap4_prefetch)."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
@@ -194,8 +191,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
         swap = dict(count_ptr=counts, **common, BLOCK_G=next_pow2(G), MERGE=merged, BLOCK_S=next_pow2(num_splits))
         if cache.bits == 4:
             decode_int4_swap_kernel[(B, H, num_splits)](*args, stride_vd=cache.v.stride(3), stride_vt=cache.v.stride(2),
-                                                        PREFETCH=swap4_prefetch, BIASED=swap4_biased,
-                                                        **dict(swap, LAZY_TAU=swap4_lazy_tau))
+                                                        PREFETCH=swap4_prefetch, **swap)
         else:
             decode_int8_swap_kernel[(B, H, num_splits)](*args, **swap)
     elif cache.bits == 4 and fold_k:

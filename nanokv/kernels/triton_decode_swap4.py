@@ -25,9 +25,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nanokv.kernels.triton_dequant import biased_int4_tile_f16, int4_tile_f16
+from nanokv.kernels.triton_dequant import int4_tile_f16
 from nanokv.kernels.triton_kvtile import split_range
-from nanokv.kernels.triton_softmax import lazy_scores_t, merge_if_last, softmax_update_t, store_decode
+from nanokv.kernels.triton_softmax import merge_if_last, softmax_update_t, store_decode
 
 
 @triton.jit
@@ -70,7 +70,6 @@ def decode_int4_swap_kernel(
     CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr, FOLD_V: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     LAZY_TAU: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PREFETCH: tl.constexpr,
-    BIASED: tl.constexpr,
 ):
     # argument list of triton_decode._decode_kernel plus the merge counters and the value codes'
     # (dim, token) strides; k_ptr / v_ptr: uint8 codes (byte j = dims j and j + DH). WORDS, FOLD_V and
@@ -93,11 +92,8 @@ def decode_int4_swap_kernel(
     qc_hi = qt_hi.to(CDT)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    # running sums kept per token row, summed over the rows after the loop: l (sum p), z (sum p vz,
-    # added to every output dim at the end), zs (BIASED: sum p vs as rounded to fp16 for the product)
-    l_t = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-    z_t = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-    zs_t = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    z_i = tl.zeros([BLOCK_G], tl.float32)  # sum_n p_n vz_n: added to every output dim at the end
     acc_lo = tl.zeros([BLOCK_DH, BLOCK_G], tl.float32)  # o^T halves
     acc_hi = tl.zeros([BLOCK_DH, BLOCK_G], tl.float32)
     bt_row = bt_ptr + seq * stride_bt
@@ -128,48 +124,22 @@ def decode_int4_swap_kernel(
         base = tl.maximum(phys, 0).to(tl.int64) * stride_kn + kvh * stride_kh
         tin = tl.multiple_of(start % BS, BLOCK_N) + offs_n  # [BLOCK_N] token offsets in the block
         # codes not masked: an invalid token's row is inside the cache, its codes finite, its p 0
-        kb = tl.load(k_ptr + base + tin[:, None] * stride_ks + offs_d[None, :])
+        k_lo, k_hi = int4_tile_f16(tl.load(k_ptr + base + tin[:, None] * stride_ks + offs_d[None, :]), ASM)
         # q * s in fp16 (q fp16 or bf16, exact in fp16 in the range the kernels assume; the fp32
         # product rounded once is the same number); the bias q . z in fp32: a channel's zero point
         # can be far larger than its step
         qs_lo = qc_lo * ks_lo.to(CDT)[:, None]  # [BLOCK_DH, BLOCK_G]
         qs_hi = qc_hi * ks_hi.to(CDT)[:, None]
-        bq = qt_lo * kz_lo.to(tl.float32)[:, None] + qt_hi * kz_hi.to(tl.float32)[:, None]
-        if BIASED:  # the codes' offsets: 1024 sum(qs_lo) + 64 sum(qs_hi), from the very fp16 operands
-            bq = bq - 1024.0 * qs_lo.to(tl.float32) - 64.0 * qs_hi.to(tl.float32)
-        bias = tl.sum(bq, axis=0)
-        if BIASED:  # codes as 1024 + c and 1024 + 16 c: no subtraction; the bias takes the offsets
-            k_lo, k_hi = biased_int4_tile_f16(kb, ASM)
-            st = tl.dot(k_lo, qs_lo, tl.dot(k_hi, qs_hi) * 0.0625) + bias[None, :]  # [BLOCK_N, BLOCK_G] fp32
-        else:
-            k_lo, k_hi = int4_tile_f16(kb, ASM)
-            st = tl.dot(k_hi, qs_hi, tl.dot(k_lo, qs_lo)) + bias[None, :]
+        bias = tl.sum(qt_lo * kz_lo.to(tl.float32)[:, None] + qt_hi * kz_hi.to(tl.float32)[:, None], axis=0)
+        st = tl.dot(k_hi, qs_hi, tl.dot(k_lo, qs_lo)) + bias[None, :]  # [BLOCK_N, BLOCK_G] fp32
         st = tl.where(valid[:, None], st * qk_scale, float("-inf"))
-        pt, alpha, m_i, grow = lazy_scores_t(st, m_i, LAZY_TAU)  # pt [BLOCK_N, BLOCK_G]
-        if grow:
-            acc_lo = acc_lo * alpha[None, :]
-            acc_hi = acc_hi * alpha[None, :]
-            l_t = l_t * alpha[None, :]
-            z_t = z_t * alpha[None, :]
-            zs_t = zs_t * alpha[None, :]
-        l_t = l_t + pt
-        z_t = z_t + pt * vz.to(tl.float32)[:, None]
+        pt, alpha, m_i, l_i = softmax_update_t(st, m_i, l_i)  # pt [BLOCK_N, BLOCK_G]
+        z_i = z_i * alpha + tl.sum(pt * vz.to(tl.float32)[:, None], axis=0)
         pv = (pt * vs.to(tl.float32)[:, None]).to(CDT)  # (p * vs)^T, range as in fold_v_weights
-        if BIASED:
-            zs_t = zs_t + pv.to(tl.float32)
         vb = tl.load(v_ptr + base + offs_d[:, None] * stride_vd + tin[None, :] * stride_vt)  # [BLOCK_DH, BLOCK_N]
-        if BIASED:
-            v_lo, v_hi = biased_int4_tile_f16(vb, ASM)
-        else:
-            v_lo, v_hi = int4_tile_f16(vb, ASM)
-        acc_lo = tl.dot(v_lo, pv, acc_lo)
-        acc_hi = tl.dot(v_hi, pv, acc_hi)
-    l_i = tl.sum(l_t, axis=0)
-    z_i = tl.sum(z_t, axis=0)
-    if BIASED:  # the accumulators hold sum p vs (1024 + c) and sum p vs (1024 + 16 c)
-        zs_i = tl.sum(zs_t, axis=0)
-        acc_lo = acc_lo - 1024.0 * zs_i[None, :]
-        acc_hi = (acc_hi - 1024.0 * zs_i[None, :]) * 0.0625
+        v_lo, v_hi = int4_tile_f16(vb, ASM)
+        acc_lo = tl.dot(v_lo, pv, acc_lo * alpha[None, :])
+        acc_hi = tl.dot(v_hi, pv, acc_hi * alpha[None, :])
 
     # staged tokens in full precision (plain q): the newest block, or the whole split (see above)
     for start in range(tl.where(early > 0, lo, tl.maximum(lo, newest)), hi, BLOCK_N):

@@ -114,36 +114,6 @@ def int4_tile_f16(c, ASM: tl.constexpr):
         return (c & 15).to(tl.float16), (c >> 4).to(tl.float16)
 
 
-# biased_int4_tile_f16: the splice without the subtraction (fp16 1024 + code), the high nibble masked
-# in place (1024 + 16 * code): two byte spreads (shared by the two calls) and one lop3 per two codes
-_INT4_BIASED = """{{
-    .reg .b32 x, y, z, m, o;
-    mov.b32 z, 0;
-    mov.b32 m, {mask};
-    mov.b32 o, 0x64006400;
-    prmt.b32 x, $2, z, 0x4140;
-    prmt.b32 y, $2, z, 0x4342;
-    lop3.b32 $0, x, m, o, 0xEA;
-    lop3.b32 $1, y, m, o, 0xEA;
-    }}"""
-_INT4_LO_BIASED_PTX = tl.constexpr(_INT4_BIASED.format(mask="0x000F000F"))
-_INT4_HI_BIASED_PTX = tl.constexpr(_INT4_BIASED.format(mask="0x00F000F0"))
-
-
-@triton.jit
-def biased_int4_tile_f16(c, ASM: tl.constexpr):
-    """int4_tile_f16 without its two subtractions per two codes: (1024 + low nibble, 1024 + 16 * high
-    nibble) as fp16, exactly. The caller removes the offsets (triton_decode_swap4: constant tiles in
-    the same tensor-core products, which cancel them exactly) and the factor 16."""
-    if ASM:
-        return (tl.inline_asm_elementwise(_INT4_LO_BIASED_PTX, "=r,=r,r", [c], dtype=tl.float16, is_pure=True,
-                                          pack=4),
-                tl.inline_asm_elementwise(_INT4_HI_BIASED_PTX, "=r,=r,r", [c], dtype=tl.float16, is_pure=True,
-                                          pack=4))
-    else:
-        return (c & 15).to(tl.float16) + 1024.0, (c & 240).to(tl.float16) + 1024.0
-
-
 @triton.jit
 def _int4_word_asm(w):
     """int32 word of 4 packed bytes -> 8 fp16: low nibbles of bytes 0..3, then high nibbles."""

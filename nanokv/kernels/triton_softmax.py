@@ -51,21 +51,6 @@ def lazy_softmax_update(s, m_i, l_i, TAU: tl.constexpr):
 
 
 @triton.jit
-def lazy_scores_t(st, m_i, TAU: tl.constexpr):
-    """The transposed decodes' softmax weights without row sums: st [BLOCK_N, ROWS] -> (p^T, alpha,
-    m_ref, grow). The reference max m_ref moves only when some row's max grows by more than TAU
-    (base 2; 0: by anything), and only then is alpha not exactly 1 (0 on rows with no key yet, whose
-    sums are 0), so the caller rescales its accumulators and running sums under `if grow`. The caller
-    keeps its sums per token row (sum_n deferred to after the loop: no cross-lane reductions per
-    tile). p <= 2^TAU."""
-    m_new = tl.maximum(m_i, tl.max(st, axis=0))
-    grow = tl.max(m_new - m_i, axis=0) > TAU  # a first key gives +inf; no key yet: NaN, compares False
-    m_ref = tl.where(grow, m_new, m_i)
-    m_safe = tl.where(m_ref == float("-inf"), 0.0, m_ref)
-    return tl.exp2(st - m_safe[None, :]), tl.exp2(m_i - m_safe), m_ref, grow
-
-
-@triton.jit
 def decode_softmax_step(s, m_i, l_i, acc_lo, acc_hi, LAZY_TAU: tl.constexpr):
     """The decode kernels' online-softmax update: (p, alpha, m, l, acc_lo, acc_hi), the accumulators
     rescaled after every tile, or with LAZY_TAU > 0 only when lazy_softmax_update asks for it."""
