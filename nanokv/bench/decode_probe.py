@@ -11,6 +11,7 @@ Qwen3-0.6B layer shapes (16 q heads, 8 KV heads, dim 128), bf16 queries, random 
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import cast
 
 import torch
@@ -55,8 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         slots = torch.tensor([(int(md.block_tables[i, (L - 1) // bs]) * bs + (L - 1) % bs) for i, L in
                               enumerate(lens)], device=cache.k.device)
         fills = sum((L - 1) % bs == bs - 1 for L in lens)
-        ms = timed(lambda i: quantize_filled_graphsafe(cache, slots))
-        print(f"int4 fill kernel, {B} tokens x {cache.num_kv_heads} heads, {fills} blocks filled: {ms * 1e3:.1f} us")
+        # a decode step fills about one block in bs: the other rows' slots moved off their block's end
+        step = torch.where(torch.arange(B, device=slots.device) % bs == 0, slots, slots - 1)
+        for w in (1, 2, 4):
+            ms, ms_step = (timed(functools.partial(lambda i, sl, nw: quantize_filled_graphsafe(cache, sl, nw),
+                                                   sl=sl, nw=w)) for sl in (slots, step))
+            print(f"int4 fill kernel, {w} warps, {B} tokens x {cache.num_kv_heads} heads: {fills} blocks filled "
+                  f"{ms * 1e3:.1f} us, {(B + bs - 1) // bs} filled {ms_step * 1e3:.1f} us")
     first = None
     for spec in args.variants.split(";"):
         torch.manual_seed(1)  # every variant gets the same queries: outputs comparable

@@ -85,9 +85,10 @@ def _fill_quant_kernel(
             tl.store(vz_ptr + vmeta, z_v)
 
 
-def quantize_filled_graphsafe(cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+def quantize_filled_graphsafe(cache: LayerKVCache, slot_mapping: torch.Tensor, num_warps: int = 0) -> None:
     """After the step's attention: quantize every block whose last slot this step wrote, from its
-    staging slot into the pool. slot_mapping: [T] int64 (the step's; -1 = not stored)."""
+    staging slot into the pool. slot_mapping: [T] int64 (the step's; -1 = not stored). num_warps per
+    program, 0 = by block size."""
     assert cache.stage is not None and cache.k_stage is not None and cache.v_stage is not None
     assert cache.k_scale is not None and cache.k_zero is not None
     assert cache.v_scale is not None and cache.v_zero is not None
@@ -102,5 +103,5 @@ def quantize_filled_graphsafe(cache: LayerKVCache, slot_mapping: torch.Tensor) -
         cache.k_stage.stride(0), cache.k_stage.stride(1), cache.k_scale.stride(0), cache.k_scale.stride(1),
         cache.k.stride(0), cache.k.stride(1), cache.v_scale.stride(0), cache.v_scale.stride(1),
         cache.v.stride(2), cache.v.stride(3),
-        BS=bs, DH=D // 2, BLOCK_DH=max(16, next_pow2(D // 2)), num_warps=4 if bs <= 64 else 8,
+        BS=bs, DH=D // 2, BLOCK_DH=max(16, next_pow2(D // 2)), num_warps=num_warps or (4 if bs <= 64 else 8),
     )
