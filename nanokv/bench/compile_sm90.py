@@ -57,7 +57,7 @@ def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_r
     if min_rows < 0:
         const.update(BLOCK_G=2, MERGE=True, BLOCK_S=8)  # 8 splits merged in the kernel (the defaults)
         if min_rows < -1:  # a stride of 1 is specialized by the launcher
-            const.update({"stride_vt" if min_rows == -2 else "stride_vd": 1}, PREFETCH=0)
+            const.update({"stride_vt" if min_rows == -2 else "stride_vd": 1}, PREFETCH=0, FILL=True)
     elif bits == 4:
         const.update(int4_tiles(2, 16, block_n, min_rows))
     else:
@@ -95,13 +95,21 @@ def compile_norm(add: bool) -> bytes:
                     dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", o_ptr="*bf16", s_ptr="*bf16", eps="fp32"))
 
 
+def compile_fill() -> bytes:
+    """The int4 quantize-on-fill kernel (triton_blockquant) at Qwen3-0.6B's head dim, 16-token blocks."""
+    from nanokv.kernels.triton_blockquant import _fill_quant_kernel
+    return _compile(_fill_quant_kernel, dict(BS=16, DH=64, BLOCK_DH=64),
+                    dict(slot_ptr="*i64", stage_ptr="*i32", kst_ptr="*bf16", vst_ptr="*bf16", kc_ptr="*u8",
+                         vc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16"))
+
+
 def compile_silu() -> bytes:
     return _compile(_silu_mul_kernel, dict(BLOCK=1024), dict(x_ptr="*bf16", o_ptr="*bf16"))
 
 
 OTHERS = {"rope rot=False": lambda: compile_rope(False), "rope rot=True": lambda: compile_rope(True),
           "norm add=False": lambda: compile_norm(False), "norm add=True": lambda: compile_norm(True),
-          "silu_mul": compile_silu}
+          "silu_mul": compile_silu, "int4 fill": compile_fill}
 
 
 def resources(cubin_path: str) -> str:

@@ -49,20 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     B, bs = args.batch, args.block_size
-    lens = [args.ctx - (i * args.ctx // (2 * B)) for i in range(B)] if args.engine_like else [args.ctx] * B
+    # engine-like: one row in bs ends a block (a decode step fills about B / bs blocks)
+    lens = [args.ctx - (i * args.ctx // (2 * B)) - (i % bs > 0) for i in range(B)] if args.engine_like \
+        else [args.ctx] * B
     cache, md = make_batch(SH, args.bits, bs, [1] * B, lens, 0, store=args.engine_like)
     if args.engine_like and cache.stage is not None:
         from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe
         slots = torch.tensor([(int(md.block_tables[i, (L - 1) // bs]) * bs + (L - 1) % bs) for i, L in
                               enumerate(lens)], device=cache.k.device)
         fills = sum((L - 1) % bs == bs - 1 for L in lens)
-        # a decode step fills about one block in bs: the other rows' slots moved off their block's end
-        step = torch.where(torch.arange(B, device=slots.device) % bs == 0, slots, slots - 1)
         for w in (1, 2, 4):
-            ms, ms_step = (timed(functools.partial(lambda i, sl, nw: quantize_filled_graphsafe(cache, sl, nw),
-                                                   sl=sl, nw=w)) for sl in (slots, step))
-            print(f"int4 fill kernel, {w} warps, {B} tokens x {cache.num_kv_heads} heads: {fills} blocks filled "
-                  f"{ms * 1e3:.1f} us, {(B + bs - 1) // bs} filled {ms_step * 1e3:.1f} us")
+            ms = timed(functools.partial(lambda i, nw: quantize_filled_graphsafe(cache, slots, nw), nw=w))
+            print(f"int4 fill kernel, {w} warps, {B} tokens x {cache.num_kv_heads} heads, {fills} blocks filled: "
+                  f"{ms * 1e3:.1f} us")
     first = None
     for spec in args.variants.split(";"):
         torch.manual_seed(1)  # every variant gets the same queries: outputs comparable
