@@ -176,7 +176,7 @@ def decode_int4_swap_kernel(
             if slot >= 0:  # (staged: always, for a block this step wrote)
                 fill_block(kst_ptr, vst_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, phys, slot, kvh,
                            stride_stn, stride_sth, stride_cn, stride_ch, stride_kn, stride_kh, stride_sn,
-                           stride_sh, stride_vt, stride_vd, True, True, BS, DH, BLOCK_DH)
+                           stride_sh, stride_vt, stride_vd, True, True, BS, DH, BLOCK_DH, 16)
 
     acc_lo = acc_lo + z_i[None, :]
     acc_hi = acc_hi + z_i[None, :]
