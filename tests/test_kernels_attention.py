@@ -333,28 +333,3 @@ def test_int4_decode_swap(G: int, bs: int, swap_n: int, splits: int, prefetch: i
     cfg.quant_swap4_prefetch = prefetch
     assert runs_transposed(4, swap_n, True, bs, int4=True) and not runs_transposed(4, swap_n, True, bs)
     check_twice_merged(cache, md, q, cfg)
-
-
-@pytest.mark.parametrize("splits,fill", [(1, True), (3, True), (2, False)])
-def test_int4_decode_fuses_the_fill(splits: int, fill: bool) -> None:
-    """A decode step through the transposed int4 kernel (quant_swap4_fill) also quantizes the blocks
-    its tokens filled (contexts 64 and 96 of 16-token blocks) into the pool, bit for bit as the torch
-    quantize_filled, and nothing else; without it, the decode writes nothing."""
-    cache, md, q = build_batch(4, torch.float16, 16, 2, 2, 32, [], [64, 70, 96, 17], holes=True, seed=5)
-    assert cache.stage is not None and cache.k_scale is not None
-    names = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero", "k_stage", "v_stage")
-    before = {n: getattr(cache, n).clone() for n in names}
-    cfg = small_cfg(splits=splits)
-    cfg.quant_swap4_fill = fill
-    check(cache, md, q, cfg)  # attention reads the filled blocks from staging, as before
-    assert (id(cache) in md.extras.get("filled_by_decode", set())) == fill
-    after = {n: getattr(cache, n).clone() for n in names}
-    blocks = md.block_tables[[0, 2], [3, 5]].long()  # the two blocks this step filled
-    assert (int(after["k_scale"][blocks].count_nonzero()) > 0) == fill
-    quantize_filled(cache)  # the torch path, from the host's list of the step's filled blocks
-    for n in names:
-        if fill:  # it rewrote exactly what the kernel had written; staging untouched
-            assert torch.equal(getattr(cache, n), after[n]), n
-            assert "stage" not in n or torch.equal(after[n], before[n]), n
-        else:  # the decode wrote nothing
-            assert torch.equal(after[n], before[n]), n

@@ -57,7 +57,7 @@ def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_r
     if min_rows < 0:
         const.update(BLOCK_G=2, MERGE=True, BLOCK_S=8)  # 8 splits merged in the kernel (the defaults)
         if min_rows < -1:  # a stride of 1 is specialized by the launcher
-            const.update({"stride_vt" if min_rows == -2 else "stride_vd": 1}, PREFETCH=0, FILL=True)
+            const.update({"stride_vt" if min_rows == -2 else "stride_vd": 1}, PREFETCH=0)
     elif bits == 4:
         const.update(int4_tiles(2, 16, block_n, min_rows))
     else:

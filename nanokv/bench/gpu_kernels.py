@@ -112,9 +112,6 @@ def decode_fn(cache: LayerKVCache, md: AttentionMetadata, cfg: TritonConfig) -> 
     out = torch.empty_like(qs[0])
     splits = choose_splits(cfg, B, H, md.max_seq_len, sm_count(DEV), cache.bits, cache.block_size)
     kw = decode_options(cfg, cache)
-    # as the backend in a decode step: the transposed int4 kernel also quantizes the filled blocks
-    kw["swap4_fill"] = cfg.quant_swap4_fill and triton_decode.fuses_fill(
-        cache, qs[0], cfg.words, cfg.quant_swap_block_n, cfg.quant_swap4, cfg.quant_fold_k)
     return lambda i: triton_decode.paged_decode(qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE,
                                                 num_splits=splits, **kw)
 

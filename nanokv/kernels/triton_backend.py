@@ -96,9 +96,6 @@ class TritonConfig:
     # tile's chain of dependent loads), 2 the scales and zeros too. Same batch at 128 registers: 203.6 /
     # 188.1 / 202.6 us; whole long-context int4 run 10,392 / 10,364 (0) vs 10,916 tok/s (1)
     quant_swap4_prefetch: int = 1
-    # in decode steps, it quantizes the blocks the step fills (else the fill kernel does, one launch per
-    # layer and step, ~10 us each at the long-context decode batch on an H200: 0.2-0.3 s of a run)
-    quant_swap4_fill: bool = True
     # int8/int4 layers: the model's q/k norm + RoPE kernel (triton_rope) also applies the format's q/k
     # rotation, instead of a separate GEMM per layer and step (nanokv.kv.hooks.fused_rotation).
     # H200 long-context int8 run, session 12: 11,130 tok/s with it vs 10,827 without (one pair)
@@ -254,10 +251,6 @@ class TritonBackend:
             s0 = md.num_prefill_tokens
             splits = choose_splits(cfg, nd, cache.num_kv_heads, md.max_seq_len, sm_count(q.device), cache.bits,
                                    cache.block_size)
-            fill = P == 0 and cfg.quant_swap4_fill and triton_decode.fuses_fill(
-                cache, q, cfg.words, cfg.quant_swap_block_n, cfg.quant_swap4, cfg.quant_fold_k)
             triton_decode.paged_decode(q[s0:s0 + nd], cache, md.block_tables[P:], md.seq_lens[P:], out[s0:s0 + nd],
-                                       scale, num_splits=splits, **decode_options(cfg, cache), swap4_fill=fill)
-            if fill:  # (read by nanokv.kv.hooks.after_attention: no separate fill for this layer's cache)
-                md.extras.setdefault("filled_by_decode", set()).add(id(cache))
+                                       scale, num_splits=splits, **decode_options(cfg, cache))
         return out

@@ -6,9 +6,7 @@ the device from the step's slot mapping instead: a token whose slot is the last 
 (slot % bs == bs - 1) filled that block, exactly the blocks StageTable.plan lists. Grid (T, H, 2):
 one program per (step token, KV head, keys or values); programs of tokens that fill nothing (and
 padding rows, slot -1) skip all work, so the launch has a fixed shape for a fixed T (a captured
-decode graph's batch bucket). Eager steps pass the filled blocks' last slots only
-(StageTable.last_slots); decode steps through the transposed int4 decode run fill_block inside that
-kernel instead (triton_decode_swap4, FILL).
+decode graph's batch bucket) and costs little: in a decode step about 1 in bs sequences fills a block.
 
 Bit for bit nanokv.kv.quant: keys per channel over the block's bs tokens, values per token, both
 asymmetric; IEEE division (div_rn), fp16 rounding of scale and zero, round-half-even, underflowed
@@ -33,66 +31,6 @@ def _codes(x, lo, scale):
 
 
 @triton.jit
-def fill_block(kst_ptr, vst_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, blk, st, h,
-               stride_stn, stride_sth, stride_cn, stride_ch, stride_kn, stride_kh, stride_vn, stride_vh,
-               stride_vt, stride_vd, KEYS: tl.constexpr, VALUES: tl.constexpr, BS: tl.constexpr,
-               DH: tl.constexpr, BLOCK_DH: tl.constexpr, CHUNK: tl.constexpr):
-    """Quantize KV head h of block blk (int64) from staging slot st (int64) into the pool: its keys
-    (KEYS) and / or its values (VALUES), CHUNK of each half's BLOCK_DH dims at a time (the values'
-    per-token range in a first pass). Small chunks keep the registers low where this runs inside
-    another kernel (triton_decode_swap4's fused fill); the codes are the same for any CHUNK."""
-    offs_t = tl.arange(0, BS)
-    offs_c = tl.arange(0, CHUNK)
-    srow = st * stride_stn + h * stride_sth + offs_t[:, None] * (2 * DH)  # [BS, 1]
-    if KEYS:  # one scale/zero per channel over the block's tokens (KIVI)
-        for c0 in tl.static_range(0, BLOCK_DH, CHUNK):
-            offs_d = c0 + offs_c
-            d_ok = offs_d < DH
-            m2 = (offs_t < BS)[:, None] & d_ok[None, :]  # [BS, CHUNK]
-            k_lo = tl.load(kst_ptr + srow + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)  # dims [0, D/2)
-            k_hi = tl.load(kst_ptr + srow + DH + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)  # [D/2, D)
-            lo_l, lo_h = tl.min(k_lo, axis=0), tl.min(k_hi, axis=0)  # [CHUNK]
-            sc_l = _safe_scale(tl.div_rn(tl.max(k_lo, axis=0) - lo_l, 15.0).to(tl.float16))
-            sc_h = _safe_scale(tl.div_rn(tl.max(k_hi, axis=0) - lo_h, 15.0).to(tl.float16))
-            z_l, z_h = lo_l.to(tl.float16), lo_h.to(tl.float16)
-            packed = _codes(k_lo, z_l[None, :], sc_l[None, :]) | (_codes(k_hi, z_h[None, :], sc_h[None, :]) << 4)
-            crow = blk * stride_kn + h * stride_kh + offs_t[:, None] * DH + offs_d[None, :]  # codes [bs, D/2]
-            tl.store(kc_ptr + crow, packed.to(tl.uint8), mask=m2)
-            meta = blk * stride_cn + h * stride_ch + offs_d  # [CHUNK] into [N, H, D]
-            tl.store(ks_ptr + meta, sc_l, mask=d_ok)
-            tl.store(ks_ptr + meta + DH, sc_h, mask=d_ok)
-            tl.store(kz_ptr + meta, z_l, mask=d_ok)
-            tl.store(kz_ptr + meta + DH, z_h, mask=d_ok)
-    if VALUES:  # one scale/zero per token over its D dims
-        big = float("inf")
-        lo_v = tl.full([BS], big, tl.float32)
-        hi_v = tl.full([BS], -big, tl.float32)
-        for c0 in tl.static_range(0, BLOCK_DH, CHUNK):
-            offs_d = c0 + offs_c
-            d_ok = offs_d < DH
-            m2 = (offs_t < BS)[:, None] & d_ok[None, :]
-            v_lo = tl.load(vst_ptr + srow + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-            v_hi = tl.load(vst_ptr + srow + DH + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-            lo_v = tl.minimum(lo_v, tl.minimum(tl.min(tl.where(d_ok[None, :], v_lo, big), axis=1),
-                                               tl.min(tl.where(d_ok[None, :], v_hi, big), axis=1)))  # [BS]
-            hi_v = tl.maximum(hi_v, tl.maximum(tl.max(tl.where(d_ok[None, :], v_lo, -big), axis=1),
-                                               tl.max(tl.where(d_ok[None, :], v_hi, -big), axis=1)))
-        sc_v = _safe_scale(tl.div_rn(hi_v - lo_v, 15.0).to(tl.float16))
-        z_v = lo_v.to(tl.float16)
-        for c0 in tl.static_range(0, BLOCK_DH, CHUNK):
-            offs_d = c0 + offs_c
-            m2 = (offs_t < BS)[:, None] & (offs_d < DH)[None, :]
-            v_lo = tl.load(vst_ptr + srow + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-            v_hi = tl.load(vst_ptr + srow + DH + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-            packed = _codes(v_lo, z_v[:, None], sc_v[:, None]) | (_codes(v_hi, z_v[:, None], sc_v[:, None]) << 4)
-            vrow = blk * stride_kn + h * stride_kh + offs_t[:, None] * stride_vt + offs_d[None, :] * stride_vd
-            tl.store(vc_ptr + vrow, packed.to(tl.uint8), mask=m2)
-        vmeta = blk * stride_vn + h * stride_vh + offs_t  # [BS] into [N, H, bs]
-        tl.store(vs_ptr + vmeta, sc_v)
-        tl.store(vz_ptr + vmeta, z_v)
-
-
-@triton.jit
 def _fill_quant_kernel(
     slot_ptr, stage_ptr, kst_ptr, vst_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
     stride_stn, stride_sth, stride_cn, stride_ch, stride_kn, stride_kh, stride_vn, stride_vh,
@@ -107,15 +45,44 @@ def _fill_quant_kernel(
     fills = (slot >= 0) & (slot % BS == BS - 1)
     blk = tl.where(fills, slot // BS, 0)
     st = tl.load(stage_ptr + blk, mask=fills, other=-1).to(tl.int64)
-    if fills & (st >= 0):  # (a filled block is always staged, StageTable.plan: guarded anyway); most
-        # programs (tokens that fill no block, padding rows) end here
-        args = (kst_ptr, vst_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, blk, st, h,
-                stride_stn, stride_sth, stride_cn, stride_ch, stride_kn, stride_kh, stride_vn, stride_vh,
-                stride_vt, stride_vd)
-        if tl.program_id(2) == 0:
-            fill_block(*args, True, False, BS, DH, BLOCK_DH, BLOCK_DH)
-        else:
-            fill_block(*args, False, True, BS, DH, BLOCK_DH, BLOCK_DH)
+    ok = fills & (st >= 0)  # a filled block is always staged (StageTable.plan): guard anyway
+    if ok:  # most programs (tokens that fill no block, padding rows) end here
+        offs_t = tl.arange(0, BS)
+        offs_d = tl.arange(0, BLOCK_DH)
+        d_ok = offs_d < DH
+        m2 = (offs_t < BS)[:, None] & d_ok[None, :]  # [BS, BLOCK_DH]
+        src = st * stride_stn + h * stride_sth + offs_t[:, None] * (2 * DH) + offs_d[None, :]
+        crow = blk * stride_kn + h * stride_kh + offs_t[:, None] * DH + offs_d[None, :]  # packed codes [bs, D/2]
+        if tl.program_id(2) == 0:  # keys: one scale/zero per channel over the block's tokens (KIVI)
+            k_lo = tl.load(kst_ptr + src, mask=m2, other=0.0).to(tl.float32)  # dims [0, D/2)
+            k_hi = tl.load(kst_ptr + src + DH, mask=m2, other=0.0).to(tl.float32)  # dims [D/2, D)
+            lo_l, lo_h = tl.min(k_lo, axis=0), tl.min(k_hi, axis=0)  # [BLOCK_DH]
+            sc_l = _safe_scale(tl.div_rn(tl.max(k_lo, axis=0) - lo_l, 15.0).to(tl.float16))
+            sc_h = _safe_scale(tl.div_rn(tl.max(k_hi, axis=0) - lo_h, 15.0).to(tl.float16))
+            z_l, z_h = lo_l.to(tl.float16), lo_h.to(tl.float16)
+            packed = _codes(k_lo, z_l[None, :], sc_l[None, :]) | (_codes(k_hi, z_h[None, :], sc_h[None, :]) << 4)
+            tl.store(kc_ptr + crow, packed.to(tl.uint8), mask=m2)
+            meta = blk * stride_cn + h * stride_ch + offs_d  # [BLOCK_DH] into [N, H, D]
+            tl.store(ks_ptr + meta, sc_l, mask=d_ok)
+            tl.store(ks_ptr + meta + DH, sc_h, mask=d_ok)
+            tl.store(kz_ptr + meta, z_l, mask=d_ok)
+            tl.store(kz_ptr + meta + DH, z_h, mask=d_ok)
+        else:  # values: one scale/zero per token over its D dims
+            v_lo = tl.load(vst_ptr + src, mask=m2, other=0.0).to(tl.float32)
+            v_hi = tl.load(vst_ptr + src + DH, mask=m2, other=0.0).to(tl.float32)
+            big = float("inf")
+            lo_v = tl.minimum(tl.min(tl.where(d_ok[None, :], v_lo, big), axis=1),
+                              tl.min(tl.where(d_ok[None, :], v_hi, big), axis=1))  # [BS]
+            hi_v = tl.maximum(tl.max(tl.where(d_ok[None, :], v_lo, -big), axis=1),
+                              tl.max(tl.where(d_ok[None, :], v_hi, -big), axis=1))
+            sc_v = _safe_scale(tl.div_rn(hi_v - lo_v, 15.0).to(tl.float16))
+            z_v = lo_v.to(tl.float16)
+            packed = _codes(v_lo, z_v[:, None], sc_v[:, None]) | (_codes(v_hi, z_v[:, None], sc_v[:, None]) << 4)
+            vrow = blk * stride_kn + h * stride_kh + offs_t[:, None] * stride_vt + offs_d[None, :] * stride_vd
+            tl.store(vc_ptr + vrow, packed.to(tl.uint8), mask=m2)
+            vmeta = blk * stride_vn + h * stride_vh + offs_t  # [BS] into [N, H, bs]
+            tl.store(vs_ptr + vmeta, sc_v)
+            tl.store(vz_ptr + vmeta, z_v)
 
 
 def quantize_filled_graphsafe(cache: LayerKVCache, slot_mapping: torch.Tensor, num_warps: int = 0) -> None:

@@ -124,24 +124,13 @@ def _buffer(kind: str, device: torch.device, numel: int, dtype: torch.dtype) -> 
     return buf[:numel]
 
 
-def fuses_fill(cache: LayerKVCache, q: torch.Tensor, words: bool | None, swap_block_n: int, swap4: bool,
-               fold_k: bool) -> bool:
-    """Whether paged_decode can quantize the blocks a decode step fills (swap4_fill): int4 decodes
-    that go to the transposed kernel (the rule paged_decode applies to q [B, Hq, D])."""
-    if words is None:
-        words = use_words(cache.quantized, compute_dtype(q.dtype, cache.bits), q.shape[-1])
-    return cache.bits == 4 and cache.stage is not None and runs_transposed(
-        4, swap_block_n, words, cache.block_size, int4=swap4 and fold_k)
-
-
 def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 2, asm: bool | None = None,
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
                  maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, swap_block_n: int = 0,
                  swap_maxnreg: int = 0, swap_stages: int = 0, swap_merge: bool = True,
-                 swap4: bool = False, swap4_prefetch: int = 0, swap4_maxnreg: int = 0,
-                 swap4_fill: bool = False) -> torch.Tensor:
+                 swap4: bool = False, swap4_prefetch: int = 0, swap4_maxnreg: int = 0) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
@@ -159,9 +148,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     last program of each (sequence, KV head) (merge_if_last), not by a reduce launch. int8 values are
     never read as words (dims-major, nanokv.kv.cache). swap4: int4 (with fold_k) goes to the transposed
     int4 kernel (triton_decode_swap4) under the same tile rule, instead of triton_decode_int4, with its own
-    register cap (swap4_maxnreg) and tile-ahead metadata loads (swap4_prefetch). swap4_fill (a decode
-    step; only where fuses_fill holds): that kernel also quantizes each block this step's token
-    filled (the work of triton_blockquant's fill kernel, which the caller then skips)."""
+    register cap (swap4_maxnreg) and tile-ahead metadata loads (swap4_prefetch)."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
@@ -174,8 +161,6 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     cdt = compute_dtype(q.dtype, cache.bits)
     words = use_words(cache.quantized, cdt, D) if words is None else words
     transposed = runs_transposed(cache.bits, swap_block_n, words, cache.block_size, int4=swap4 and fold_k)
-    if swap4_fill and not (transposed and cache.bits == 4):
-        raise ValueError("paged_decode: swap4_fill needs the transposed int4 kernel (fuses_fill)")
     # uint8 key codes for both int4 kernels (int8 tiles for the transposed int8 one), else code_args' views
     k, v = code_args(cache, words, byte_keys=transposed or (cache.bits == 4 and fold_k))
     split = num_splits > 1
@@ -206,7 +191,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
         swap = dict(count_ptr=counts, **common, BLOCK_G=next_pow2(G), MERGE=merged, BLOCK_S=next_pow2(num_splits))
         if cache.bits == 4:
             decode_int4_swap_kernel[(B, H, num_splits)](*args, stride_vd=cache.v.stride(3), stride_vt=cache.v.stride(2),
-                                                        PREFETCH=swap4_prefetch, FILL=swap4_fill, **swap)
+                                                        PREFETCH=swap4_prefetch, **swap)
         else:
             decode_int8_swap_kernel[(B, H, num_splits)](*args, **swap)
     elif cache.bits == 4 and fold_k:

@@ -18,11 +18,6 @@ H200, docs/kernels.md "Session 13").
 Open blocks (full-precision staging, nanokv.kv.staging) are scored in a second loop as in
 triton_decode_int4: in a decode step only a sequence's newest block is staged; the main loop masks
 staged tiles, and if it meets one before the newest block the second loop covers the whole split.
-
-FILL (decode steps, TritonConfig.quant_swap4_fill): the program whose split holds a sequence's last
-token also quantizes that token's block when the token filled it (context a multiple of the block
-size), through triton_blockquant's fill_block: the fill kernel's work without its launch per layer
-and step. The block is read from staging by the second loop before; no other program reads it.
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nanokv.kernels.triton_blockquant import fill_block
 from nanokv.kernels.triton_dequant import int4_tile_f16
 from nanokv.kernels.triton_kvtile import split_range
 from nanokv.kernels.triton_softmax import merge_if_last, softmax_update_t, store_decode
@@ -76,7 +70,6 @@ def decode_int4_swap_kernel(
     CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr, FOLD_V: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     LAZY_TAU: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PREFETCH: tl.constexpr,
-    FILL: tl.constexpr,
 ):
     # argument list of triton_decode._decode_kernel plus the merge counters and the value codes'
     # (dim, token) strides; k_ptr / v_ptr: uint8 codes (byte j = dims j and j + DH). WORDS, FOLD_V and
@@ -167,16 +160,6 @@ def decode_int4_swap_kernel(
         pc = pt.to(CDT)
         acc_lo = tl.dot(v_lo, pc, acc_lo * alpha[None, :])
         acc_hi = tl.dot(v_hi, pc, acc_hi * alpha[None, :])
-
-    if FILL:  # quantize-on-fill fused (a decode step): the block this token filled, by its split's program
-        last = seq_len - 1
-        if (seq_len % BS == 0) & (lo <= last) & (last < hi):
-            phys = tl.load(bt_row + last // BS).to(tl.int64)
-            slot = tl.load(stage_ptr + tl.maximum(phys, 0), mask=phys >= 0, other=-1).to(tl.int64)
-            if slot >= 0:  # (staged: always, for a block this step wrote)
-                fill_block(kst_ptr, vst_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, phys, slot, kvh,
-                           stride_stn, stride_sth, stride_cn, stride_ch, stride_kn, stride_kh, stride_sn,
-                           stride_sh, stride_vt, stride_vd, True, True, BS, DH, BLOCK_DH, 16)
 
     acc_lo = acc_lo + z_i[None, :]
     acc_hi = acc_hi + z_i[None, :]

@@ -141,8 +141,7 @@ def after_attention(layer: int, cache: LayerKVCache, md: Any, o: torch.Tensor) -
             from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe
             if cache.monitor is not None and not _capturing(o):
                 _monitor_fill(layer, cache)
-            if id(cache) not in md.extras.get("filled_by_decode", ()):  # (TritonConfig.quant_swap4_fill)
-                quantize_filled_graphsafe(cache, md.extras.get("fill_slots", md.slot_mapping))
+            quantize_filled_graphsafe(cache, md.extras.get("fill_slots", md.slot_mapping))
         else:
             quantize_filled(cache, layer)
     if cache.rotate_v:
