@@ -58,7 +58,7 @@ def test_graphsafe_fill_quant_equals_eager(dtype: torch.dtype, bs: int, compact:
         slots = np.concatenate([tables[i, (np.arange(p, p + n) // bs)].numpy() * bs + np.arange(p, p + n) % bs
                                 for i, (p, n) in enumerate(step)])
         k, v = _rows(len(slots), g, dtype), _rows(len(slots), g, dtype)
-        padded = torch.tensor(np.concatenate([slots, [-1, -1, -1]]), device=DEV)  # graph bucket padding
+        given = torch.tensor(np.concatenate([slots, [-1, -1, -1]]), device=DEV)  # graph bucket padding
         for c in caches:
             assert c.stage is not None
             c.stage.plan(slots)
@@ -67,9 +67,9 @@ def test_graphsafe_fill_quant_equals_eager(dtype: torch.dtype, bs: int, compact:
             assert caches[1].stage is not None
             last = caches[1].stage.last_slots()
             assert set(last.tolist()) == {int(s) for s in slots if s % bs == bs - 1}
-            padded = torch.from_numpy(last).to(DEV)
+            given = torch.from_numpy(last).to(DEV)
         quantize_filled(caches[0])
-        quantize_filled_graphsafe(caches[1], padded)
+        quantize_filled_graphsafe(caches[1], given)
         for c in caches:
             c.stage.finish()
         for n in NAMES:

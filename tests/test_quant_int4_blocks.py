@@ -137,3 +137,22 @@ def test_stage_map_updates_follow_the_host_state_in_any_order():
     assert int(st.stage_of[0]) == -1 and int(st.stage_of[2]) >= 0
     st.finish(defer=True)  # nothing filled: no change
     assert st.pending()[0].size == 0
+
+
+def test_runner_hands_eager_steps_the_filled_blocks_last_slots():
+    """An int4 step with prefills carries the last slot of each block it fills (the GPU fill kernel's
+    compact input, md.extras["fill_slots"]); a decode-only step (the captured kind) does not."""
+    from nanokv.config import EngineConfig
+    from nanokv.model.loader import random_model
+    from nanokv.runner.model_runner import ModelRunner
+
+    model, mc = random_model("tiny-llama", torch.float32, torch.device("cpu"))
+    r = ModelRunner(EngineConfig.from_kwargs(num_gpu_blocks=16, block_size=16, device="cpu", enable_compression=True,
+                                             quantization_bitwidth=4), model, mc, torch.device("cpu"), torch.float32)
+    # a 40-token prompt from position 0 (fills blocks 3 and 9, opens 11) and a decode at position 31 (fills 5)
+    _, _, md, _ = r.build_metadata([(list(range(40)), 0, 40, [3, 9, 11], True),
+                                    (list(range(32)), 31, 1, [4, 5], False)])
+    assert sorted(md.extras["fill_slots"].tolist()) == [3 * 16 + 15, 5 * 16 + 15, 9 * 16 + 15]
+    r.stage.finish()
+    _, _, md, _ = r.build_metadata([(list(range(33)), 32, 1, [4, 5, 6], False)])
+    assert "fill_slots" not in md.extras
