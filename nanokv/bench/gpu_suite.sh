@@ -69,7 +69,7 @@ for ph in $phases; do
           --out "$OUT/var_${v%%=*}.json"
       done ;;
     swap4)  # the transposed int4 decode (TritonConfig.quant_swap4): GPU tests, per-call A/B, whole runs
-      run swap4_tests python3 -m pytest -q tests/test_kernels_attention.py tests/test_kernels_blockquant.py \
+      run swap4_tests python3 -m pytest -q tests/test_kernels_cuda.py tests/test_kernels_attention.py tests/test_kernels_blockquant.py \
         tests/test_fusion.py -k "swap or int4 or 4- or blockquant or fill"
       PROBE="python3 -m nanokv.bench.decode_probe --bits 4 --batch 128 --ctx 4096 --engine-like --time"
       run probe4_bs16 $PROBE --block-size 16 --variants "${PROBE16:-}"

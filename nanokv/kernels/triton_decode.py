@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanokv.kernels import cuda_decode_int4
 from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
 from nanokv.kernels.triton_decode_swap import decode_int8_swap_kernel, runs_transposed
 from nanokv.kernels.triton_decode_swap4 import decode_int4_swap_kernel
@@ -130,7 +131,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
                  maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, swap_block_n: int = 0,
                  swap_maxnreg: int = 0, swap_stages: int = 0, swap_merge: bool = True,
-                 swap4: bool = False, swap4_prefetch: int = 0, swap4_maxnreg: int = 0) -> torch.Tensor:
+                 swap4: bool = False, swap4_prefetch: int = 0, swap4_maxnreg: int = 0, cuda4: bool = False,
+                 cuda4_maxnreg: int = 0) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
@@ -148,7 +150,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     last program of each (sequence, KV head) (merge_if_last), not by a reduce launch. int8 values are
     never read as words (dims-major, nanokv.kv.cache). swap4: int4 (with fold_k) goes to the transposed
     int4 kernel (triton_decode_swap4) under the same tile rule, instead of triton_decode_int4, with its own
-    register cap (swap4_maxnreg) and tile-ahead metadata loads (swap4_prefetch)."""
+    register cap (swap4_maxnreg) and tile-ahead metadata loads (swap4_prefetch). cuda4: such int4 decodes
+    run the CUDA C++ kernel instead where it applies (cuda_decode_int4.supported), capped at cuda4_maxnreg."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
@@ -189,7 +192,10 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
         merged = split and swap_merge
         counts = _buffer("counts", q.device, B * H, torch.int32) if merged else seq_lens  # (unused unless merged)
         swap = dict(count_ptr=counts, **common, BLOCK_G=next_pow2(G), MERGE=merged, BLOCK_S=next_pow2(num_splits))
-        if cache.bits == 4:
+        if cache.bits == 4 and cuda4 and (merged or not split) and cuda_decode_int4.supported(q, out, cache):
+            cuda_decode_int4.decode_int4_cuda(q, cache, block_tables, seq_lens, out, scale, num_splits, part_o, part_ml,
+                                              counts, cuda4_maxnreg)
+        elif cache.bits == 4:
             decode_int4_swap_kernel[(B, H, num_splits)](*args, stride_vd=cache.v.stride(3), stride_vt=cache.v.stride(2),
                                                         PREFETCH=swap4_prefetch, **swap)
         else:

@@ -1,0 +1,381 @@
+// Paged int4 decode with hand-placed tensor-core fragments (nanokv/kernels/cuda_decode_int4.py).
+//
+// The products of triton_decode_swap4, written against mma.sync.m16n8k16 directly:
+//   s^T [16 tok, 8] = K codes [16 tok, 128] @ (q * s_k)^T [128, 8] + Z [16 tok, 128] @ q^T [128, 8]
+//   o^T [128, 8]   += V^T codes [128, 16 tok] @ (p * vs)^T [16 tok, 8]       (+ sum_n p_n vz_n)
+// One warp per (sequence, KV head, split); the G <= 8 query heads of the group are the MMA's 8
+// columns. Z repeats the block's key zero row over the 16 token rows, so the bias q . z comes out
+// of the tensor cores in fp32 with exact fp16 products. Everything is chosen so that codes go from
+// one global load straight into operand registers (no shared memory):
+// - the summed index of both products is free to permute. Row r of s^T holds token pi(r) =
+//   4 (r >> 1) + 2 (r & 1) (r < 8) and pi(r) + 1 (row r + 8), so that after movmatrix.trans turns
+//   p^T into the PV product's B operand, lane (g, t) needs tokens 4t..4t+3 of each value dim row:
+//   one 32-bit word of the dims-major value block, whose nibbles land in the A fragment by one
+//   mask-and-splice each (0x6400 + m is fp16 1024 + m);
+// - lane (g, t) reads bytes [16t, 16t + 16) of its two key rows (dims 16t.., 64 + 16t..), and
+//   its B fragments hold (q * s) for the same dims, so no lane needs another lane's codes.
+// Open (staged) blocks are scored from full-precision staging in a second loop, as in the Triton
+// kernels; splits are merged by the last program of each (sequence, KV head) (merge_if_last).
+// Compile-time: G (query heads per KV head), NKV (KV heads), BS (block size, a multiple of 16), Q_BF16, ST_BF16,
+// OUT_BF16 (else fp16). Head dim 128.
+
+#define HD 128
+#define NEG_INF __int_as_float(0xff800000)
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel)); return r;
+}
+__device__ __forceinline__ u32 mask_or(u32 x, u32 m, u32 o) {  // (x & m) | o
+  u32 r; asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(m), "r"(o)); return r;
+}
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+  u32 r; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r;
+}
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+  u32 r; asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r;
+}
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+  u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r;
+}
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
+  u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
+__device__ __forceinline__ float ex2(float x) {
+  float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r;
+}
+__device__ __forceinline__ u32 trans8x8(u32 x) {
+  u32 r; asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x)); return r;
+}
+__device__ __forceinline__ float bf16_f32(u16 x) { return __uint_as_float(((u32)x) << 16); }
+__device__ __forceinline__ float f16_f32(u16 x) {
+  float r; asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(x)); return r;
+}
+__device__ __forceinline__ u16 f32_f16(float x) {
+  u16 r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x)); return r;
+}
+__device__ __forceinline__ u16 f32_bf16(float x) {
+  u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x)); return r;
+}
+// a pair of 16-bit values of a bf16 tensor -> the same pair in fp16 (ST_BF16 / Q_BF16)
+__device__ __forceinline__ u32 bf16x2_f16x2(u32 x) {
+  return pack_f16(__uint_as_float(x << 16), __uint_as_float(x & 0xFFFF0000u));
+}
+__device__ __forceinline__ u32 to_f16x2(u32 x, bool bf16) { return bf16 ? bf16x2_f16x2(x) : x; }
+
+// low / high nibbles of bytes 0 and 2 of x as fp16 pairs, exactly
+#define MAGIC 0x64006400u
+__device__ __forceinline__ u32 nib_lo(u32 x) { return hsub2(mask_or(x, 0x000F000Fu, MAGIC), MAGIC); }
+__device__ __forceinline__ u32 nib_hi(u32 x) {  // (1024 + 16 c) / 16 - 64 = c
+  return hfma2(mask_or(x, 0x00F000F0u, MAGIC), 0x2C002C00u, 0xD400D400u);
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Where a lane keeps q's pair j (dims 2j, 2j + 1 of its 16): pairs 4a, 4a + 2 and 4a + 1, 4a + 3 side
+// by side, the B operands of the bias products below
+#define QP(j) (((j) & ~3) | (((j) & 1) << 1) | (((j) >> 1) & 1))
+
+__device__ __forceinline__ float max_over_rows(float x) {  // over the 8 lanes of equal t
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+}
+__device__ __forceinline__ float sum_over_rows(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  return x + __shfl_xor_sync(0xffffffffu, x, 16);
+}
+
+struct Softmax {  // per lane: heads 2t and 2t + 1; l and z are this lane's partial sums
+  float m[2], l[2], z[2];
+};
+
+// One online-softmax step on scores s (rows g, g + 8 = tokens pi(g), pi(g) + 1; heads 2t, 2t + 1),
+// -inf where masked: returns alpha per head, p in s.
+__device__ __forceinline__ void softmax_step(Softmax& st, float (&s)[4], float (&alpha)[2]) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    float m_new = fmaxf(st.m[j], max_over_rows(fmaxf(s[j], s[2 + j])));
+    float m_safe = m_new == NEG_INF ? 0.f : m_new;
+    alpha[j] = ex2(st.m[j] - m_safe);
+    s[j] = ex2(s[j] - m_safe);
+    s[2 + j] = ex2(s[2 + j] - m_safe);
+    st.l[j] = st.l[j] * alpha[j] + s[j] + s[2 + j];
+    st.m[j] = m_new;
+  }
+}
+
+__device__ __forceinline__ void rescale(float (&acc)[8][4], const float (&alpha)[2]) {
+  // alpha is 1 once a head's running max stops growing: skip the 32 products then (warp-uniform)
+  if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(32) nanokv_decode_int4(
+    const u16* __restrict__ q, const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
+    const u16* __restrict__ ks, const u16* __restrict__ kz, const u16* __restrict__ vs,
+    const u16* __restrict__ vz, const u16* __restrict__ kst, const u16* __restrict__ vst,
+    const int* __restrict__ stage_of, const int* __restrict__ bt, const int* __restrict__ seq_lens,
+    u16* out, float* part_o, float* part_ml, int* counts, double qk_scale_d, int num_splits,
+    int stride_qt, int stride_qh, int stride_ot, int stride_oh, int stride_bt) {
+  // the cache tensors are contiguous (checked by the caller), so every offset inside a block is a
+  // compile-time constant: codes [N, NKV, BS, 64] (keys) and [N, NKV, 64, BS] (values, dims-major),
+  // key scale/zero [N, NKV, 128], value scale/zero [N, NKV, BS], staging [S, NKV, BS, 128]
+  const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, H = NKV;
+  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  const float qk_scale = (float)qk_scale_d;
+  const int seq_len = seq_lens[seq];
+  const int per = ((seq_len + 15) / 16 + num_splits - 1) / num_splits;  // tiles per split
+  const int lo = split * per * 16;
+  const int hi = min(lo + per * 16, seq_len);
+  const int newest = (max(seq_len - 1, 0) / BS) * BS;  // first position of the newest (open) block
+  const int r0 = 4 * (g >> 1) + 2 * (g & 1);              // token of s^T row g; row g + 8: r0 + 1
+  const int koff = r0 * 64 + 16 * t;                        // lane's key bytes in a tile
+  const int voff = g * BS + 4 * t;                          // lane's value word in dim row g
+
+  // q of head g as fp16 pairs, dims 16t.. (ql) and 64 + 16t.. (qh), pair j at QP(j); lanes g >= G
+  // read head G - 1: their columns of s^T and o^T are computed and never stored
+  u32 ql[8], qh[8];
+  {
+    const u16* qr = q + (long)seq * stride_qt + (long)(kvh * G + min(g, G - 1)) * stride_qh + 16 * t;
+    const uint4* p = reinterpret_cast<const uint4*>(qr);
+    const uint4* ph = reinterpret_cast<const uint4*>(qr + 64);
+    uint4 a = p[0], b = p[1], c = ph[0], d = ph[1];
+    u32 lo8[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}, hi8[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      ql[QP(j)] = to_f16x2(lo8[j], Q_BF16);
+      qh[QP(j)] = to_f16x2(hi8[j], Q_BF16);
+    }
+  }
+
+  float acc[8][4];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  Softmax st;
+  st.m[0] = st.m[1] = NEG_INF;
+  st.l[0] = st.l[1] = st.z[0] = st.z[1] = 0.f;
+
+  const int* bt_row = bt + (long)seq * stride_bt;
+  int early = 0;  // a staged tile met before the newest block (tests stage at will; decode steps do not)
+  int phys = lo < hi ? bt_row[lo / BS] : -1;
+  int slot = phys >= 0 ? stage_of[phys] : -1;
+  for (int start = lo; start < hi; start += 16) {
+    // the next tile's block-table entry and staging slot, a tile ahead (they head each tile's chain)
+    const int nstart = start + 16;
+    int nphys = phys, nslot = slot;
+    if (nstart % BS == 0) {
+      nphys = nstart < hi ? bt_row[nstart / BS] : -1;
+      nslot = nphys >= 0 ? stage_of[nphys] : -1;
+    }
+    if (slot >= 0 && start < newest) early = 1;
+    if (phys >= 0 && slot < 0) {
+      const int tin = start % BS;
+      const unsigned char* kp = kc + (size_t)phys * (NKV * BS * 64) + kvh * (BS * 64) + tin * 64 + koff;
+      const uint4 k0 = *reinterpret_cast<const uint4*>(kp);
+      const uint4 k1 = *reinterpret_cast<const uint4*>(kp + 64);
+      const size_t cidx = (size_t)phys * (NKV * HD) + kvh * HD + 16 * t;
+      const u16* crow = ks + cidx;
+      const u16* zrow = kz + cidx;
+      const unsigned char* vp = vc + (size_t)phys * (NKV * 64 * BS) + kvh * (64 * BS) + tin + voff;
+      u32 vw[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) vw[i] = *reinterpret_cast<const u32*>(vp + 8 * i * BS);
+      const size_t sb = (size_t)phys * (NKV * BS) + kvh * BS + tin + r0;
+      const u32 vs2 = *reinterpret_cast<const u32*>(vs + sb);  // tokens r0, r0 + 1
+      const u32 vz2 = *reinterpret_cast<const u32*>(vz + sb);
+
+      // bias q . z: a natural quad of zero pairs (4a .. 4a + 3) as A against q pairs (4a, 4a + 2)
+      // gives row g the sum over pairs 4a, 4a + 2 (bz0), against (4a + 1, 4a + 3) gives row g + 8 the
+      // rest (bz1); the other rows are unused. No register copies: the operands are as loaded.
+      float s[4] = {0.f, 0.f, 0.f, 0.f}, bz0[4] = {0.f, 0.f, 0.f, 0.f}, bz1[4] = {0.f, 0.f, 0.f, 0.f};
+      const u32 kw0[4] = {k0.x, k0.y, k0.z, k0.w}, kw1[4] = {k1.x, k1.y, k1.z, k1.w};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // dims 16t + (0..15), then 64 + 16t + (0..15)
+        const uint4 sa = reinterpret_cast<const uint4*>(crow + 64 * half)[0];
+        const uint4 sb2 = reinterpret_cast<const uint4*>(crow + 64 * half)[1];
+        const uint4 za = reinterpret_cast<const uint4*>(zrow + 64 * half)[0];
+        const uint4 zb = reinterpret_cast<const uint4*>(zrow + 64 * half)[1];
+        const u32 sc[8] = {sa.x, sa.y, sa.z, sa.w, sb2.x, sb2.y, sb2.z, sb2.w};
+        const u32* qq = half ? qh : ql;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {  // word w: dims 4w..4w+3 of this lane's 16 (pairs 2w, 2w + 1)
+          const u32 x0 = prmt(kw0[w], 0u, 0x4140u), y0 = prmt(kw0[w], 0u, 0x4342u);  // bytes (0, 1), (2, 3)
+          const u32 x1 = prmt(kw1[w], 0u, 0x4140u), y1 = prmt(kw1[w], 0u, 0x4342u);
+          const u32 b0 = hmul2(qq[QP(2 * w)], sc[2 * w]), b1 = hmul2(qq[QP(2 * w + 1)], sc[2 * w + 1]);
+          if (half == 0) mma(s, nib_lo(x0), nib_lo(x1), nib_lo(y0), nib_lo(y1), b0, b1);
+          else mma(s, nib_hi(x0), nib_hi(x1), nib_hi(y0), nib_hi(y1), b0, b1);
+        }
+        mma(bz0, za.x, za.y, za.z, za.w, qq[0], qq[1]);
+        mma(bz1, za.x, za.y, za.z, za.w, qq[2], qq[3]);
+        mma(bz0, zb.x, zb.y, zb.z, zb.w, qq[4], qq[5]);
+        mma(bz1, zb.x, zb.y, zb.z, zb.w, qq[6], qq[7]);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float bias = bz0[j] + bz1[2 + j];
+        s[j] += bias;
+        s[2 + j] += bias;
+      }
+      const bool v0 = start + r0 < hi, v1 = start + r0 + 1 < hi;
+      s[0] = v0 ? s[0] * qk_scale : NEG_INF;
+      s[1] = v0 ? s[1] * qk_scale : NEG_INF;
+      s[2] = v1 ? s[2] * qk_scale : NEG_INF;
+      s[3] = v1 ? s[3] * qk_scale : NEG_INF;
+      float alpha[2];
+      softmax_step(st, s, alpha);
+      const float vs0 = v0 ? f16_f32(vs2 & 0xFFFF) : 0.f, vs1 = v1 ? f16_f32(vs2 >> 16) : 0.f;
+      const float vz0 = v0 ? f16_f32(vz2 & 0xFFFF) : 0.f, vz1 = v1 ? f16_f32(vz2 >> 16) : 0.f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) st.z[j] = st.z[j] * alpha[j] + s[j] * vz0 + s[2 + j] * vz1;
+      const u32 pb0 = trans8x8(pack_f16(s[0] * vs0, s[1] * vs0));
+      const u32 pb1 = trans8x8(pack_f16(s[2] * vs1, s[3] * vs1));
+      rescale(acc, alpha);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const u32 x = vw[i], y = vw[i] >> 8;
+        mma(acc[i], nib_lo(x), nib_hi(x), nib_lo(y), nib_hi(y), pb0, pb1);
+      }
+    }
+    phys = nphys;
+    slot = nslot;
+  }
+
+  // staged tokens in full precision (plain q): the newest block, or the whole split (see above)
+  for (int start = early ? lo : max(lo, newest); start < hi; start += 16) {
+    const int ph = bt_row[start / BS];
+    const int sl = ph >= 0 ? stage_of[ph] : -1;
+    if (sl < 0) continue;
+    const int tin = start % BS;
+    const bool v0 = start + r0 < hi, v1 = start + r0 + 1 < hi;
+    const u16* kr = kst + (size_t)sl * (NKV * BS * HD) + kvh * (BS * HD) + (tin + r0) * HD + 16 * t;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint4* p0 = reinterpret_cast<const uint4*>(kr + 64 * half);
+      const uint4* p1 = reinterpret_cast<const uint4*>(kr + HD + 64 * half);
+      const uint4 a0 = v0 ? p0[0] : make_uint4(0, 0, 0, 0), a1 = v0 ? p0[1] : make_uint4(0, 0, 0, 0);
+      const uint4 c0 = v1 ? p1[0] : make_uint4(0, 0, 0, 0), c1 = v1 ? p1[1] : make_uint4(0, 0, 0, 0);
+      const u32 r0w[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+      const u32 r1w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+      const u32* qq = half ? qh : ql;
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+        mma(s, to_f16x2(r0w[2 * w], ST_BF16), to_f16x2(r1w[2 * w], ST_BF16), to_f16x2(r0w[2 * w + 1], ST_BF16),
+            to_f16x2(r1w[2 * w + 1], ST_BF16), qq[QP(2 * w)], qq[QP(2 * w + 1)]);
+    }
+    s[0] = v0 ? s[0] * qk_scale : NEG_INF;
+    s[1] = v0 ? s[1] * qk_scale : NEG_INF;
+    s[2] = v1 ? s[2] * qk_scale : NEG_INF;
+    s[3] = v1 ? s[3] * qk_scale : NEG_INF;
+    float alpha[2];
+    softmax_step(st, s, alpha);
+    st.z[0] *= alpha[0];
+    st.z[1] *= alpha[1];
+    const u32 pb0 = trans8x8(pack_f16(s[0], s[1]));
+    const u32 pb1 = trans8x8(pack_f16(s[2], s[3]));
+    rescale(acc, alpha);
+    // V^T fragment: dims 8i + g (lo) / 64 + 8i + g (hi), tokens (4t, 4t + 2) and (4t + 1, 4t + 3)
+    const u16* vr = vst + (size_t)sl * (NKV * BS * HD) + kvh * (BS * HD) + tin * HD;
+    u16 e[4][2];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const bool ok = start + 4 * t + k < hi;
+        e[k][0] = ok ? vr[(4 * t + k) * HD + 8 * i + g] : (u16)0;
+        e[k][1] = ok ? vr[(4 * t + k) * HD + 64 + 8 * i + g] : (u16)0;
+      }
+      const u32 a0 = to_f16x2((u32)e[0][0] | ((u32)e[2][0] << 16), ST_BF16);
+      const u32 a1 = to_f16x2((u32)e[0][1] | ((u32)e[2][1] << 16), ST_BF16);
+      const u32 a2 = to_f16x2((u32)e[1][0] | ((u32)e[3][0] << 16), ST_BF16);
+      const u32 a3 = to_f16x2((u32)e[1][1] | ((u32)e[3][1] << 16), ST_BF16);
+      mma(acc[i], a0, a1, a2, a3, pb0, pb1);
+    }
+  }
+
+  // epilogue: out (or this split's normalized partial) = (acc + z) / l, heads 2t + j < G
+  float inv_l[2], zt[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float l = sum_over_rows(st.l[j]);
+    st.l[j] = l;
+    zt[j] = sum_over_rows(st.z[j]);
+    inv_l[j] = 1.f / (l > 0.f ? l : 1.f);  // acc is 0 where l is: an all-hole context gives 0
+  }
+  const int Hq = H * G;
+  const bool split_mode = num_splits > 1;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int hg = 2 * t + j;
+    if (hg >= G) continue;
+    const int head = kvh * G + hg;
+    const long prow = ((long)seq * Hq + head) * num_splits + split;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float olo = (acc[i][j] + zt[j]) * inv_l[j], ohi = (acc[i][2 + j] + zt[j]) * inv_l[j];
+      if (split_mode) {
+        part_o[prow * HD + 8 * i + g] = olo;
+        part_o[prow * HD + 64 + 8 * i + g] = ohi;
+      } else {
+        u16* o = out + (long)seq * stride_ot + (long)head * stride_oh;
+        o[8 * i + g] = OUT_BF16 ? f32_bf16(olo) : f32_f16(olo);
+        o[64 + 8 * i + g] = OUT_BF16 ? f32_bf16(ohi) : f32_f16(ohi);
+      }
+    }
+    if (split_mode && g == 0) {
+      const long n_part = (long)gridDim.x * Hq * num_splits;
+      part_ml[prow] = st.m[j];
+      part_ml[n_part + prow] = st.l[j];
+    }
+  }
+  if (!split_mode) return;
+
+  // the last of the (sequence, KV head)'s programs to finish merges the group's G heads
+  __syncwarp();
+  int* cnt = counts + (long)seq * H + kvh;
+  int done = 0;
+  if (lane == 0) {
+    __threadfence();
+    done = atomicAdd(cnt, 1);
+  }
+  done = __shfl_sync(0xffffffffu, done, 0);
+  if (done != num_splits - 1) return;
+  __threadfence();
+  const long n_part = (long)gridDim.x * Hq * num_splits;
+  for (int hg = 0; hg < G; ++hg) {
+    const int head = kvh * G + hg;
+    const long row0 = ((long)seq * Hq + head) * num_splits;
+    float mmax = NEG_INF;
+    for (int s = lane; s < num_splits; s += 32) mmax = fmaxf(mmax, __ldcg(part_ml + row0 + s));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mmax = fmaxf(mmax, __shfl_xor_sync(0xffffffffu, mmax, o));
+    const float msafe = mmax == NEG_INF ? 0.f : mmax;
+    float wsum = 0.f;
+    for (int s = lane; s < num_splits; s += 32)
+      wsum += __ldcg(part_ml + n_part + row0 + s) * ex2(__ldcg(part_ml + row0 + s) - msafe);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
+    const float inv = 1.f / (wsum > 0.f ? wsum : 1.f);
+    float o4[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s = 0; s < num_splits; ++s) {  // empty splits have l = 0: weight 0
+      const float w = __ldcg(part_ml + n_part + row0 + s) * ex2(__ldcg(part_ml + row0 + s) - msafe) * inv;
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(part_o + (row0 + s) * HD) + lane);
+      o4[0] += w * v.x; o4[1] += w * v.y; o4[2] += w * v.z; o4[3] += w * v.w;
+    }
+    u16* o = out + (long)seq * stride_ot + (long)head * stride_oh + 4 * lane;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) o[k] = OUT_BF16 ? f32_bf16(o4[k]) : f32_f16(o4[k]);
+  }
+  if (lane == 0) *cnt = 0;
+}

@@ -1,0 +1,70 @@
+"""The int4 paged decode as a CUDA C++ kernel (cuda/decode_int4.cu), compiled at run time by NVRTC.
+
+Why not Triton here: the transposed int4 kernel (triton_decode_swap4) spends its registers on what
+Triton's layouts impose (the per-tile scaled query replicated in the B-operand layout, a shared-memory
+round trip per tile) and runs ~500 instructions per 16-token tile. Written against the MMA fragments,
+every code word goes from one global load into operand registers, and the bias q . z comes out of
+the tensor cores from the zero row as loaded (docs/kernels.md, session 15).
+
+It computes what triton_decode_swap4 computes (same folds, same staging, same split merge with the
+same scratch and counters) for the layouts the engine allocates: head dim 128, at most 8 query heads
+per KV head, block size a multiple of 16, contiguous cache tensors. `supported` says when it applies;
+everywhere else (and on CPU, and where torch lacks its NVRTC hook) the Triton kernels run. It is
+opt-in through TritonConfig.quant_cuda4. There is no interpreter for it: CI compiles nothing here,
+and tests/test_kernels_cuda.py checks it against the torch reference on a GPU.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from nanokv.kv.cache import LayerKVCache
+
+_SOURCE = Path(__file__).with_name("cuda") / "decode_int4.cu"
+_16BIT = (torch.float16, torch.bfloat16)
+
+
+def supported(q: torch.Tensor, out: torch.Tensor, cache: LayerKVCache) -> bool:
+    """Whether the CUDA kernel can serve this decode: int4 cache in the engine's layouts, 16-bit q and out."""
+    if q.device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel") or cache.bits != 4:
+        return False
+    if cache.k_stage is None or cache.v_stage is None or cache.k_scale is None or cache.k_zero is None:
+        return False
+    _, Hq, D = q.shape
+    H, bs = cache.num_kv_heads, cache.block_size
+    tensors = (cache.k, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero, cache.k_stage, cache.v_stage)
+    return (D == 128 and Hq % H == 0 and Hq // H <= 8 and bs % 16 == 0 and q.dtype in _16BIT and out.dtype in _16BIT
+            and cache.k_stage.dtype in _16BIT and q.stride(-1) == 1 and out.stride(-1) == 1
+            and all(t is not None and t.is_contiguous() for t in tensors)
+            and cache.v.stride(2) == 1 and cache.v.stride(3) == bs and cache.v.transpose(2, 3).is_contiguous())
+
+
+@cache
+def _kernel(G: int, H: int, bs: int, q_bf16: bool, st_bf16: bool, out_bf16: bool, maxnreg: int):
+    """The compiled kernel for one configuration (NVRTC, PTX loaded by the driver; ~0.3 s each)."""
+    defs = dict(G=G, NKV=H, BS=bs, Q_BF16=int(q_bf16), ST_BF16=int(st_bf16), OUT_BF16=int(out_bf16))
+    opts = [f"-D{k}={v}" for k, v in defs.items()] + ([f"--maxrregcount={maxnreg}"] if maxnreg > 0 else [])
+    return torch.cuda._compile_kernel(_SOURCE.read_text(), "nanokv_decode_int4", nvcc_options=opts)
+
+
+def decode_int4_cuda(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     out: torch.Tensor, scale: float, num_splits: int, part_o: torch.Tensor,
+                     part_ml: torch.Tensor, counts: torch.Tensor, maxnreg: int = 0) -> torch.Tensor:
+    """As triton_decode.paged_decode for an int4 cache that `supported` accepts: q [B, Hq, 128],
+    block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, Hq, 128] written in place.
+    part_o / part_ml / counts: the split scratch and merge counters of paged_decode (unused at one
+    split; counts zero between launches)."""
+    B, Hq, D = q.shape
+    H = cache.num_kv_heads
+    assert cache.k_stage is not None and cache.v_stage is not None and cache.stage is not None
+    kern = _kernel(Hq // H, H, cache.block_size, q.dtype == torch.bfloat16, cache.k_stage.dtype == torch.bfloat16,
+                   out.dtype == torch.bfloat16, maxnreg)
+    args = [q, cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero, cache.k_stage,
+            cache.v_stage, cache.stage.stage_of, block_tables, seq_lens, out, part_o, part_ml, counts,
+            float(scale * 1.4426950408889634), int(num_splits), q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1), block_tables.stride(0)]
+    kern(grid=(B, H, num_splits), block=(32, 1, 1), args=args)
+    return out

@@ -1,0 +1,71 @@
+"""The CUDA C++ int4 decode (nanokv.kernels.cuda_decode_int4) against the torch reference.
+
+GPU only: the kernel is compiled by NVRTC and has no interpreter, so on CPU these tests skip (the
+Triton kernels it stands in for are tested under TRITON_INTERPRET=1 in test_kernels_attention).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("the CUDA int4 decode needs a GPU (no interpreter)", allow_module_level=True)
+
+from test_kernels_attention import build_batch, check, check_twice_merged, small_cfg  # noqa: E402
+
+from nanokv.kernels import reference  # noqa: E402
+from nanokv.kernels.cuda_decode_int4 import supported  # noqa: E402
+from nanokv.kernels.triton_backend import TritonConfig  # noqa: E402
+
+LENS = [1, 17, 40, 130, 301, 1000]
+
+
+def cuda_cfg(splits: int) -> TritonConfig:
+    cfg = small_cfg(splits=splits)
+    cfg.quant_cuda4 = True
+    return cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("G,bs,splits", [(2, 16, 1), (2, 16, 8), (2, 32, 3), (1, 16, 5), (3, 16, 4), (4, 32, 2),
+                                         (8, 16, 2), (2, 64, 7)])
+def test_cuda_int4_decode(dtype: torch.dtype, G: int, bs: int, splits: int) -> None:
+    """Holes, split-K with empty splits, a one-token context, each sequence's newest block staged;
+    twice, since the in-kernel merge must leave its counters at zero."""
+    cache, md, q = build_batch(4, dtype, bs, 2, G, 128, [], LENS, holes=True, seed=G * bs + splits)
+    assert supported(q, q, cache)
+    check_twice_merged(cache, md, q, cuda_cfg(splits))
+
+
+def test_cuda_int4_fp16_query_on_bf16_cache() -> None:
+    """As in the engine: the RoPE kernel hands quantized layers an fp16 q, the model (and staging) is bf16."""
+    cache, md, q = build_batch(4, torch.bfloat16, 16, 8, 2, 128, [], LENS, holes=True, seed=3)
+    q = q.half()
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    assert supported(q, out, cache)
+    from nanokv.kernels.triton_backend import TritonBackend
+    TritonBackend(cuda_cfg(4)).paged_attention(q, cache, md, 128 ** -0.5, out=out)
+    ref = reference.paged_attention(q.float(), cache, md, 128 ** -0.5)
+    assert not out.isnan().any()
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-3
+
+
+def test_cuda_int4_staged_before_newest_block() -> None:
+    """A block staged before a sequence's newest (tests stage at will; decode steps do not) is read
+    from staging for the whole split, as in the Triton kernels."""
+    bs = 16
+    cache, md, q = build_batch(4, torch.float16, bs, 2, 2, 128, [], [70, 100], holes=False, seed=5)
+    assert cache.stage is not None
+    blk = int(md.block_tables[1, 2])
+    rows = blk * bs + torch.arange(bs)
+    cache.stage.plan(rows.numpy())
+    k, v = (torch.randn(2, bs, 2, 128) * 3).half().cuda()
+    reference.store_kvcache(k, v, cache, rows.cuda())
+    check(cache, md, q, cuda_cfg(2))
+
+
+def test_cuda_int4_mixed_step() -> None:
+    """Prefills first, then decodes: the decode part is a slice of q and out."""
+    cache, md, q = build_batch(4, torch.float16, 16, 2, 2, 128, [(0, 20), (32, 9)], [5, 77, 300], holes=True, seed=7)
+    check(cache, md, q, cuda_cfg(3))
