@@ -98,9 +98,10 @@ class TritonConfig:
     quant_swap4_prefetch: int = 1
     # int4 decode through the CUDA C++ kernel (cuda_decode_int4: MMA fragments placed by hand) where it
     # applies (head dim 128, contiguous caches, a GPU whose torch has NVRTC), else the kernels above;
-    # and its register cap (0 = the compiler's choice under its launch bounds)
+    # and its register cap (0 = the compiler's choice under its launch bounds) and copy-ring depth
     quant_cuda4: bool = False
     quant_cuda4_maxnreg: int = 0
+    quant_cuda4_stages: int = 3
     # int8/int4 layers: the model's q/k norm + RoPE kernel (triton_rope) also applies the format's q/k
     # rotation, instead of a separate GEMM per layer and step (nanokv.kv.hooks.fused_rotation).
     # H200 long-context int8 run, session 12: 11,130 tok/s with it vs 10,827 without (one pair)
@@ -191,7 +192,8 @@ def decode_options(cfg: TritonConfig, cache: LayerKVCache) -> dict:
                 swap_block_n=cfg.quant_swap_block_n if q else 0, swap_maxnreg=cfg.quant_swap_maxnreg,
                 swap_stages=cfg.quant_swap_stages, swap_merge=cfg.quant_swap_merge, swap4=cfg.quant_swap4,
                 swap4_prefetch=cfg.quant_swap4_prefetch, swap4_maxnreg=cfg.quant_swap4_maxnreg,
-                cuda4=cfg.quant_cuda4, cuda4_maxnreg=cfg.quant_cuda4_maxnreg)
+                cuda4=cfg.quant_cuda4, cuda4_maxnreg=cfg.quant_cuda4_maxnreg,
+                cuda4_stages=cfg.quant_cuda4_stages)
 
 
 def decode_tiles(cfg: TritonConfig, quantized: bool) -> tuple[int, int, int]:

@@ -121,7 +121,57 @@ __device__ __forceinline__ void rescale(float (&acc)[8][4], const float (&alpha)
   }
 }
 
-extern "C" __global__ void __launch_bounds__(32) nanokv_decode_int4(
+// One stage of the ring: a 16-token tile's key codes [16, 64] B, value codes [64 dims, 16 tokens] B,
+// key scale and zero rows [2, 128] fp16, value scales and zeros [2, 16] fp16.
+#define V_OFF 1024
+#define SZ_OFF 2048
+#define VSZ_OFF 2560
+#define STAGE_BYTES 2624
+#ifndef NSTAGE
+#define NSTAGE 3
+#endif
+
+__device__ __forceinline__ void cp16(void* dst, const void* src) {
+  const u32 d = (u32)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
+}
+
+// tile k of the split starting at lo: its physical block (-1 past the end or a hole)
+__device__ __forceinline__ int tile_phys(const int* bt_row, int lo, int ntiles, int k) {
+  return k < ntiles ? bt_row[(lo + 16 * k) / BS] : -1;
+}
+
+// Copy a tile into a ring stage when it is read from codes (a block of the pool, not staged); one
+// commit group per call either way, so that wait_group counts tiles.
+__device__ __forceinline__ void fetch_tile(unsigned char* dst, const unsigned char* kc, const unsigned char* vc,
+                                           const u16* ks, const u16* kz, const u16* vs, const u16* vz, int ph,
+                                           int sl, int kvh, int tin, int lane) {
+  if (ph >= 0 && sl < 0) {
+    const size_t blk = (size_t)ph * NKV + kvh;
+    const unsigned char* kp = kc + blk * (BS * 64) + tin * 64;  // 1 KB: 16 rows of 64 B
+    cp16(dst + 32 * lane, kp + 32 * lane);
+    cp16(dst + 32 * lane + 16, kp + 32 * lane + 16);
+    const unsigned char* vp = vc + blk * (64 * BS) + tin;  // 64 dim rows, 16 B each at tin
+    cp16(dst + V_OFF + 32 * lane, vp + (2 * lane) * BS);
+    cp16(dst + V_OFF + 32 * lane + 16, vp + (2 * lane + 1) * BS);
+    const u16* sz = (lane < 16 ? ks : kz) + blk * HD + 8 * (lane & 15);
+    cp16(dst + SZ_OFF + 16 * lane, sz);
+    if (lane < 4) {
+      const u16* v2 = ((lane & 2) ? vz : vs) + blk * BS + tin + 8 * (lane & 1);
+      cp16(dst + VSZ_OFF + 16 * lane, v2);
+    }
+  }
+  asm volatile("cp.async.commit_group;");
+}
+
+// a register cap reaches the driver's PTX compiler only as .maxnreg in the PTX (__maxnreg__)
+#if defined(MAXNREG) && MAXNREG > 0
+#define BOUNDS __maxnreg__(MAXNREG)
+#else
+#define BOUNDS __launch_bounds__(32)
+#endif
+
+extern "C" __global__ void BOUNDS nanokv_decode_int4(
     const u16* __restrict__ q, const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
     const u16* __restrict__ ks, const u16* __restrict__ kz, const u16* __restrict__ vs,
     const u16* __restrict__ vz, const u16* __restrict__ kst, const u16* __restrict__ vst,
@@ -141,7 +191,6 @@ extern "C" __global__ void __launch_bounds__(32) nanokv_decode_int4(
   const int newest = (max(seq_len - 1, 0) / BS) * BS;  // first position of the newest (open) block
   const int r0 = 4 * (g >> 1) + 2 * (g & 1);              // token of s^T row g; row g + 8: r0 + 1
   const int koff = r0 * 64 + 16 * t;                        // lane's key bytes in a tile
-  const int voff = g * BS + 4 * t;                          // lane's value word in dim row g
 
   // q of head g as fp16 pairs, dims 16t.. (ql) and 64 + 16t.. (qh), pair j at QP(j); lanes g >= G
   // read head G - 1: their columns of s^T and o^T are computed and never stored
@@ -168,33 +217,48 @@ extern "C" __global__ void __launch_bounds__(32) nanokv_decode_int4(
 
   const int* bt_row = bt + (long)seq * stride_bt;
   int early = 0;  // a staged tile met before the newest block (tests stage at will; decode steps do not)
-  int phys = lo < hi ? bt_row[lo / BS] : -1;
-  int slot = phys >= 0 ? stage_of[phys] : -1;
-  for (int start = lo; start < hi; start += 16) {
-    // the next tile's block-table entry and staging slot, a tile ahead (they head each tile's chain)
-    const int nstart = start + 16;
-    int nphys = phys, nslot = slot;
-    if (nstart % BS == 0) {
-      nphys = nstart < hi ? bt_row[nstart / BS] : -1;
-      nslot = nphys >= 0 ? stage_of[nphys] : -1;
-    }
-    if (slot >= 0 && start < newest) early = 1;
-    if (phys >= 0 && slot < 0) {
-      const int tin = start % BS;
-      const unsigned char* kp = kc + (size_t)phys * (NKV * BS * 64) + kvh * (BS * 64) + tin * 64 + koff;
-      const uint4 k0 = *reinterpret_cast<const uint4*>(kp);
-      const uint4 k1 = *reinterpret_cast<const uint4*>(kp + 64);
-      const size_t cidx = (size_t)phys * (NKV * HD) + kvh * HD + 16 * t;
-      const u16* crow = ks + cidx;
-      const u16* zrow = kz + cidx;
-      const unsigned char* vp = vc + (size_t)phys * (NKV * 64 * BS) + kvh * (64 * BS) + tin + voff;
+  // The split's tiles stream through a ring of NSTAGE shared-memory stages (cp.async, the warp's
+  // own copy: one 16-byte piece per lane per part), NSTAGE - 1 tiles ahead of the compute; each
+  // tile's block-table entry and staging slot are read one more tile ahead (they head its chain).
+  __shared__ __align__(16) unsigned char ring[NSTAGE][STAGE_BYTES];
+  const int ntiles = hi > lo ? (hi - lo + 15) / 16 : 0;
+  // tile i + k's block (k <= NSTAGE + 1) and staging slot (k <= NSTAGE) at iteration i: registers,
+  // shifted by unrolled copies; the slot is read a tile after the block, so no load waits on another
+  int ph[NSTAGE + 2], sl[NSTAGE + 1];
+#pragma unroll
+  for (int k = 0; k <= NSTAGE + 1; ++k) ph[k] = tile_phys(bt_row, lo, ntiles, k);
+#pragma unroll
+  for (int k = 0; k <= NSTAGE; ++k) sl[k] = ph[k] >= 0 ? stage_of[ph[k]] : -1;
+#pragma unroll
+  for (int k = 0; k < NSTAGE - 1; ++k)
+    fetch_tile(ring[k], kc, vc, ks, kz, vs, vz, ph[k], sl[k], kvh, (lo + 16 * k) % BS, lane);
+  int stage = 0;
+  for (int i = 0; i < ntiles; ++i) {
+    const int start = lo + 16 * i;
+    const int ahead = stage == 0 ? NSTAGE - 1 : stage - 1;  // (stage + NSTAGE - 1) % NSTAGE
+    fetch_tile(ring[ahead], kc, vc, ks, kz, vs, vz, ph[NSTAGE - 1], sl[NSTAGE - 1], kvh,
+               (start + 16 * (NSTAGE - 1)) % BS, lane);
+    const int cur_ph = ph[0], cur_sl = sl[0];
+#pragma unroll
+    for (int k = 0; k < NSTAGE; ++k) sl[k] = sl[k + 1];
+#pragma unroll
+    for (int k = 0; k <= NSTAGE; ++k) ph[k] = ph[k + 1];
+    sl[NSTAGE] = ph[NSTAGE] >= 0 ? stage_of[ph[NSTAGE]] : -1;
+    ph[NSTAGE + 1] = tile_phys(bt_row, lo, ntiles, i + NSTAGE + 2);
+    asm volatile("cp.async.wait_group %0;" ::"n"(NSTAGE - 1));
+    __syncwarp();
+    if (cur_sl >= 0 && start < newest) early = 1;
+    if (cur_ph >= 0 && cur_sl < 0) {
+      const unsigned char* rs = ring[stage];
+      const uint4 k0 = *reinterpret_cast<const uint4*>(rs + koff);  // rows r0, r0 + 1, bytes 16t..
+      const uint4 k1 = *reinterpret_cast<const uint4*>(rs + koff + 64);
+      const u16* crow = reinterpret_cast<const u16*>(rs + SZ_OFF) + 16 * t;
+      const u16* zrow = crow + HD;
       u32 vw[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) vw[i] = *reinterpret_cast<const u32*>(vp + 8 * i * BS);
-      const size_t sb = (size_t)phys * (NKV * BS) + kvh * BS + tin + r0;
-      const u32 vs2 = *reinterpret_cast<const u32*>(vs + sb);  // tokens r0, r0 + 1
-      const u32 vz2 = *reinterpret_cast<const u32*>(vz + sb);
-
+      for (int j = 0; j < 8; ++j) vw[j] = *reinterpret_cast<const u32*>(rs + V_OFF + (8 * j + g) * 16 + 4 * t);
+      const u32 vs2 = *reinterpret_cast<const u32*>(rs + VSZ_OFF + 2 * r0);  // tokens r0, r0 + 1
+      const u32 vz2 = *reinterpret_cast<const u32*>(rs + VSZ_OFF + 32 + 2 * r0);
       // bias q . z: a natural quad of zero pairs (4a .. 4a + 3) as A against q pairs (4a, 4a + 2)
       // gives row g the sum over pairs 4a, 4a + 2 (bz0), against (4a + 1, 4a + 3) gives row g + 8 the
       // rest (bz1); the other rows are unused. No register copies: the operands are as loaded.
@@ -247,9 +311,10 @@ extern "C" __global__ void __launch_bounds__(32) nanokv_decode_int4(
         mma(acc[i], nib_lo(x), nib_hi(x), nib_lo(y), nib_hi(y), pb0, pb1);
       }
     }
-    phys = nphys;
-    slot = nslot;
+    __syncwarp();  // every lane has read this stage before a later fetch refills it
+    stage = stage == NSTAGE - 1 ? 0 : stage + 1;
   }
+  asm volatile("cp.async.wait_group 0;");
 
   // staged tokens in full precision (plain q): the newest block, or the whole split (see above)
   for (int start = early ? lo : max(lo, newest); start < hi; start += 16) {
