@@ -43,27 +43,30 @@ def supported(q: torch.Tensor, out: torch.Tensor, cache: LayerKVCache) -> bool:
 
 
 @cache
-def _kernel(G: int, H: int, bs: int, q_bf16: bool, st_bf16: bool, out_bf16: bool, maxnreg: int, stages: int):
+def _kernel(G: int, H: int, bs: int, q_bf16: bool, st_bf16: bool, out_bf16: bool, maxnreg: int, stages: int,
+            vofs: bool):
     """The compiled kernel for one configuration (NVRTC, PTX loaded by the driver; ~0.3 s each)."""
     defs = dict(G=G, NKV=H, BS=bs, Q_BF16=int(q_bf16), ST_BF16=int(st_bf16), OUT_BF16=int(out_bf16),
-                MAXNREG=maxnreg, NSTAGE=stages)
+                MAXNREG=maxnreg, NSTAGE=stages, VOFS=int(vofs))
     opts = [f"-D{k}={v}" for k, v in defs.items()]
     return torch.cuda._compile_kernel(_SOURCE.read_text(), "nanokv_decode_int4", nvcc_options=opts)
 
 
 def decode_int4_cuda(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      out: torch.Tensor, scale: float, num_splits: int, part_o: torch.Tensor,
-                     part_ml: torch.Tensor, counts: torch.Tensor, maxnreg: int = 0, stages: int = 3) -> torch.Tensor:
+                     part_ml: torch.Tensor, counts: torch.Tensor, maxnreg: int = 0, stages: int = 3,
+                     vofs: bool = False) -> torch.Tensor:
     """As triton_decode.paged_decode for an int4 cache that `supported` accepts: q [B, Hq, 128],
     block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, Hq, 128] written in place.
     part_o / part_ml / counts: the split scratch and merge counters of paged_decode (unused at one
     split; counts zero between launches). maxnreg: register cap (0 = none); stages: depth of the
-    shared-memory ring the tiles stream through (cp.async, stages - 1 tiles ahead)."""
+    shared-memory ring the tiles stream through (cp.async, stages - 1 tiles ahead); vofs: value codes
+    enter the product with their fp16 offsets, taken out at the end (VOFS in the source)."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     assert cache.k_stage is not None and cache.v_stage is not None and cache.stage is not None
     kern = _kernel(Hq // H, H, cache.block_size, q.dtype == torch.bfloat16, cache.k_stage.dtype == torch.bfloat16,
-                   out.dtype == torch.bfloat16, maxnreg, stages)
+                   out.dtype == torch.bfloat16, maxnreg, stages, vofs)
     args = [q, cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero, cache.k_stage,
             cache.v_stage, cache.stage.stage_of, block_tables, seq_lens, out, part_o, part_ml, counts,
             float(scale * 1.4426950408889634), int(num_splits), q.stride(0), q.stride(1), out.stride(0),

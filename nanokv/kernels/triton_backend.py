@@ -102,6 +102,7 @@ class TritonConfig:
     quant_cuda4: bool = False
     quant_cuda4_maxnreg: int = 0
     quant_cuda4_stages: int = 3
+    quant_cuda4_vofs: bool = False  # value codes with their fp16 offsets in the product (VOFS)
     # int8/int4 layers: the model's q/k norm + RoPE kernel (triton_rope) also applies the format's q/k
     # rotation, instead of a separate GEMM per layer and step (nanokv.kv.hooks.fused_rotation).
     # H200 long-context int8 run, session 12: 11,130 tok/s with it vs 10,827 without (one pair)
@@ -193,7 +194,7 @@ def decode_options(cfg: TritonConfig, cache: LayerKVCache) -> dict:
                 swap_stages=cfg.quant_swap_stages, swap_merge=cfg.quant_swap_merge, swap4=cfg.quant_swap4,
                 swap4_prefetch=cfg.quant_swap4_prefetch, swap4_maxnreg=cfg.quant_swap4_maxnreg,
                 cuda4=cfg.quant_cuda4, cuda4_maxnreg=cfg.quant_cuda4_maxnreg,
-                cuda4_stages=cfg.quant_cuda4_stages)
+                cuda4_stages=cfg.quant_cuda4_stages, cuda4_vofs=cfg.quant_cuda4_vofs)
 
 
 def decode_tiles(cfg: TritonConfig, quantized: bool) -> tuple[int, int, int]:
