@@ -9,8 +9,10 @@ TRITON_INTERPRET) and on the GPU. Triton's wheel ships ptxas: no GPU needed.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,3 +31,21 @@ def test_decode_kernels_compile_for_sm90(tmp_path) -> None:
                  "norm add=False", "norm add=True", "silu_mul"):  # each kernel
         assert any(kind in ln for ln in lines), (kind, r.stdout)
     assert all(int(ln.split(": ")[1].split()[0]) > 10_000 for ln in lines)  # real cubins
+
+
+@pytest.mark.skipif(not shutil.which("nvcc"), reason="no nvcc on this machine")
+@pytest.mark.parametrize("defs", ["G=2 NKV=8 BS=16 Q_BF16=0 ST_BF16=1 OUT_BF16=1 VOFS=0 NSTAGE=3",
+                                  "G=2 NKV=8 BS=32 Q_BF16=0 ST_BF16=1 OUT_BF16=1 VOFS=1 NSTAGE=4",
+                                  "G=3 NKV=3 BS=16 Q_BF16=1 ST_BF16=0 OUT_BF16=0 VOFS=1 NSTAGE=2 MAXNREG=96"])
+def test_cuda_int4_decode_compiles_for_sm90(tmp_path, defs: str) -> None:
+    """The CUDA C++ int4 decode (nanokv/kernels/cuda/decode_int4.cu) has no interpreter; here nvcc
+    builds it for sm_90 as the GPU's NVRTC would, and its resource report must show no spills, no
+    stack frame and at most 128 registers (16 one-warp programs per SM)."""
+    src = Path(__file__).parents[1] / "nanokv" / "kernels" / "cuda" / "decode_int4.cu"
+    r = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), "-Xptxas", "-v",
+                        *[f"-D{d}" for d in defs.split()], str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = r.stderr
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    regs = int(report.split("Used ")[1].split(" registers")[0])
+    assert regs <= 128, report
