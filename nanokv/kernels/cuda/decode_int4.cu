@@ -147,7 +147,7 @@ __device__ __forceinline__ void cp16(void* dst, const void* src) {
 
 // tile k of the split starting at lo: its physical block (-1 past the end or a hole)
 __device__ __forceinline__ int tile_phys(const int* bt_row, int lo, int ntiles, int k) {
-  return k < ntiles ? bt_row[(lo + 16 * k) / BS] : -1;
+  return k < ntiles ? bt_row[(unsigned)(lo + 16 * k) / BS] : -1;
 }
 
 // Copy a tile into a ring stage when it is read from codes (a block of the pool, not staged); one
@@ -240,13 +240,13 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
   for (int k = 0; k <= NSTAGE; ++k) sl[k] = ph[k] >= 0 ? stage_of[ph[k]] : -1;
 #pragma unroll
   for (int k = 0; k < NSTAGE - 1; ++k)
-    fetch_tile(ring[k], kc, vc, ks, kz, vs, vz, ph[k], sl[k], kvh, (lo + 16 * k) % BS, lane);
+    fetch_tile(ring[k], kc, vc, ks, kz, vs, vz, ph[k], sl[k], kvh, (unsigned)(lo + 16 * k) % BS, lane);
   int stage = 0;
   for (int i = 0; i < ntiles; ++i) {
     const int start = lo + 16 * i;
     const int ahead = stage == 0 ? NSTAGE - 1 : stage - 1;  // (stage + NSTAGE - 1) % NSTAGE
     fetch_tile(ring[ahead], kc, vc, ks, kz, vs, vz, ph[NSTAGE - 1], sl[NSTAGE - 1], kvh,
-               (start + 16 * (NSTAGE - 1)) % BS, lane);
+               (unsigned)(start + 16 * (NSTAGE - 1)) % BS, lane);
     const int cur_ph = ph[0], cur_sl = sl[0];
 #pragma unroll
     for (int k = 0; k < NSTAGE; ++k) sl[k] = sl[k + 1];
