@@ -34,9 +34,9 @@ def test_decode_kernels_compile_for_sm90(tmp_path) -> None:
 
 
 @pytest.mark.skipif(not shutil.which("nvcc"), reason="no nvcc on this machine")
-@pytest.mark.parametrize("defs", ["G=2 NKV=8 BS=16 Q_BF16=0 ST_BF16=1 OUT_BF16=1 VOFS=0 NSTAGE=3",
-                                  "G=2 NKV=8 BS=32 Q_BF16=0 ST_BF16=1 OUT_BF16=1 VOFS=1 NSTAGE=4",
-                                  "G=3 NKV=3 BS=16 Q_BF16=1 ST_BF16=0 OUT_BF16=0 VOFS=1 NSTAGE=2 MAXNREG=96"])
+@pytest.mark.parametrize("defs", ["G=2 NKV=8 BS=16 Q_BF16=0 ST_BF16=1 OUT_BF16=1 NSTAGE=2",
+                                  "G=2 NKV=8 BS=32 Q_BF16=0 ST_BF16=1 OUT_BF16=1 NSTAGE=3",
+                                  "G=3 NKV=3 BS=16 Q_BF16=1 ST_BF16=0 OUT_BF16=0 NSTAGE=4 MAXNREG=96"])
 def test_cuda_int4_decode_compiles_for_sm90(tmp_path, defs: str) -> None:
     """The CUDA C++ int4 decode (nanokv/kernels/cuda/decode_int4.cu) has no interpreter; here nvcc
     builds it for sm_90 as the GPU's NVRTC would, and its resource report must show no spills, no

@@ -21,23 +21,23 @@ from nanokv.kernels.triton_backend import TritonConfig  # noqa: E402
 LENS = [1, 17, 40, 130, 301, 1000]
 
 
-def cuda_cfg(splits: int, vofs: bool = False) -> TritonConfig:
+def cuda_cfg(splits: int, stages: int = 2) -> TritonConfig:
     cfg = small_cfg(splits=splits)
     cfg.quant_cuda4 = True
-    cfg.quant_cuda4_vofs = vofs
+    cfg.quant_cuda4_stages = stages
     return cfg
 
 
-@pytest.mark.parametrize("vofs", [False, True])
+@pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("G,bs,splits", [(2, 16, 1), (2, 16, 8), (2, 32, 3), (1, 16, 5), (3, 16, 4), (4, 32, 2),
                                          (8, 16, 2), (2, 64, 7)])
-def test_cuda_int4_decode(dtype: torch.dtype, G: int, bs: int, splits: int, vofs: bool) -> None:
+def test_cuda_int4_decode(dtype: torch.dtype, G: int, bs: int, splits: int, stages: int) -> None:
     """Holes, split-K with empty splits, a one-token context, each sequence's newest block staged;
     twice, since the in-kernel merge must leave its counters at zero."""
     cache, md, q = build_batch(4, dtype, bs, 2, G, 128, [], LENS, holes=True, seed=G * bs + splits)
     assert supported(q, q, cache)
-    check_twice_merged(cache, md, q, cuda_cfg(splits, vofs))
+    check_twice_merged(cache, md, q, cuda_cfg(splits, stages))
 
 
 def test_cuda_int4_fp16_query_on_bf16_cache() -> None:
@@ -53,8 +53,7 @@ def test_cuda_int4_fp16_query_on_bf16_cache() -> None:
     assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-3
 
 
-@pytest.mark.parametrize("vofs", [False, True])
-def test_cuda_int4_staged_before_newest_block(vofs: bool) -> None:
+def test_cuda_int4_staged_before_newest_block() -> None:
     """A block staged before a sequence's newest (tests stage at will; decode steps do not) is read
     from staging for the whole split, as in the Triton kernels."""
     bs = 16
@@ -65,7 +64,7 @@ def test_cuda_int4_staged_before_newest_block(vofs: bool) -> None:
     cache.stage.plan(rows.numpy())
     k, v = (torch.randn(2, bs, 2, 128) * 3).half().cuda()
     reference.store_kvcache(k, v, cache, rows.cuda())
-    check(cache, md, q, cuda_cfg(2, vofs))
+    check(cache, md, q, cuda_cfg(2))
 
 
 def test_cuda_int4_mixed_step() -> None:

@@ -9,13 +9,15 @@ the tensor cores from the zero row as loaded (docs/kernels.md, session 15).
 It computes what triton_decode_swap4 computes (same folds, same staging, same split merge with the
 same scratch and counters) for the layouts the engine allocates: head dim 128, at most 8 query heads
 per KV head, block size a multiple of 16, contiguous cache tensors. `supported` says when it applies;
-everywhere else (and on CPU, and where torch lacks its NVRTC hook) the Triton kernels run. It is
-opt-in through TritonConfig.quant_cuda4. There is no interpreter for it: CI compiles nothing here,
-and tests/test_kernels_cuda.py checks it against the torch reference on a GPU.
+everywhere else (on CPU, where torch lacks its NVRTC hook or NVRTC fails) the Triton kernels run;
+TritonConfig.quant_cuda4 turns it off. There is no interpreter for it: CI builds it with nvcc where
+nvcc exists (tests/test_kernels_compile_sm90.py: no spills), and tests/test_kernels_cuda.py checks it
+against the torch reference on a GPU.
 """
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 from pathlib import Path
 
@@ -23,13 +25,15 @@ import torch
 
 from nanokv.kv.cache import LayerKVCache
 
+log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cuda") / "decode_int4.cu"
 _16BIT = (torch.float16, torch.bfloat16)
+_BROKEN: list[str] = []  # why NVRTC failed, once: the Triton kernels serve from then on
 
 
 def supported(q: torch.Tensor, out: torch.Tensor, cache: LayerKVCache) -> bool:
     """Whether the CUDA kernel can serve this decode: int4 cache in the engine's layouts, 16-bit q and out."""
-    if q.device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel") or cache.bits != 4:
+    if q.device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel") or cache.bits != 4 or _BROKEN:
         return False
     if cache.k_stage is None or cache.v_stage is None or cache.k_scale is None or cache.k_zero is None:
         return False
@@ -43,33 +47,40 @@ def supported(q: torch.Tensor, out: torch.Tensor, cache: LayerKVCache) -> bool:
 
 
 @cache
-def _kernel(G: int, H: int, bs: int, q_bf16: bool, st_bf16: bool, out_bf16: bool, maxnreg: int, stages: int,
-            vofs: bool):
+def _kernel(G: int, H: int, bs: int, q_bf16: bool, st_bf16: bool, out_bf16: bool, maxnreg: int, stages: int):
     """The compiled kernel for one configuration (NVRTC, PTX loaded by the driver; ~0.3 s each)."""
     defs = dict(G=G, NKV=H, BS=bs, Q_BF16=int(q_bf16), ST_BF16=int(st_bf16), OUT_BF16=int(out_bf16),
-                MAXNREG=maxnreg, NSTAGE=stages, VOFS=int(vofs))
+                MAXNREG=maxnreg, NSTAGE=stages)
     opts = [f"-D{k}={v}" for k, v in defs.items()]
-    return torch.cuda._compile_kernel(_SOURCE.read_text(), "nanokv_decode_int4", nvcc_options=opts)
+    try:
+        return torch.cuda._compile_kernel(_SOURCE.read_text(), "nanokv_decode_int4", nvcc_options=opts)
+    except (RuntimeError, OSError) as e:  # no NVRTC library, or it rejected the source
+        _BROKEN.append(str(e))
+        log.warning("CUDA int4 decode unavailable (%s); using the Triton kernels", e)
+        return None
 
 
-def decode_int4_cuda(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     out: torch.Tensor, scale: float, num_splits: int, part_o: torch.Tensor,
-                     part_ml: torch.Tensor, counts: torch.Tensor, maxnreg: int = 0, stages: int = 3,
-                     vofs: bool = False) -> torch.Tensor:
-    """As triton_decode.paged_decode for an int4 cache that `supported` accepts: q [B, Hq, 128],
-    block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, Hq, 128] written in place.
-    part_o / part_ml / counts: the split scratch and merge counters of paged_decode (unused at one
-    split; counts zero between launches). maxnreg: register cap (0 = none); stages: depth of the
-    shared-memory ring the tiles stream through (cp.async, stages - 1 tiles ahead); vofs: value codes
-    enter the product with their fp16 offsets, taken out at the end (VOFS in the source)."""
-    B, Hq, D = q.shape
+def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               out: torch.Tensor, scale: float, num_splits: int, part_o: torch.Tensor, part_ml: torch.Tensor,
+               counts: torch.Tensor, maxnreg: int = 0, stages: int = 2) -> bool:
+    """As triton_decode.paged_decode for an int4 cache, if `supported` accepts it and NVRTC builds the
+    kernel: q [B, Hq, 128], block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, Hq, 128]
+    written in place. part_o / part_ml / counts: paged_decode's split scratch and merge counters
+    (unused at one split; counts zero between launches). maxnreg: register cap (0 = none); stages:
+    depth of the shared-memory ring the tiles stream through (cp.async, stages - 1 tiles ahead).
+    False (nothing launched) where it does not apply."""
+    if not supported(q, out, cache):
+        return False
+    B, Hq, _ = q.shape
     H = cache.num_kv_heads
     assert cache.k_stage is not None and cache.v_stage is not None and cache.stage is not None
     kern = _kernel(Hq // H, H, cache.block_size, q.dtype == torch.bfloat16, cache.k_stage.dtype == torch.bfloat16,
-                   out.dtype == torch.bfloat16, maxnreg, stages, vofs)
+                   out.dtype == torch.bfloat16, maxnreg, stages)
+    if kern is None:
+        return False
     args = [q, cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero, cache.k_stage,
             cache.v_stage, cache.stage.stage_of, block_tables, seq_lens, out, part_o, part_ml, counts,
             float(scale * 1.4426950408889634), int(num_splits), q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), block_tables.stride(0)]
     kern(grid=(B, H, num_splits), block=(32, 1, 1), args=args)
-    return out
+    return True

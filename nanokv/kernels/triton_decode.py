@@ -132,8 +132,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  maxnreg: int = 0, lazy_tau: int = 0, min_rows: int = 16, swap_block_n: int = 0,
                  swap_maxnreg: int = 0, swap_stages: int = 0, swap_merge: bool = True,
                  swap4: bool = False, swap4_prefetch: int = 0, swap4_maxnreg: int = 0, cuda4: bool = False,
-                 cuda4_maxnreg: int = 0, cuda4_stages: int = 3,
-                 cuda4_vofs: bool = False) -> torch.Tensor:
+                 cuda4_maxnreg: int = 0, cuda4_stages: int = 2) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
@@ -194,12 +193,12 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
         merged = split and swap_merge
         counts = _buffer("counts", q.device, B * H, torch.int32) if merged else seq_lens  # (unused unless merged)
         swap = dict(count_ptr=counts, **common, BLOCK_G=next_pow2(G), MERGE=merged, BLOCK_S=next_pow2(num_splits))
-        if cache.bits == 4 and cuda4 and (merged or not split) and cuda_decode_int4.supported(q, out, cache):
-            cuda_decode_int4.decode_int4_cuda(q, cache, block_tables, seq_lens, out, scale, num_splits, part_o, part_ml,
-                                              counts, cuda4_maxnreg, cuda4_stages, cuda4_vofs)
-        elif cache.bits == 4:
-            decode_int4_swap_kernel[(B, H, num_splits)](*args, stride_vd=cache.v.stride(3), stride_vt=cache.v.stride(2),
-                                                        PREFETCH=swap4_prefetch, **swap)
+        if cache.bits == 4:  # the CUDA kernel where it applies and runs, else Triton's
+            if not (cuda4 and (merged or not split) and cuda_decode_int4.try_decode(
+                    q, cache, block_tables, seq_lens, out, scale, num_splits, part_o, part_ml, counts, cuda4_maxnreg,
+                    cuda4_stages)):
+                decode_int4_swap_kernel[(B, H, num_splits)](
+                    *args, stride_vd=cache.v.stride(3), stride_vt=cache.v.stride(2), PREFETCH=swap4_prefetch, **swap)
         else:
             decode_int8_swap_kernel[(B, H, num_splits)](*args, **swap)
     elif cache.bits == 4 and fold_k:

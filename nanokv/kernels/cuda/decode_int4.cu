@@ -93,18 +93,9 @@ __device__ __forceinline__ float sum_over_rows(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 16);
 }
 
-struct Softmax {  // per lane: heads 2t and 2t + 1; l, z and w are this lane's partial sums
-  float m[2], l[2], z[2], w[2];  // w: sum of the fp16 weights p * vs (VOFS)
+struct Softmax {  // per lane: heads 2t and 2t + 1; l and z are this lane's partial sums
+  float m[2], l[2], z[2];
 };
-
-// VOFS 1: value codes enter the PV product as 1024 + c (low nibbles) and 1024 + 16 c (high) with no
-// subtraction; the offsets leave at the end through w = sum (p * vs), which is exact enough here
-// (every product is positive, so nothing cancels but the offset itself; the keys' products have
-// mixed signs, which is why they are not done this way: docs/kernels.md, session 14). Staged high
-// dims are scaled by 16 to match.
-#ifndef VOFS
-#define VOFS 0
-#endif
 
 // One online-softmax step on scores s (rows g, g + 8 = tokens pi(g), pi(g) + 1; heads 2t, 2t + 1),
 // -inf where masked: returns alpha per head, p in s.
@@ -137,7 +128,7 @@ __device__ __forceinline__ void rescale(float (&acc)[8][4], const float (&alpha)
 #define VSZ_OFF 2560
 #define STAGE_BYTES 2624
 #ifndef NSTAGE
-#define NSTAGE 3
+#define NSTAGE 2
 #endif
 
 __device__ __forceinline__ void cp16(void* dst, const void* src) {
@@ -222,7 +213,7 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
   for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   Softmax st;
   st.m[0] = st.m[1] = NEG_INF;
-  st.l[0] = st.l[1] = st.z[0] = st.z[1] = st.w[0] = st.w[1] = 0.f;
+  st.l[0] = st.l[1] = st.z[0] = st.z[1] = 0.f;
 
   const int* bt_row = bt + (long)seq * stride_bt;
   int early = 0;  // a staged tile met before the newest block (tests stage at will; decode steps do not)
@@ -311,25 +302,14 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
       const float vz0 = v0 ? f16_f32(vz2 & 0xFFFF) : 0.f, vz1 = v1 ? f16_f32(vz2 >> 16) : 0.f;
 #pragma unroll
       for (int j = 0; j < 2; ++j) st.z[j] = st.z[j] * alpha[j] + s[j] * vz0 + s[2 + j] * vz1;
-      const u32 pw0 = pack_f16(s[0] * vs0, s[1] * vs0), pw1 = pack_f16(s[2] * vs1, s[3] * vs1);
-      const u32 pb0 = trans8x8(pw0), pb1 = trans8x8(pw1);
+      const u32 pb0 = trans8x8(pack_f16(s[0] * vs0, s[1] * vs0));
+      const u32 pb1 = trans8x8(pack_f16(s[2] * vs1, s[3] * vs1));
       rescale(acc, alpha);
-#if VOFS
-      st.w[0] = st.w[0] * alpha[0] + f16_f32(pw0 & 0xFFFF) + f16_f32(pw1 & 0xFFFF);
-      st.w[1] = st.w[1] * alpha[1] + f16_f32(pw0 >> 16) + f16_f32(pw1 >> 16);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const u32 x = vw[i], y = vw[i] >> 8;
-        mma(acc[i], mask_or(x, 0x000F000Fu, MAGIC), mask_or(x, 0x00F000F0u, MAGIC), mask_or(y, 0x000F000Fu, MAGIC),
-            mask_or(y, 0x00F000F0u, MAGIC), pb0, pb1);
-      }
-#else
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < 8; ++i) {  // dim rows 8i + g (low nibbles) and 64 + 8i + g (high)
         const u32 x = vw[i], y = vw[i] >> 8;
         mma(acc[i], nib_lo(x), nib_hi(x), nib_lo(y), nib_hi(y), pb0, pb1);
       }
-#endif
     }
     __syncwarp();  // every lane has read this stage before a later fetch refills it
     stage = stage == NSTAGE - 1 ? 0 : stage + 1;
@@ -367,8 +347,6 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
     softmax_step(st, s, alpha);
     st.z[0] *= alpha[0];
     st.z[1] *= alpha[1];
-    st.w[0] *= alpha[0];
-    st.w[1] *= alpha[1];
     const u32 pb0 = trans8x8(pack_f16(s[0], s[1]));
     const u32 pb1 = trans8x8(pack_f16(s[2], s[3]));
     rescale(acc, alpha);
@@ -384,25 +362,20 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
         e[k][1] = ok ? vr[(4 * t + k) * HD + 64 + 8 * i + g] : (u16)0;
       }
       const u32 a0 = to_f16x2((u32)e[0][0] | ((u32)e[2][0] << 16), ST_BF16);
-      u32 a1 = to_f16x2((u32)e[0][1] | ((u32)e[2][1] << 16), ST_BF16);
+      const u32 a1 = to_f16x2((u32)e[0][1] | ((u32)e[2][1] << 16), ST_BF16);
       const u32 a2 = to_f16x2((u32)e[1][0] | ((u32)e[3][0] << 16), ST_BF16);
-      u32 a3 = to_f16x2((u32)e[1][1] | ((u32)e[3][1] << 16), ST_BF16);
-      if (VOFS) {  // high dims x 16, as the codes' 1024 + 16 c
-        a1 = hmul2(a1, 0x4C004C00u);
-        a3 = hmul2(a3, 0x4C004C00u);
-      }
+      const u32 a3 = to_f16x2((u32)e[1][1] | ((u32)e[3][1] << 16), ST_BF16);
       mma(acc[i], a0, a1, a2, a3, pb0, pb1);
     }
   }
 
   // epilogue: out (or this split's normalized partial) = (acc + z) / l, heads 2t + j < G
-  float inv_l[2], zt[2], wt[2];
+  float inv_l[2], zt[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const float l = sum_over_rows(st.l[j]);
     st.l[j] = l;
     zt[j] = sum_over_rows(st.z[j]);
-    wt[j] = VOFS ? 1024.f * sum_over_rows(st.w[j]) : 0.f;
     inv_l[j] = 1.f / (l > 0.f ? l : 1.f);  // acc is 0 where l is: an all-hole context gives 0
   }
   const int Hq = H * G;
@@ -415,8 +388,7 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
     const long prow = ((long)seq * Hq + head) * num_splits + split;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const float hi_d = VOFS ? (acc[i][2 + j] - wt[j]) * 0.0625f : acc[i][2 + j];
-      const float olo = (acc[i][j] - wt[j] + zt[j]) * inv_l[j], ohi = (hi_d + zt[j]) * inv_l[j];
+      const float olo = (acc[i][j] + zt[j]) * inv_l[j], ohi = (acc[i][2 + j] + zt[j]) * inv_l[j];
       if (split_mode) {
         part_o[prow * HD + 8 * i + g] = olo;
         part_o[prow * HD + 64 + 8 * i + g] = ohi;
