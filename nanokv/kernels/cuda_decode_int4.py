@@ -46,6 +46,16 @@ def supported(q: torch.Tensor, out: torch.Tensor, cache: LayerKVCache) -> bool:
             and cache.v.stride(2) == 1 and cache.v.stride(3) == bs and cache.v.transpose(2, 3).is_contiguous())
 
 
+def source() -> str:
+    """decode_int4.cu with its local `#include "x.cuh"` lines replaced by the files (NVRTC is handed
+    a string, so it has no folder to search; nvcc builds the file as it is)."""
+    out = []
+    for line in _SOURCE.read_text().splitlines():
+        name = line.removeprefix('#include "').removesuffix('"')
+        out.append((_SOURCE.parent / name).read_text() if line.startswith('#include "') else line)
+    return "\n".join(out) + "\n"
+
+
 @cache
 def _kernel(G: int, H: int, bs: int, q_bf16: bool, st_bf16: bool, out_bf16: bool, maxnreg: int, stages: int):
     """The compiled kernel for one configuration (NVRTC, PTX loaded by the driver; ~0.3 s each)."""
@@ -53,7 +63,7 @@ def _kernel(G: int, H: int, bs: int, q_bf16: bool, st_bf16: bool, out_bf16: bool
                 MAXNREG=maxnreg, NSTAGE=stages)
     opts = [f"-D{k}={v}" for k, v in defs.items()]
     try:
-        return torch.cuda._compile_kernel(_SOURCE.read_text(), "nanokv_decode_int4", nvcc_options=opts)
+        return torch.cuda._compile_kernel(source(), "nanokv_decode_int4", nvcc_options=opts)
     except (RuntimeError, OSError) as e:  # no NVRTC library, or it rejected the source
         _BROKEN.append(str(e))
         log.warning("CUDA int4 decode unavailable (%s); using the Triton kernels", e)

@@ -5,8 +5,8 @@
 //   o^T [128, 8]   += V^T codes [128, 16 tok] @ (p * vs)^T [16 tok, 8]       (+ sum_n p_n vz_n)
 // One warp per (sequence, KV head, split); the G <= 8 query heads of the group are the MMA's 8
 // columns. Z repeats the block's key zero row over the 16 token rows, so the bias q . z comes out
-// of the tensor cores in fp32 with exact fp16 products. Everything is chosen so that codes go from
-// one global load straight into operand registers (no shared memory):
+// of the tensor cores in fp32 with exact fp16 products. Everything is chosen so that each lane reads
+// the codes it multiplies, as whole words, straight into operand registers (no exchange between lanes):
 // - the summed index of both products is free to permute. Row r of s^T holds token pi(r) =
 //   4 (r >> 1) + 2 (r & 1) (r < 8) and pi(r) + 1 (row r + 8), so that after movmatrix.trans turns
 //   p^T into the PV product's B operand, lane (g, t) needs tokens 4t..4t+3 of each value dim row:
@@ -14,155 +14,16 @@
 //   mask-and-splice each (0x6400 + m is fp16 1024 + m);
 // - lane (g, t) reads bytes [16t, 16t + 16) of its two key rows (dims 16t.., 64 + 16t..), and
 //   its B fragments hold (q * s) for the same dims, so no lane needs another lane's codes.
-// Open (staged) blocks are scored from full-precision staging in a second loop, as in the Triton
-// kernels; splits are merged by the last program of each (sequence, KV head) (merge_if_last).
-// Compile-time: G (query heads per KV head), NKV (KV heads), BS (block size, a multiple of 16), Q_BF16, ST_BF16,
-// OUT_BF16 (else fp16). Head dim 128.
+// Tiles stream through a shared-memory ring (tile_ring.cuh). Open (staged) blocks are scored from
+// full-precision staging in a second loop, as in the Triton kernels; splits are merged by the last
+// program of each (sequence, KV head) (split_merge.cuh). Fragment helpers: mma_frag.cuh.
+// Compile-time: G (query heads per KV head), NKV (KV heads), BS (block size, a multiple of 16), Q_BF16,
+// ST_BF16, OUT_BF16 (else fp16), NSTAGE (ring depth), MAXNREG (register cap, 0 = none). Head dim 128.
+// cuda_decode_int4.py inlines the #include lines for NVRTC.
 
-#define HD 128
-#define NEG_INF __int_as_float(0xff800000)
-typedef unsigned int u32;
-typedef unsigned short u16;
-
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-  u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel)); return r;
-}
-__device__ __forceinline__ u32 mask_or(u32 x, u32 m, u32 o) {  // (x & m) | o
-  u32 r; asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(m), "r"(o)); return r;
-}
-__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
-  u32 r; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r;
-}
-__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
-  u32 r; asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r;
-}
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-  u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r;
-}
-__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
-  u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
-}
-__device__ __forceinline__ float ex2(float x) {
-  float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r;
-}
-__device__ __forceinline__ u32 trans8x8(u32 x) {
-  u32 r; asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x)); return r;
-}
-__device__ __forceinline__ float bf16_f32(u16 x) { return __uint_as_float(((u32)x) << 16); }
-__device__ __forceinline__ float f16_f32(u16 x) {
-  float r; asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(x)); return r;
-}
-__device__ __forceinline__ u16 f32_f16(float x) {
-  u16 r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x)); return r;
-}
-__device__ __forceinline__ u16 f32_bf16(float x) {
-  u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x)); return r;
-}
-// a pair of 16-bit values of a bf16 tensor -> the same pair in fp16 (ST_BF16 / Q_BF16)
-__device__ __forceinline__ u32 bf16x2_f16x2(u32 x) {
-  return pack_f16(__uint_as_float(x << 16), __uint_as_float(x & 0xFFFF0000u));
-}
-__device__ __forceinline__ u32 to_f16x2(u32 x, bool bf16) { return bf16 ? bf16x2_f16x2(x) : x; }
-
-// low / high nibbles of bytes 0 and 2 of x as fp16 pairs, exactly
-#define MAGIC 0x64006400u
-__device__ __forceinline__ u32 nib_lo(u32 x) { return hsub2(mask_or(x, 0x000F000Fu, MAGIC), MAGIC); }
-__device__ __forceinline__ u32 nib_hi(u32 x) {  // (1024 + 16 c) / 16 - 64 = c
-  return hfma2(mask_or(x, 0x00F000F0u, MAGIC), 0x2C002C00u, 0xD400D400u);
-}
-
-__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Where a lane keeps q's pair j (dims 2j, 2j + 1 of its 16): pairs 4a, 4a + 2 and 4a + 1, 4a + 3 side
-// by side, the B operands of the bias products below
-#define QP(j) (((j) & ~3) | (((j) & 1) << 1) | (((j) >> 1) & 1))
-
-__device__ __forceinline__ float max_over_rows(float x) {  // over the 8 lanes of equal t
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
-}
-__device__ __forceinline__ float sum_over_rows(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 4);
-  x += __shfl_xor_sync(0xffffffffu, x, 8);
-  return x + __shfl_xor_sync(0xffffffffu, x, 16);
-}
-
-struct Softmax {  // per lane: heads 2t and 2t + 1; l and z are this lane's partial sums
-  float m[2], l[2], z[2];
-};
-
-// One online-softmax step on scores s (rows g, g + 8 = tokens pi(g), pi(g) + 1; heads 2t, 2t + 1),
-// -inf where masked: returns alpha per head, p in s.
-__device__ __forceinline__ void softmax_step(Softmax& st, float (&s)[4], float (&alpha)[2]) {
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    float m_new = fmaxf(st.m[j], max_over_rows(fmaxf(s[j], s[2 + j])));
-    float m_safe = m_new == NEG_INF ? 0.f : m_new;
-    alpha[j] = ex2(st.m[j] - m_safe);
-    s[j] = ex2(s[j] - m_safe);
-    s[2 + j] = ex2(s[2 + j] - m_safe);
-    st.l[j] = st.l[j] * alpha[j] + s[j] + s[2 + j];
-    st.m[j] = m_new;
-  }
-}
-
-__device__ __forceinline__ void rescale(float (&acc)[8][4], const float (&alpha)[2]) {
-  // alpha is 1 once a head's running max stops growing: skip the 32 products then (warp-uniform)
-  if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
-  }
-}
-
-// One stage of the ring: a 16-token tile's key codes [16, 64] B, value codes [64 dims, 16 tokens] B,
-// key scale and zero rows [2, 128] fp16, value scales and zeros [2, 16] fp16.
-#define V_OFF 1024
-#define SZ_OFF 2048
-#define VSZ_OFF 2560
-#define STAGE_BYTES 2624
-#ifndef NSTAGE
-#define NSTAGE 2
-#endif
-
-__device__ __forceinline__ void cp16(void* dst, const void* src) {
-  const u32 d = (u32)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
-}
-
-// tile k of the split starting at lo: its physical block (-1 past the end or a hole)
-__device__ __forceinline__ int tile_phys(const int* bt_row, int lo, int ntiles, int k) {
-  return k < ntiles ? bt_row[(unsigned)(lo + 16 * k) / BS] : -1;
-}
-
-// Copy a tile into a ring stage when it is read from codes (a block of the pool, not staged); one
-// commit group per call either way, so that wait_group counts tiles.
-__device__ __forceinline__ void fetch_tile(unsigned char* dst, const unsigned char* kc, const unsigned char* vc,
-                                           const u16* ks, const u16* kz, const u16* vs, const u16* vz, int ph,
-                                           int sl, int kvh, int tin, int lane) {
-  if (ph >= 0 && sl < 0) {
-    const size_t blk = (size_t)ph * NKV + kvh;
-    const unsigned char* kp = kc + blk * (BS * 64) + tin * 64;  // 1 KB: 16 rows of 64 B
-    cp16(dst + 32 * lane, kp + 32 * lane);
-    cp16(dst + 32 * lane + 16, kp + 32 * lane + 16);
-    const unsigned char* vp = vc + blk * (64 * BS) + tin;  // 64 dim rows, 16 B each at tin
-    cp16(dst + V_OFF + 32 * lane, vp + (2 * lane) * BS);
-    cp16(dst + V_OFF + 32 * lane + 16, vp + (2 * lane + 1) * BS);
-    const u16* sz = (lane < 16 ? ks : kz) + blk * HD + 8 * (lane & 15);
-    cp16(dst + SZ_OFF + 16 * lane, sz);
-    if (lane < 4) {
-      const u16* v2 = ((lane & 2) ? vz : vs) + blk * BS + tin + 8 * (lane & 1);
-      cp16(dst + VSZ_OFF + 16 * lane, v2);
-    }
-  }
-  asm volatile("cp.async.commit_group;");
-}
+#include "mma_frag.cuh"
+#include "tile_ring.cuh"
+#include "split_merge.cuh"
 
 // a register cap reaches the driver's PTX compiler only as .maxnreg in the PTX (__maxnreg__)
 #if defined(MAXNREG) && MAXNREG > 0
@@ -292,12 +153,8 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
         s[2 + j] += bias;
       }
       const bool v0 = start + r0 < hi, v1 = start + r0 + 1 < hi;
-      s[0] = v0 ? s[0] * qk_scale : NEG_INF;
-      s[1] = v0 ? s[1] * qk_scale : NEG_INF;
-      s[2] = v1 ? s[2] * qk_scale : NEG_INF;
-      s[3] = v1 ? s[3] * qk_scale : NEG_INF;
       float alpha[2];
-      softmax_step(st, s, alpha);
+      softmax_step(st, s, v0, v1, qk_scale, alpha);
       const float vs0 = v0 ? f16_f32(vs2 & 0xFFFF) : 0.f, vs1 = v1 ? f16_f32(vs2 >> 16) : 0.f;
       const float vz0 = v0 ? f16_f32(vz2 & 0xFFFF) : 0.f, vz1 = v1 ? f16_f32(vz2 >> 16) : 0.f;
 #pragma unroll
@@ -339,12 +196,8 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
         mma(s, to_f16x2(r0w[2 * w], ST_BF16), to_f16x2(r1w[2 * w], ST_BF16), to_f16x2(r0w[2 * w + 1], ST_BF16),
             to_f16x2(r1w[2 * w + 1], ST_BF16), qq[QP(2 * w)], qq[QP(2 * w + 1)]);
     }
-    s[0] = v0 ? s[0] * qk_scale : NEG_INF;
-    s[1] = v0 ? s[1] * qk_scale : NEG_INF;
-    s[2] = v1 ? s[2] * qk_scale : NEG_INF;
-    s[3] = v1 ? s[3] * qk_scale : NEG_INF;
     float alpha[2];
-    softmax_step(st, s, alpha);
+    softmax_step(st, s, v0, v1, qk_scale, alpha);
     st.z[0] *= alpha[0];
     st.z[1] *= alpha[1];
     const u32 pb0 = trans8x8(pack_f16(s[0], s[1]));
@@ -406,41 +259,5 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
   }
   if (!split_mode) return;
 
-  // the last of the (sequence, KV head)'s programs to finish merges the group's G heads
-  __syncwarp();
-  int* cnt = counts + (long)seq * H + kvh;
-  int done = 0;
-  if (lane == 0) {
-    __threadfence();
-    done = atomicAdd(cnt, 1);
-  }
-  done = __shfl_sync(0xffffffffu, done, 0);
-  if (done != num_splits - 1) return;
-  __threadfence();
-  const long n_part = (long)gridDim.x * Hq * num_splits;
-  for (int hg = 0; hg < G; ++hg) {
-    const int head = kvh * G + hg;
-    const long row0 = ((long)seq * Hq + head) * num_splits;
-    float mmax = NEG_INF;
-    for (int s = lane; s < num_splits; s += 32) mmax = fmaxf(mmax, __ldcg(part_ml + row0 + s));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mmax = fmaxf(mmax, __shfl_xor_sync(0xffffffffu, mmax, o));
-    const float msafe = mmax == NEG_INF ? 0.f : mmax;
-    float wsum = 0.f;
-    for (int s = lane; s < num_splits; s += 32)
-      wsum += __ldcg(part_ml + n_part + row0 + s) * ex2(__ldcg(part_ml + row0 + s) - msafe);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
-    const float inv = 1.f / (wsum > 0.f ? wsum : 1.f);
-    float o4[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s = 0; s < num_splits; ++s) {  // empty splits have l = 0: weight 0
-      const float w = __ldcg(part_ml + n_part + row0 + s) * ex2(__ldcg(part_ml + row0 + s) - msafe) * inv;
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(part_o + (row0 + s) * HD) + lane);
-      o4[0] += w * v.x; o4[1] += w * v.y; o4[2] += w * v.z; o4[3] += w * v.w;
-    }
-    u16* o = out + (long)seq * stride_ot + (long)head * stride_oh + 4 * lane;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) o[k] = OUT_BF16 ? f32_bf16(o4[k]) : f32_f16(o4[k]);
-  }
-  if (lane == 0) *cnt = 0;
+  merge_if_last(counts, part_o, part_ml, out, seq, kvh, num_splits, stride_ot, stride_oh);
 }
