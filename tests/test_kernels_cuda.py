@@ -16,7 +16,7 @@ from test_kernels_attention import build_batch, check, check_twice_merged, small
 
 from nanokv.kernels import reference  # noqa: E402
 from nanokv.kernels.cuda_decode_int4 import supported  # noqa: E402
-from nanokv.kernels.triton_backend import TritonConfig  # noqa: E402
+from nanokv.kernels.triton_backend import TritonBackend, TritonConfig  # noqa: E402
 
 LENS = [1, 17, 40, 130, 301, 1000]
 
@@ -46,7 +46,6 @@ def test_cuda_int4_fp16_query_on_bf16_cache() -> None:
     q = q.half()
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
     assert supported(q, out, cache)
-    from nanokv.kernels.triton_backend import TritonBackend
     TritonBackend(cuda_cfg(4)).paged_attention(q, cache, md, 128 ** -0.5, out=out)
     ref = reference.paged_attention(q.float(), cache, md, 128 ** -0.5)
     assert not out.isnan().any()

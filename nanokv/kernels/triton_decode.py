@@ -195,8 +195,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
         swap = dict(count_ptr=counts, **common, BLOCK_G=next_pow2(G), MERGE=merged, BLOCK_S=next_pow2(num_splits))
         if cache.bits == 4:  # the CUDA kernel where it applies and runs, else Triton's
             if not (cuda4 and (merged or not split) and cuda_decode_int4.try_decode(
-                    q, cache, block_tables, seq_lens, out, scale, num_splits, part_o, part_ml, counts, cuda4_maxnreg,
-                    cuda4_stages)):
+                    q, cache, block_tables, seq_lens, out, scale * LOG2E, num_splits, part_o, part_ml, counts,
+                    cuda4_maxnreg, cuda4_stages)):
                 decode_int4_swap_kernel[(B, H, num_splits)](
                     *args, stride_vd=cache.v.stride(3), stride_vt=cache.v.stride(2), PREFETCH=swap4_prefetch, **swap)
         else:
