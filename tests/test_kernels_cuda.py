@@ -70,3 +70,48 @@ def test_cuda_int4_mixed_step() -> None:
     """Prefills first, then decodes: the decode part is a slice of q and out."""
     cache, md, q = build_batch(4, torch.float16, 16, 2, 2, 128, [(0, 20), (32, 9)], [5, 77, 300], holes=True, seed=7)
     check(cache, md, q, cuda_cfg(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bs,splits", [(16, 1), (16, 8), (32, 3)])
+def test_cuda_int4_decode_fills_completed_blocks(dtype: torch.dtype, bs: int, splits: int) -> None:
+    """Given the step's slots, the kernel quantizes each staged block a decode token completes (its
+    last slot) into the pool: bit for bit what the fill kernel after attention writes, and nothing else."""
+    from dataclasses import replace
+
+    from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe
+    lens = [bs, 2 * bs, 3 * bs + 1, 5 * bs, 7, 9 * bs]  # four complete their newest block
+    cache, md, q = build_batch(4, dtype, bs, 8, 2, 128, [], lens, holes=True, seed=bs + splits)
+    pool = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
+    want = replace(cache, **{n: getattr(cache, n).clone() for n in pool})
+    quantize_filled_graphsafe(want, md.slot_mapping)
+    before = {n: getattr(cache, n).clone() for n in pool}
+    assert supported(q, q, cache) and not cache.filled_in_step
+    check(cache, md, q, cuda_cfg(splits))  # the attention is still right
+    assert cache.filled_in_step
+    for n in pool:
+        assert torch.equal(getattr(cache, n), getattr(want, n)), n
+        assert not torch.equal(getattr(cache, n), before[n]), n  # (there was something to fill)
+
+
+def test_engine_int4_fill_in_the_decode_kernel_changes_nothing(monkeypatch) -> None:
+    """A bf16 Qwen3-0.6B-shaped model (random weights) under CUDA graphs: with the decode kernel
+    filling blocks (quant_cuda4_fill) and with the fill kernel after attention, the same greedy
+    tokens and the same int4 cache, bit for bit."""
+    from nanokv.engine.llm import LLM
+    from nanokv.sampling import SamplingParams
+    prompts = [[(7 * i + 3 * j) % 5000 + 2 for i in range(20 + 9 * j)] for j in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    toks, caches = {}, {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("NANOKV_TRITON", f"quant_cuda4_fill={flag}")
+        llm = LLM("random:qwen3-0.6b", num_gpu_blocks=64, block_size=16, max_model_len=256, device="cuda",
+                  dtype="bfloat16", enable_compression=True, quantization_bitwidth=4)
+        assert llm.engine.runner.backend.config.quant_cuda4_fill == (flag == "1")
+        toks[flag] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        caches[flag] = [[t.clone() for t in (c.k, c.v, c.k_scale, c.k_zero, c.v_scale, c.v_zero)]
+                        for c in llm.engine.runner.kv_caches]
+        del llm
+    assert toks["0"] == toks["1"]
+    for a, b in zip(caches["0"], caches["1"]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -72,14 +72,17 @@ def _kernel(G: int, H: int, bs: int, q_bf16: bool, st_bf16: bool, out_bf16: bool
 
 def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                out: torch.Tensor, qk_scale: float, num_splits: int, part_o: torch.Tensor, part_ml: torch.Tensor,
-               counts: torch.Tensor, maxnreg: int = 0, stages: int = 2) -> bool:
+               counts: torch.Tensor, maxnreg: int = 0, stages: int = 2,
+               fill_slots: torch.Tensor | None = None) -> bool:
     """As triton_decode.paged_decode for an int4 cache, if `supported` accepts it and NVRTC builds the
     kernel: q [B, Hq, 128], block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, Hq, 128]
     written in place; qk_scale: the softmax scale times log2(e) (the kernels' softmax is base 2).
     part_o / part_ml / counts: paged_decode's split scratch and merge counters (unused at one split;
     counts zero between launches). maxnreg: register cap (0 = none); stages: depth of the
-    shared-memory ring the tiles stream through (cp.async, stages - 1 tiles ahead).
-    False (nothing launched) where it does not apply."""
+    shared-memory ring the tiles stream through (cp.async, stages - 1 tiles ahead). fill_slots:
+    [B] int64, this step's slot of each row's token (-1 = none): the block a token completes is
+    quantized from staging into the pool by the same launch (cuda/fill_int4.cuh), and
+    cache.filled_in_step is set. False (nothing launched) where it does not apply."""
     if not supported(q, out, cache):
         return False
     B, Hq, _ = q.shape
@@ -92,6 +95,11 @@ def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor,
     args = [q, cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero, cache.k_stage,
             cache.v_stage, cache.stage.stage_of, block_tables, seq_lens, out, part_o, part_ml, counts,
             float(qk_scale), int(num_splits), q.stride(0), q.stride(1), out.stride(0),
-            out.stride(1), block_tables.stride(0)]
+            out.stride(1), block_tables.stride(0), int(fill_slots is not None),
+            seq_lens if fill_slots is None else fill_slots]  # (an unread tensor where there is no fill)
+    if fill_slots is not None and (fill_slots.dtype != torch.int64 or fill_slots.shape[0] < B):
+        raise ValueError(f"fill_slots must be int64, one per row: got {fill_slots.dtype} {tuple(fill_slots.shape)}")
     kern(grid=(B, H, num_splits), block=(32, 1, 1), args=args)
+    if fill_slots is not None:
+        cache.filled_in_step = True
     return True

@@ -105,6 +105,9 @@ class TritonConfig:
     # addresses) and the depth of its copy ring (2 / 3 / 4 stages: 168.2 / 170.8 / 173.3 us)
     quant_cuda4_maxnreg: int = 0
     quant_cuda4_stages: int = 2
+    # decode-only steps: the CUDA kernel also quantizes the blocks the step's tokens complete
+    # (cuda/fill_int4.cuh), instead of the fill kernel's launch per layer after attention
+    quant_cuda4_fill: bool = True
     # int8/int4 layers: the model's q/k norm + RoPE kernel (triton_rope) also applies the format's q/k
     # rotation, instead of a separate GEMM per layer and step (nanokv.kv.hooks.fused_rotation).
     # H200 long-context int8 run, session 12: 11,130 tok/s with it vs 10,827 without (one pair)
@@ -262,6 +265,8 @@ class TritonBackend:
             s0 = md.num_prefill_tokens
             splits = choose_splits(cfg, nd, cache.num_kv_heads, md.max_seq_len, sm_count(q.device), cache.bits,
                                    cache.block_size)
+            # a decode-only step's row i is token i: its slot says whether it completes a staged block
+            fill = md.slot_mapping if P == 0 and cache.stage is not None and cfg.quant_cuda4_fill else None
             triton_decode.paged_decode(q[s0:s0 + nd], cache, md.block_tables[P:], md.seq_lens[P:], out[s0:s0 + nd],
-                                       scale, num_splits=splits, **decode_options(cfg, cache))
+                                       scale, num_splits=splits, fill_slots=fill, **decode_options(cfg, cache))
         return out

@@ -57,12 +57,18 @@ class LayerKVCache:
     stage: StageTable | None = None  # int4: block -> staging slot (one table shared by all layers)
     # host-side, not tensor layout: read by nanokv.kv.hooks.before_store (the model's attention layer)
     rotate_v: bool = False  # int4: values stored rotated, attention output rotated back
+    # the model's weights already make v R and take o R (ModelRunner.fold_value_rotations): the
+    # hooks skip both GEMMs, and stored values are in that basis whatever the layer's format
+    rotate_v_in_weights: bool = False
     rotate: bool = False  # keys (and queries) are Hadamard-rotated before store: part of the format
     monitor: Any = None  # nanokv.kv.monitor.CompressionMonitor sampling this layer's store error
     fake_quant: Any = None  # measurement only (nanokv.kv.fakequant): simulate a format on a 16-bit cache
     # hybrid sparsity, int8 layers: this layer's INT4 demotion store, read for table entries <= -2 (kv.demote)
     demoted: DemotedBlocks | None = None
     probe: Any = None  # nanokv.adaptive.probe.ErrorProbe: called with (layer, q, k, v) on each store
+    # int4: the step's decode kernel already quantized the blocks this step filled (the CUDA decode,
+    # nanokv.kernels.cuda_decode_int4); read and cleared by nanokv.kv.hooks.after_attention
+    filled_in_step: bool = False
 
     @property
     def num_blocks(self) -> int:

@@ -102,8 +102,8 @@ def before_store(layer: int, cache: LayerKVCache, md: Any, q: torch.Tensor, k: t
         q[..., list(channels)] /= factor
     if cache.rotate and not rotated:
         q, k = maybe_rotate(q, k, cache.bits, rotate=True)
-    if cache.rotate_v:  # int4 values are stored as v R (the output is rotated back in after_attention)
-        v = v @ rotation_matrix(v.shape[-1], v.dtype, v.device)
+    if cache.rotate_v and not cache.rotate_v_in_weights:  # int4 values are stored as v R (the output
+        v = v @ rotation_matrix(v.shape[-1], v.dtype, v.device)  # is rotated back in after_attention)
     if cache.fake_quant is not None:
         pos, seq = _step_positions(md, k.shape[0], k.device)
         k, v = cache.fake_quant.apply(k, v, pos, seq, cache.block_size)
@@ -141,10 +141,13 @@ def after_attention(layer: int, cache: LayerKVCache, md: Any, o: torch.Tensor) -
             from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe
             if cache.monitor is not None and not _capturing(o):
                 _monitor_fill(layer, cache)
-            quantize_filled_graphsafe(cache, md.extras.get("fill_slots", md.slot_mapping))
+            if cache.filled_in_step:  # the decode kernel quantized them (cuda_decode_int4)
+                cache.filled_in_step = False
+            else:
+                quantize_filled_graphsafe(cache, md.extras.get("fill_slots", md.slot_mapping))
         else:
             quantize_filled(cache, layer)
-    if cache.rotate_v:
+    if cache.rotate_v and not cache.rotate_v_in_weights:
         o = o @ rotation_matrix(o.shape[-1], o.dtype, o.device).T
     fq = cache.fake_quant
     if fq is not None and fq.on_fill:

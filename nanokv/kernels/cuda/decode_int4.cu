@@ -24,6 +24,7 @@
 #include "mma_frag.cuh"
 #include "tile_ring.cuh"
 #include "split_merge.cuh"
+#include "fill_int4.cuh"
 
 // a register cap reaches the driver's PTX compiler only as .maxnreg in the PTX (__maxnreg__)
 #if defined(MAXNREG) && MAXNREG > 0
@@ -38,7 +39,8 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
     const u16* __restrict__ vz, const u16* __restrict__ kst, const u16* __restrict__ vst,
     const int* __restrict__ stage_of, const int* __restrict__ bt, const int* __restrict__ seq_lens,
     u16* out, float* part_o, float* part_ml, int* counts, double qk_scale_d, int num_splits,
-    int stride_qt, int stride_qh, int stride_ot, int stride_oh, int stride_bt) {
+    int stride_qt, int stride_qh, int stride_ot, int stride_oh, int stride_bt, int fill,
+    const long long* __restrict__ fill_slots) {
   // the cache tensors are contiguous (checked by the caller), so every offset inside a block is a
   // compile-time constant: codes [N, NKV, BS, 64] (keys) and [N, NKV, 64, BS] (values, dims-major),
   // key scale/zero [N, NKV, 128], value scale/zero [N, NKV, BS], staging [S, NKV, BS, 128]
@@ -256,6 +258,16 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
       part_ml[prow] = st.m[j];
       part_ml[n_part + prow] = st.l[j];
     }
+  }
+  // fill: this step's slot of each sequence's token ([B] int64, -1 = none); a token in the last slot
+  // of its block completed it (fill_int4.cuh)
+  if (fill && split == 0) {
+    const long long slot = fill_slots[seq];
+    const int blk = slot >= 0 && slot % BS == BS - 1 ? (int)(slot / BS) : -1;
+    const int sl = blk >= 0 ? stage_of[blk] : -1;
+    if (sl >= 0)
+      fill_block(kst, vst, sl, blk, kvh, const_cast<unsigned char*>(kc), const_cast<unsigned char*>(vc),
+                 const_cast<u16*>(ks), const_cast<u16*>(kz), const_cast<u16*>(vs), const_cast<u16*>(vz), lane);
   }
   if (!split_mode) return;
 
