@@ -55,3 +55,48 @@ def test_monitor_in_the_engine_zero_for_fp_and_positive_for_int4():
         errs[name] = mon.snapshot()
     assert set(errs["fp"]) == {0, 1} and max(errs["fp"].values()) < 1e-6
     assert min(errs["int4"].values()) > 0.01
+
+
+def test_value_rotation_folded_into_the_weights_gives_the_same_run(monkeypatch):
+    """int4 layers store values rotated (v R). The engine folds R into v_proj and o_proj instead of
+    two GEMMs per layer and step: same greedy tokens, the same cache up to rounding, and the int8
+    layer (no value rotation) left alone; NANOKV_NO_VFOLD=1 keeps the GEMMs."""
+    plan = {"default": 4, "layers": {"-1": 8}}
+    runs = {}
+    for flag in ("1", ""):
+        monkeypatch.setenv("NANOKV_NO_VFOLD", flag)
+        llm = _llm(enable_compression=True, quantization_bitwidth=plan)
+        caches = llm.engine.runner.kv_caches
+        attn = [layer.self_attn for layer in llm.engine.model.model.layers]
+        assert [c.rotate_v_in_weights for c in caches] == [flag == "", False]
+        assert [a.v_rotation_folded for a in attn] == [flag == "", False]
+        out = llm.generate([PROMPT, PROMPT[:30]], GREEDY, use_tqdm=False)
+        runs[flag] = ([o.token_ids for o in out], [c.v_scale.clone() for c in caches],
+                      [a.qkv_proj.weight.clone() for a in attn])
+    assert runs["1"][0] == runs[""][0]
+    for a, b in zip(runs["1"][1], runs[""][1]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)  # values' fp16 scales, rotated basis both
+    w_plain, w_folded = runs["1"][2], runs[""][2]
+    assert not torch.equal(w_plain[0], w_folded[0]) and torch.equal(w_plain[1], w_folded[1])
+
+
+def test_folded_value_rotation_is_the_same_function():
+    """LlamaAttention.fold_value_rotation (with a qkv bias): v_proj's output per head is v R and
+    o_proj(o R) is o_proj(o), in float64."""
+    from nanokv.kv.rotation import rotation_matrix
+    from nanokv.model.config import ModelConfig
+    from nanokv.model.llama import LlamaAttention
+    torch.manual_seed(0)
+    cfg = ModelConfig(architecture="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=100, attention_bias=True)
+    attn = LlamaAttention(cfg, 0).double()
+    for p in attn.parameters():
+        p.data.normal_()
+    x, o = torch.randn(5, 64, dtype=torch.float64), torch.randn(5, 64, dtype=torch.float64)
+    r = rotation_matrix(16, torch.float64)
+    n = attn.q_size + attn.kv_size
+    v0, y0 = attn.qkv_proj(x)[:, n:], attn.o_proj(o)
+    attn.fold_value_rotation(r)
+    v1 = attn.qkv_proj(x)[:, n:]
+    torch.testing.assert_close(v1.view(5, 2, 16), v0.view(5, 2, 16) @ r)
+    torch.testing.assert_close(attn.o_proj((o.view(5, 4, 16) @ r).view(5, 64)), y0)

@@ -44,11 +44,12 @@ def reformat_layer(cache: LayerKVCache, bits: int, dtype: torch.dtype, chunk: in
     new = allocate_layer_cache(bits, N, H, bs, D, dtype, dev, rotate=cache.rotate, stage=stage or cache.stage)
     new.monitor, new.fake_quant = cache.monitor, cache.fake_quant
     new.probe = cache.probe
+    new.rotate_v_in_weights = cache.rotate_v_in_weights  # (then values stay in the weights' basis)
     offsets = torch.arange(bs, device=dev)
     for start in range(0, N, chunk):
         ids = torch.arange(start, min(N, start + chunk), device=dev)
         k, v = reference.gather_kv(cache, ids, torch.float32)  # [n, H, bs, D]
-        if cache.rotate_v != new.rotate_v:  # int4 keeps values rotated (v R)
+        if cache.rotate_v != new.rotate_v and not cache.rotate_v_in_weights:  # int4 keeps values rotated (v R)
             r = rotation_matrix(D, torch.float32, dev)
             v = v @ r if new.rotate_v else v @ r.T
         if new.stage is not None:  # int4: whole blocks, quantized once (open blocks stay staged)

@@ -72,6 +72,7 @@ class Engine:
             self.runner = TPModelRunner(cfg, self.model, mc, self.device, self.dtype)
         else:
             self.runner = ModelRunner(cfg, self.model, mc, self.device, self.dtype)
+            self.runner.fold_value_rotations()  # (this engine owns the model; tensor parallel keeps the GEMMs)
         self.runner.capture_cudagraphs(self.max_model_len)
         # running K/V quantization error per layer (sampled on eager steps), read by stats()
         self.compression_monitor = CompressionMonitor().attach(self.runner.kv_caches)

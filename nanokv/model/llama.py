@@ -44,6 +44,25 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, D, D**-0.5, layer_idx)
         self.head_dim = D
+        self.v_rotation_folded = False  # see fold_value_rotation
+
+    @torch.no_grad()
+    def fold_value_rotation(self, r: torch.Tensor) -> None:
+        """Make v_proj produce v R and o_proj take o R (r [D, D] orthonormal: a KV format's value
+        rotation, nanokv.kv.rotation). Attention is linear in v, so with values stored as v R its
+        output is o R, which the folded o_proj maps as o_proj mapped o: the two small GEMMs per layer
+        and step that rotated v and o go (W_v per head -> R^T W_v, bias likewise; W_o per head -> W_o R)."""
+        D, n, w = self.head_dim, self.q_size + self.kv_size, self.qkv_proj.weight  # w [(Hq + 2 Hk) D, hidden]
+        ct = torch.promote_types(w.dtype, torch.float32)  # 16-bit weights: computed in fp32, rounded once
+        rf = r.to(ct)
+        wv = w[n:].to(ct).view(-1, D, w.shape[1])  # [Hk, D, hidden]
+        w[n:] = torch.einsum("de,hdi->hei", rf, wv).reshape(-1, w.shape[1]).to(w.dtype)
+        b = self.qkv_proj.bias
+        if b is not None:
+            b[n:] = torch.einsum("de,hd->he", rf, b[n:].to(ct).view(-1, D)).reshape(-1).to(b.dtype)
+        wo = self.o_proj.weight  # [hidden, Hq D] (this rank's query heads)
+        wo.copy_(torch.einsum("ihd,de->ihe", wo.to(ct).view(wo.shape[0], -1, D), rf).reshape(wo.shape).to(wo.dtype))
+        self.v_rotation_folded = True
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """rope: (cos, sin) [T, 1, D/2] for this step's positions; x [T, hidden] -> [T, hidden]."""
@@ -128,6 +147,13 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError(f"model was built for tensor parallel size {self.tp_size} but this process "
                                f"runs at {get_tp_size()}; call nanokv.distributed.init_tensor_parallel first")
         return self.model(input_ids, positions)
+
+    def fold_value_rotation(self, layer: int, r: torch.Tensor) -> None:
+        """Layer `layer`'s weights produce and take values rotated by r (LlamaAttention's), once."""
+        attn = self.model.layers[layer].self_attn
+        assert isinstance(attn, LlamaAttention)
+        if not attn.v_rotation_folded:
+            attn.fold_value_rotation(r)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab], float32 or (float32=False) the model's dtype."""

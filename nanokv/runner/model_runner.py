@@ -19,6 +19,7 @@ from nanokv.attention.metadata import AttentionMetadata, forward_context
 from nanokv.config import DEFAULT_CPU_KV_BYTES, ConfigError, EngineConfig
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block
 from nanokv.kv.resize import resize_layer_cache
+from nanokv.kv.rotation import rotation_matrix
 from nanokv.kv.staging import StageTable, staging_slots
 from nanokv.model.layers.fusion import set_fusion
 from nanokv.runner.cuda_graph import DecodeGraphs
@@ -82,6 +83,20 @@ class ModelRunner:
         self.attn_probe: AttentionProbe | None = None  # sparsity: put into each step's metadata
         self.uploader = PinnedUploader(device)
         self.demotion_store: Any = None  # hybrid sparsity: nanokv.kv.demote.DemotionStore over kv_caches
+
+    def fold_value_rotations(self) -> None:
+        """For each layer whose format stores values rotated (int4), fold the rotation into the model's
+        v and o projections (LlamaForCausalLM.fold_value_rotation), once per model. Only the engine
+        that owns the model calls this (the eval harness runs several formats over one model, and
+        NANOKV_NO_VFOLD=1 keeps the GEMMs): a folded layer's values are in the rotated basis for any
+        format, which attention reads exactly."""
+        fold = getattr(self.model, "fold_value_rotation", None)
+        if fold is None or os.environ.get("NANOKV_NO_VFOLD"):
+            return
+        for i, cache in enumerate(self.kv_caches):
+            if cache.rotate_v:
+                fold(i, rotation_matrix(self.head_dim, torch.float32, self.device))
+                cache.rotate_v_in_weights = True
 
     def capture_cudagraphs(self, max_model_len: int) -> None:
         """Capture decode graphs (CUDA only, unless enforce_eager)."""
