@@ -21,10 +21,11 @@ from nanokv.kernels.triton_backend import TritonBackend, TritonConfig  # noqa: E
 LENS = [1, 17, 40, 130, 301, 1000]
 
 
-def cuda_cfg(splits: int, stages: int = 2) -> TritonConfig:
+def cuda_cfg(splits: int, stages: int = 2, by_length: bool = True) -> TritonConfig:
     cfg = small_cfg(splits=splits)
     cfg.quant_cuda4 = True
     cfg.quant_cuda4_stages = stages
+    cfg.quant_cuda4_by_length = by_length
     return cfg
 
 
@@ -38,6 +39,13 @@ def test_cuda_int4_decode(dtype: torch.dtype, G: int, bs: int, splits: int, stag
     cache, md, q = build_batch(4, dtype, bs, 2, G, 128, [], LENS, holes=True, seed=G * bs + splits)
     assert supported(q, q, cache)
     check_twice_merged(cache, md, q, cuda_cfg(splits, stages))
+
+
+@pytest.mark.parametrize("G,bs,splits", [(2, 16, 8), (3, 32, 1)])
+def test_cuda_int4_decode_in_row_order(G: int, bs: int, splits: int) -> None:
+    """The grid in row order (quant_cuda4_by_length off) computes the same."""
+    cache, md, q = build_batch(4, torch.float16, bs, 2, G, 128, [], LENS, holes=True, seed=G + bs)
+    check_twice_merged(cache, md, q, cuda_cfg(splits, by_length=False))
 
 
 def test_cuda_int4_fp16_query_on_bf16_cache() -> None:

@@ -59,13 +59,14 @@ def test_monitor_in_the_engine_zero_for_fp_and_positive_for_int4():
 
 def test_value_rotation_folded_into_the_weights_gives_the_same_run(monkeypatch):
     """int4 layers store values rotated (v R). The engine folds R into v_proj and o_proj instead of
-    two GEMMs per layer and step: same greedy tokens, the same cache up to rounding, and the int8
-    layer (no value rotation) left alone; NANOKV_NO_VFOLD=1 keeps the GEMMs."""
+    two GEMMs per layer and step: same greedy tokens, the same cache up to rounding (fp32 on the CPU;
+    16-bit weights round the folded product once more), and the int8 layer (no value rotation) left
+    alone; NANOKV_NO_VFOLD=1 keeps the GEMMs."""
     plan = {"default": 4, "layers": {"-1": 8}}
     runs = {}
     for flag in ("1", ""):
         monkeypatch.setenv("NANOKV_NO_VFOLD", flag)
-        llm = _llm(enable_compression=True, quantization_bitwidth=plan)
+        llm = _llm(enable_compression=True, quantization_bitwidth=plan, device="cpu", dtype="float32")
         caches = llm.engine.runner.kv_caches
         attn = [layer.self_attn for layer in llm.engine.model.model.layers]
         assert [c.rotate_v_in_weights for c in caches] == [flag == "", False]
@@ -87,8 +88,8 @@ def test_folded_value_rotation_is_the_same_function():
     from nanokv.model.config import ModelConfig
     from nanokv.model.llama import LlamaAttention
     torch.manual_seed(0)
-    cfg = ModelConfig(architecture="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=100, attention_bias=True)
+    cfg = ModelConfig(architecture="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=100, attention_bias=True)
     attn = LlamaAttention(cfg, 0).double()
     for p in attn.parameters():
         p.data.normal_()

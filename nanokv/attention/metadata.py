@@ -51,6 +51,15 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         return self.num_prefills == 0
 
+    def decode_order(self) -> torch.Tensor:
+        """[num_seqs - num_prefills] int64: the decode rows, longest context first. Computed by the
+        first layer that asks and kept in `extras` for the others (one argsort per step; under a CUDA
+        graph it is part of the graph, which must therefore be captured with fresh metadata)."""
+        order = self.extras.get("decode_order")
+        if order is None:
+            order = self.extras["decode_order"] = torch.argsort(self.seq_lens[self.num_prefills:], descending=True)
+        return order
+
 
 @dataclass
 class ForwardContext:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import random
 from typing import cast
 
 import torch
@@ -46,12 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-like", action="store_true",
                     help="lengths spread over [ctx/2, ctx], K/V written by the store (int4: newest blocks "
                          "staged, as in a decode step); also times the int4 quantize-on-fill kernel")
+    ap.add_argument("--shuffle", action="store_true",
+                    help="engine-like lengths in a random order (an engine batch's), not longest first")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     B, bs = args.batch, args.block_size
     # engine-like: one row in bs ends a block (a decode step fills about B / bs blocks)
     lens = [args.ctx - (i * args.ctx // (2 * B)) - (i % bs > 0) for i in range(B)] if args.engine_like \
         else [args.ctx] * B
+    if args.shuffle:
+        random.Random(0).shuffle(lens)
     cache, md = make_batch(SH, args.bits, bs, [1] * B, lens, 0, store=args.engine_like)
     if args.engine_like and cache.stage is not None:
         from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe
@@ -63,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"int4 fill kernel, {w} warps, {B} tokens x {cache.num_kv_heads} heads, {fills} blocks filled: "
                   f"{ms * 1e3:.1f} us")
     first = None
+    fill = slots if args.engine_like and cache.stage is not None else None  # (the kernel may fill as it decodes)
     for spec in args.variants.split(";"):
         torch.manual_seed(1)  # every variant gets the same queries: outputs comparable
-        fn = decode_fn(cache, md, apply_overrides(config_from_env(TritonConfig()), spec))
+        fn = decode_fn(cache, md, apply_overrides(config_from_env(TritonConfig()), spec), fill)
         for i in range(args.calls):
             fn(i)
         out = cast(torch.Tensor, fn(0)).float()

@@ -106,14 +106,20 @@ def decode_shapes() -> list[tuple[int, int]]:
     return [(2, 64), (4, 32)] if SMOKE else [(64, 4096), (256, 1024)]
 
 
-def decode_fn(cache: LayerKVCache, md: AttentionMetadata, cfg: TritonConfig) -> Callable[[int], object]:
+def decode_fn(cache: LayerKVCache, md: AttentionMetadata, cfg: TritonConfig,
+              fill: torch.Tensor | None = None) -> Callable[[int], object]:
+    """A decode call on fresh queries; fill: the step's slots, for the int4 kernel that also quantizes
+    the blocks they complete (the same blocks again on every call: what it writes does not change)."""
     B = md.num_seqs
     qs = [torch.randn(B, H * G, D, device=DEV, dtype=DT) for _ in range(4)]
     out = torch.empty_like(qs[0])
     splits = choose_splits(cfg, B, H, md.max_seq_len, sm_count(DEV), cache.bits, cache.block_size)
     kw = decode_options(cfg, cache)
+    # as the engine: one argsort per step (here: once), read by every layer's int4 decode
+    order = md.decode_order() if cache.bits == 4 and cfg.quant_cuda4_by_length else None
     return lambda i: triton_decode.paged_decode(qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE,
-                                                num_splits=splits, **kw)
+                                                num_splits=splits, seq_order=order,
+                                                fill_slots=fill if cfg.quant_cuda4_fill else None, **kw)
 
 
 def bench_copy() -> None:

@@ -73,7 +73,7 @@ def _kernel(G: int, H: int, bs: int, q_bf16: bool, st_bf16: bool, out_bf16: bool
 def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                out: torch.Tensor, qk_scale: float, num_splits: int, part_o: torch.Tensor, part_ml: torch.Tensor,
                counts: torch.Tensor, maxnreg: int = 0, stages: int = 2,
-               fill_slots: torch.Tensor | None = None) -> bool:
+               fill_slots: torch.Tensor | None = None, order: torch.Tensor | None = None) -> bool:
     """As triton_decode.paged_decode for an int4 cache, if `supported` accepts it and NVRTC builds the
     kernel: q [B, Hq, 128], block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, Hq, 128]
     written in place; qk_scale: the softmax scale times log2(e) (the kernels' softmax is base 2).
@@ -82,7 +82,9 @@ def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor,
     shared-memory ring the tiles stream through (cp.async, stages - 1 tiles ahead). fill_slots:
     [B] int64, this step's slot of each row's token (-1 = none): the block a token completes is
     quantized from staging into the pool by the same launch (cuda/fill_int4.cuh), and
-    cache.filled_in_step is set. False (nothing launched) where it does not apply."""
+    cache.filled_in_step is set. order: [B] int64, the rows longest first (argsort of seq_lens,
+    descending): the programs of longer sequences start first. False (nothing launched) where it does
+    not apply."""
     if not supported(q, out, cache):
         return False
     B, Hq, _ = q.shape
@@ -96,10 +98,12 @@ def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor,
             cache.v_stage, cache.stage.stage_of, block_tables, seq_lens, out, part_o, part_ml, counts,
             float(qk_scale), int(num_splits), q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), block_tables.stride(0), int(fill_slots is not None),
-            seq_lens if fill_slots is None else fill_slots]  # (an unread tensor where there is no fill)
-    if fill_slots is not None and (fill_slots.dtype != torch.int64 or fill_slots.shape[0] < B):
-        raise ValueError(f"fill_slots must be int64, one per row: got {fill_slots.dtype} {tuple(fill_slots.shape)}")
-    kern(grid=(B, H, num_splits), block=(32, 1, 1), args=args)
+            seq_lens if fill_slots is None else fill_slots,  # (an unread tensor where there is none)
+            int(order is not None), seq_lens if order is None else order]
+    for name, t in (("fill_slots", fill_slots), ("order", order)):
+        if t is not None and (t.dtype != torch.int64 or t.shape[0] != B):
+            raise ValueError(f"{name} must be int64, one per row: got {t.dtype} {tuple(t.shape)} for {B} rows")
+    kern(grid=(B, H, num_splits) if order is None else (num_splits, H, B), block=(32, 1, 1), args=args)
     if fill_slots is not None:
         cache.filled_in_step = True
     return True

@@ -108,6 +108,13 @@ class TritonConfig:
     # decode-only steps: the CUDA kernel also quantizes the blocks the step's tokens complete
     # (cuda/fill_int4.cuh), instead of the fill kernel's launch per layer after attention
     quant_cuda4_fill: bool = True
+    # its programs ordered by sequence length, longest first (one argsort per step, shared by the
+    # layers): over uneven lengths fewer SMs idle at the end of the launch
+    quant_cuda4_by_length: bool = True
+    # its split count: about this many waves of programs (16 one-warp programs per SM at 128 registers),
+    # at least quant_swap_min_splits; 0 = the Triton kernel's rule. H200, lengths over [2048, 4096],
+    # session 16: B 64: 16 splits 100.9 us vs 8 109.0; B 128: 8 splits 164.3 vs 12 169.7, 16 179.6
+    quant_cuda4_waves: int = 4
     # int8/int4 layers: the model's q/k norm + RoPE kernel (triton_rope) also applies the format's q/k
     # rotation, instead of a separate GEMM per layer and step (nanokv.kv.hooks.fused_rotation).
     # H200 long-context int8 run, session 12: 11,130 tok/s with it vs 10,827 without (one pair)
@@ -178,6 +185,8 @@ def choose_splits(cfg: TritonConfig, num_seqs: int, num_kv_heads: int, max_seq_l
         n = max(1, -(-cfg.quant_swap_programs_per_sm * sms // max(1, num_seqs * num_kv_heads)))
         want = 1 << (n.bit_length() - 1)  # rounded down to a power of two (more splits measured slower)
         floor = cfg.quant_swap_min_splits
+        if bits == 4 and cfg.quant_cuda4 and cfg.quant_cuda4_waves > 0:  # (the CUDA kernel, where it applies)
+            want = round(cfg.quant_cuda4_waves * 16 * sms / max(1, num_seqs * num_kv_heads))
     want = max(want, floor)
     by_len = max(1, max_seq_len // cfg.min_split_tokens)
     return max(1, min(want, by_len, cfg.max_splits))
@@ -267,6 +276,8 @@ class TritonBackend:
                                    cache.block_size)
             # a decode-only step's row i is token i: its slot says whether it completes a staged block
             fill = md.slot_mapping if P == 0 and cache.stage is not None and cfg.quant_cuda4_fill else None
+            order = md.decode_order() if cache.bits == 4 and cfg.quant_cuda4_by_length else None
             triton_decode.paged_decode(q[s0:s0 + nd], cache, md.block_tables[P:], md.seq_lens[P:], out[s0:s0 + nd],
-                                       scale, num_splits=splits, fill_slots=fill, **decode_options(cfg, cache))
+                                       scale, num_splits=splits, fill_slots=fill, seq_order=order,
+                                       **decode_options(cfg, cache))
         return out

@@ -60,11 +60,13 @@ class DecodeGraphs:
     def capture(self) -> None:
         pool = None
         for b in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            md = self._metadata(b)
-            with forward_context(md, self.kv_caches, self.backend):
+            with forward_context(self._metadata(b), self.kv_caches, self.backend):
                 self.hidden[:b] = self.model(self.input_ids[:b], self.positions[:b])  # warm-up
-                torch.cuda.synchronize(self.device)
-                g = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            # fresh metadata: what a step computes once and keeps in md.extras (the decode order) must
+            # be computed inside the graph, not taken from the warm-up
+            with forward_context(self._metadata(b), self.kv_caches, self.backend):
                 with torch.cuda.graph(g, pool=pool):
                     self.hidden[:b] = self.model(self.input_ids[:b], self.positions[:b])
             pool = g.pool()

@@ -40,11 +40,16 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
     const int* __restrict__ stage_of, const int* __restrict__ bt, const int* __restrict__ seq_lens,
     u16* out, float* part_o, float* part_ml, int* counts, double qk_scale_d, int num_splits,
     int stride_qt, int stride_qh, int stride_ot, int stride_oh, int stride_bt, int fill,
-    const long long* __restrict__ fill_slots) {
+    const long long* __restrict__ fill_slots, int by_length, const long long* __restrict__ order) {
   // the cache tensors are contiguous (checked by the caller), so every offset inside a block is a
   // compile-time constant: codes [N, NKV, BS, 64] (keys) and [N, NKV, 64, BS] (values, dims-major),
   // key scale/zero [N, NKV, 128], value scale/zero [N, NKV, BS], staging [S, NKV, BS, 128]
-  const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, H = NKV;
+  // by_length: grid (splits, NKV, B), programs launched in that order, and order[i] the i-th longest
+  // sequence: the last programs to start are the shortest (less idle tail over uneven lengths);
+  // else grid (B, NKV, splits)
+  const int nrows = by_length ? gridDim.z : gridDim.x;
+  const int seq = by_length ? (int)order[blockIdx.z] : blockIdx.x, kvh = blockIdx.y;
+  const int split = by_length ? blockIdx.x : blockIdx.z, H = NKV;
   const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
   const float qk_scale = (float)qk_scale_d;
   const int seq_len = seq_lens[seq];
@@ -254,15 +259,18 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
       }
     }
     if (split_mode && g == 0) {
-      const long n_part = (long)gridDim.x * Hq * num_splits;
+      const long n_part = (long)nrows * Hq * num_splits;
       part_ml[prow] = st.m[j];
       part_ml[n_part + prow] = st.l[j];
     }
   }
   // fill: this step's slot of each sequence's token ([B] int64, -1 = none); a token in the last slot
-  // of its block completed it (fill_int4.cuh)
-  if (fill && split == 0) {
-    const long long slot = fill_slots[seq];
+  // of its block completed it (fill_int4.cuh). Row r's fill is done by a program of the first wave:
+  // in row order its split 0; by length the program (rank r / splits, split r % splits), so that the
+  // last programs to start (the shortest sequences') carry no fill
+  const int frow = by_length ? blockIdx.z * num_splits + split : (split == 0 ? seq : nrows);
+  if (fill && frow < nrows) {
+    const long long slot = fill_slots[frow];
     const int blk = slot >= 0 && slot % BS == BS - 1 ? (int)(slot / BS) : -1;
     const int sl = blk >= 0 ? stage_of[blk] : -1;
     if (sl >= 0)
@@ -271,5 +279,5 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
   }
   if (!split_mode) return;
 
-  merge_if_last(counts, part_o, part_ml, out, seq, kvh, num_splits, stride_ot, stride_oh);
+  merge_if_last(counts, part_o, part_ml, out, seq, kvh, nrows, num_splits, stride_ot, stride_oh);
 }

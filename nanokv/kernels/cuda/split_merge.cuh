@@ -3,9 +3,11 @@
 // The split merge inside the decode launch (triton_softmax.merge_if_last's protocol): after this
 // program stored its partial, the last of the (sequence, KV head)'s num_splits programs to arrive
 // merges the group's G heads into out and sets the arrival counter back to zero for the next launch.
-// part_o [B, Hq, splits, 128] fp32 (normalized partials), part_ml [2, B, Hq, splits] (max, sum; base 2).
+// part_o [B, Hq, splits, 128] fp32 (normalized partials), part_ml [2, B, Hq, splits] (max, sum; base 2);
+// nrows = B.
 __device__ __forceinline__ void merge_if_last(int* counts, const float* part_o, const float* part_ml, u16* out,
-                                              int seq, int kvh, int num_splits, int stride_ot, int stride_oh) {
+                                              int seq, int kvh, int nrows, int num_splits, int stride_ot,
+                                              int stride_oh) {
   const int H = NKV, Hq = NKV * G, lane = threadIdx.x;
   __syncwarp();
   int* cnt = counts + (long)seq * H + kvh;
@@ -17,7 +19,7 @@ __device__ __forceinline__ void merge_if_last(int* counts, const float* part_o, 
   done = __shfl_sync(0xffffffffu, done, 0);
   if (done != num_splits - 1) return;
   __threadfence();
-  const long n_part = (long)gridDim.x * Hq * num_splits;
+  const long n_part = (long)nrows * Hq * num_splits;
   for (int hg = 0; hg < G; ++hg) {
     const int head = kvh * G + hg;
     const long row0 = ((long)seq * Hq + head) * num_splits;
