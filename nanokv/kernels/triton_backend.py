@@ -10,6 +10,7 @@ reads a device tensor on the host; the decode path allocates nothing after its f
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -111,9 +112,10 @@ class TritonConfig:
     # its programs ordered by sequence length, longest first (one argsort per step, shared by the
     # layers): over uneven lengths fewer SMs idle at the end of the launch
     quant_cuda4_by_length: bool = True
-    # its split count: about this many waves of programs (16 one-warp programs per SM at 128 registers),
-    # at least quant_swap_min_splits; 0 = the Triton kernel's rule. H200, lengths over [2048, 4096],
-    # session 16: B 64: 16 splits 100.9 us vs 8 109.0; B 128: 8 splits 164.3 vs 12 169.7, 16 179.6
+    # its split count: the power of two nearest to this many waves of programs (16 one-warp programs
+    # per SM at 128 registers), at least quant_swap_min_splits; 0 = the Triton kernel's rule. H200,
+    # lengths over [2048, 4096], session 16: B 64: 16 splits 100.9 / 101.8 us vs 8 109.0 / 109.6;
+    # B 96: 8 splits 126.0 vs 11 132.0; B 128: 8 splits 164.3 vs 12 169.7, 16 179.6
     quant_cuda4_waves: int = 4
     # int8/int4 layers: the model's q/k norm + RoPE kernel (triton_rope) also applies the format's q/k
     # rotation, instead of a separate GEMM per layer and step (nanokv.kv.hooks.fused_rotation).
@@ -186,7 +188,8 @@ def choose_splits(cfg: TritonConfig, num_seqs: int, num_kv_heads: int, max_seq_l
         want = 1 << (n.bit_length() - 1)  # rounded down to a power of two (more splits measured slower)
         floor = cfg.quant_swap_min_splits
         if bits == 4 and cfg.quant_cuda4 and cfg.quant_cuda4_waves > 0:  # (the CUDA kernel, where it applies)
-            want = round(cfg.quant_cuda4_waves * 16 * sms / max(1, num_seqs * num_kv_heads))
+            target = cfg.quant_cuda4_waves * 16 * sms / max(1, num_seqs * num_kv_heads)
+            want = 1 << max(0, round(math.log2(target)))
     want = max(want, floor)
     by_len = max(1, max_seq_len // cfg.min_split_tokens)
     return max(1, min(want, by_len, cfg.max_splits))
