@@ -10,7 +10,9 @@ It computes what triton_decode_swap4 computes (same folds, same staging, same sp
 same scratch and counters) for the layouts the engine allocates: head dim 128, at most 8 query heads
 per KV head, block size a multiple of 16, contiguous cache tensors. `supported` says when it applies;
 everywhere else (on CPU, where torch lacks its NVRTC hook or NVRTC fails) the Triton kernels run;
-TritonConfig.quant_cuda4 turns it off. There is no interpreter for it: CI builds it with nvcc where
+TritonConfig.quant_cuda4 turns it off. Beyond the Triton kernel it can also quantize the blocks a
+decode step completes (fill_slots, cuda/fill_int4.cuh) and start its programs longest sequence first
+(order). There is no interpreter for it: CI builds it with nvcc where
 nvcc exists (tests/test_kernels_compile_sm90.py: no spills), and tests/test_kernels_cuda.py checks it
 against the torch reference on a GPU.
 """

@@ -11,8 +11,10 @@ In order:
   5. the adaptive controller's error probe (nanokv.adaptive.probe), which also needs q;
   6. sparsity: feed the step's attention probe when the runner set one (md.extras["attn_probe"],
      nanokv.sparsity.probe).
-int4 layers also rotate v (the format stores v R). `after_attention` is the matching hook after the
-step's attention: int4 blocks filled by the step are quantized there, and the output rotated back.
+int4 layers also rotate v (the format stores v R), unless the model's weights already do
+(LayerKVCache.rotate_v_in_weights). `after_attention` is the matching hook after the step's
+attention: int4 blocks filled by the step are quantized there (unless the decode kernel did,
+LayerKVCache.filled_in_step), and the output rotated back.
 Layers without any of these pay one attribute check each.
 """
 

@@ -3,8 +3,10 @@
 Why: per-token int4 keys lose most of their precision to a few large channels (RoPE pairs with big
 norms). Rotating every query and key by the same orthonormal R spreads those channels over all
 head_dim values, so the per-row range shrinks relative to the row norm, while attention scores are
-unchanged in exact arithmetic: (q R)(k R)^T = q R R^T k^T = q k^T. Values are not rotated (that
-would need the attention output rotated back), and the cache stores rotated keys.
+unchanged in exact arithmetic: (q R)(k R)^T = q R R^T k^T = q k^T. The cache stores rotated keys.
+int4 layers also store values rotated (v R, LayerKVCache.rotate_v): the attention output is then o R,
+rotated back by the hooks, or, where the engine folded R into v_proj and o_proj
+(ModelRunner.fold_value_rotations), produced and consumed in that basis by the weights.
 
 The rotation is part of a layer's KV format, fixed at start-up: it must be applied identically on
 every backend (torch reference and Triton) at the one place where q/k are handed to the backend,
