@@ -279,7 +279,7 @@ class TritonBackend:
                                    cache.block_size)
             # a decode-only step's row i is token i: its slot says whether it completes a staged block
             fill = md.slot_mapping if P == 0 and cache.stage is not None and cfg.quant_cuda4_fill else None
-            order = md.decode_order() if cache.bits == 4 and cfg.quant_cuda4_by_length else None
+            order = md.decode_order() if cache.bits == 4 and cfg.quant_cuda4 and cfg.quant_cuda4_by_length else None
             triton_decode.paged_decode(q[s0:s0 + nd], cache, md.block_tables[P:], md.seq_lens[P:], out[s0:s0 + nd],
                                        scale, num_splits=splits, fill_slots=fill, seq_order=order,
                                        **decode_options(cfg, cache))
