@@ -17,7 +17,8 @@ pytest.importorskip("triton")
 
 from nanokv.attention.metadata import AttentionMetadata  # noqa: E402
 from nanokv.kernels import reference, triton_decode  # noqa: E402
-from nanokv.kernels.triton_backend import TritonBackend, TritonConfig, choose_splits  # noqa: E402
+from nanokv.kernels.triton_backend import TritonBackend, choose_splits  # noqa: E402
+from nanokv.kernels.triton_config import TritonConfig  # noqa: E402
 from nanokv.kernels.triton_decode_swap import runs_transposed  # noqa: E402
 from nanokv.kv.blockquant import quantize_filled  # noqa: E402
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache  # noqa: E402

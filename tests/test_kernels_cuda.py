@@ -16,7 +16,8 @@ from test_kernels_attention import build_batch, check, check_twice_merged, small
 
 from nanokv.kernels import reference  # noqa: E402
 from nanokv.kernels.cuda_decode_int4 import supported  # noqa: E402
-from nanokv.kernels.triton_backend import TritonBackend, TritonConfig  # noqa: E402
+from nanokv.kernels.triton_backend import TritonBackend  # noqa: E402
+from nanokv.kernels.triton_config import TritonConfig  # noqa: E402
 
 LENS = [1, 17, 40, 130, 301, 1000]
 

@@ -97,7 +97,8 @@ def test_reference_masks_holes_and_keeps_positions(bits):
 @pytest.mark.parametrize("bits", [16, 8, 4])
 def test_triton_reads_holes_without_a_copy(bits):
     pytest.importorskip("triton")
-    from nanokv.kernels.triton_backend import TritonBackend, TritonConfig
+    from nanokv.kernels.triton_backend import TritonBackend
+    from nanokv.kernels.triton_config import TritonConfig
 
     cfg = TritonConfig(decode_block_n=16, quant_block_n=16, decode_splits=2, prefill_block_m=16, prefill_block_n=16,
                        sdpa_prefill_min_tokens=0)

@@ -19,7 +19,7 @@ import torch
 
 from nanokv.bench.gpu_kernels import SH, decode_fn, kv_bytes, timed
 from nanokv.kernels import triton_decode, triton_decode_int4, triton_decode_swap, triton_decode_swap4
-from nanokv.kernels.triton_backend import TritonConfig, apply_overrides, config_from_env
+from nanokv.kernels.triton_config import TritonConfig, apply_overrides, config_from_env
 from nanokv.kernels.triton_selfcheck import make_batch
 
 

@@ -28,13 +28,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from nanokv.attention.metadata import AttentionMetadata  # noqa: E402
 from nanokv.kernels import triton_decode  # noqa: E402
-from nanokv.kernels.triton_backend import (  # noqa: E402
-    TritonBackend,
-    TritonConfig,
-    choose_splits,
-    decode_options,
-    sm_count,
-)
+from nanokv.kernels.triton_backend import TritonBackend, choose_splits, decode_options, sm_count  # noqa: E402
+from nanokv.kernels.triton_config import TritonConfig  # noqa: E402
 from nanokv.kernels.triton_selfcheck import Shapes, check_all, check_variants, make_batch  # noqa: E402
 from nanokv.kv.cache import LayerKVCache  # noqa: E402
 

@@ -15,7 +15,8 @@ import torch
 
 from nanokv.attention.metadata import AttentionMetadata
 from nanokv.kernels import reference, triton_store
-from nanokv.kernels.triton_backend import TritonBackend, TritonConfig
+from nanokv.kernels.triton_backend import TritonBackend
+from nanokv.kernels.triton_config import TritonConfig
 from nanokv.kv.blockquant import quantize_filled
 from nanokv.kv.cache import LayerKVCache, allocate_layer_cache
 
