@@ -33,13 +33,17 @@ def test_decode_kernels_compile_for_sm90(tmp_path) -> None:
 
 
 @pytest.mark.skipif(not shutil.which("nvcc"), reason="no nvcc on this machine")
-@pytest.mark.parametrize("defs", ["G=2 NKV=8 BS=16 Q_BF16=0 ST_BF16=1 OUT_BF16=1 NSTAGE=2",
-                                  "G=2 NKV=8 BS=32 Q_BF16=0 ST_BF16=1 OUT_BF16=1 NSTAGE=3",
-                                  "G=3 NKV=3 BS=16 Q_BF16=1 ST_BF16=0 OUT_BF16=0 NSTAGE=4 MAXNREG=96"])
-def test_cuda_int4_decode_compiles_for_sm90(tmp_path, defs: str) -> None:
+@pytest.mark.parametrize("defs,max_regs", [("G=2 NKV=8 BS=16 Q_BF16=0 ST_BF16=1 OUT_BF16=1 NSTAGE=2", 128),
+                                           ("G=2 NKV=8 BS=32 Q_BF16=0 ST_BF16=1 OUT_BF16=1 NSTAGE=3", 128),
+                                           ("G=3 NKV=3 BS=16 Q_BF16=1 ST_BF16=0 OUT_BF16=0 NSTAGE=4 MAXNREG=96", 96),
+                                           ("G=2 NKV=8 BS=32 NT=2 Q_BF16=1 ST_BF16=1 OUT_BF16=1 NSTAGE=2", 168),
+                                           ("G=4 NKV=4 BS=64 NT=2 Q_BF16=0 ST_BF16=0 OUT_BF16=0 NSTAGE=2 MAXNREG=128",
+                                            128)])
+def test_cuda_int4_decode_compiles_for_sm90(tmp_path, defs: str, max_regs: int) -> None:
     """The CUDA C++ int4 decode (nanokv/kernels/cuda/decode_int4.cu) has no interpreter; here nvcc
     builds the source NVRTC gets for sm_90, and its resource report must show no spills, no stack
-    frame and at most 128 registers (16 one-warp programs per SM)."""
+    frame and at most max_regs registers: 128 for one tile per loop step (16 one-warp programs per
+    SM), 168 for two (12 per SM), or the cap asked for."""
     from nanokv.kernels.cuda_decode_int4 import source
     src = tmp_path / "decode_int4.cu"  # as NVRTC gets it: the .cuh files inlined
     src.write_text(source())
@@ -50,7 +54,7 @@ def test_cuda_int4_decode_compiles_for_sm90(tmp_path, defs: str) -> None:
     report = r.stderr
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
     regs = int(report.split("Used ")[1].split(" registers")[0])
-    assert regs <= 128, report
+    assert regs <= max_regs, report
 
 
 def test_cuda_int4_decode_falls_back_when_it_cannot_be_built(monkeypatch) -> None:

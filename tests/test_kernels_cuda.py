@@ -22,11 +22,12 @@ from nanokv.kernels.triton_config import TritonConfig  # noqa: E402
 LENS = [1, 17, 40, 130, 301, 1000]
 
 
-def cuda_cfg(splits: int, stages: int = 2, by_length: bool = True) -> TritonConfig:
+def cuda_cfg(splits: int, stages: int = 2, by_length: bool = True, tiles: int = 2) -> TritonConfig:
     cfg = small_cfg(splits=splits)
     cfg.quant_cuda4 = True
     cfg.quant_cuda4_stages = stages
     cfg.quant_cuda4_by_length = by_length
+    cfg.quant_cuda4_tiles = tiles
     return cfg
 
 
@@ -40,6 +41,14 @@ def test_cuda_int4_decode(dtype: torch.dtype, G: int, bs: int, splits: int, stag
     cache, md, q = build_batch(4, dtype, bs, 2, G, 128, [], LENS, holes=True, seed=G * bs + splits)
     assert supported(q, q, cache)
     check_twice_merged(cache, md, q, cuda_cfg(splits, stages))
+
+
+@pytest.mark.parametrize("tiles", [1, 2, 4])
+@pytest.mark.parametrize("G,bs,splits", [(2, 32, 3), (2, 64, 7), (4, 64, 1), (2, 128, 5)])
+def test_cuda_int4_decode_tiles_per_step(G: int, bs: int, splits: int, tiles: int) -> None:
+    """1, 2 or 4 tiles per loop step (fewer where the block is smaller) compute the same."""
+    cache, md, q = build_batch(4, torch.bfloat16, bs, 2, G, 128, [], LENS, holes=True, seed=G * bs + tiles)
+    check_twice_merged(cache, md, q, cuda_cfg(splits, tiles=tiles))
 
 
 @pytest.mark.parametrize("G,bs,splits", [(2, 16, 8), (3, 32, 1)])
@@ -61,10 +70,10 @@ def test_cuda_int4_fp16_query_on_bf16_cache() -> None:
     assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-3
 
 
-def test_cuda_int4_staged_before_newest_block() -> None:
+@pytest.mark.parametrize("bs", [16, 32])
+def test_cuda_int4_staged_before_newest_block(bs: int) -> None:
     """A block staged before a sequence's newest (tests stage at will; decode steps do not) is read
     from staging for the whole split, as in the Triton kernels."""
-    bs = 16
     cache, md, q = build_batch(4, torch.float16, bs, 2, 2, 128, [], [70, 100], holes=False, seed=5)
     assert cache.stage is not None
     blk = int(md.block_tables[1, 2])

@@ -1,5 +1,5 @@
 """Where a whole benchmark run's device time goes, and what that bounds:
-`python -m nanokv.bench.run_breakdown --workload longctx --bits 16|8|4 [--out FILE]`.
+`python -m nanokv.bench.run_breakdown --workload longctx --bits 16|8|4 [--block-size N] [--out FILE]`.
 
 Runs the workload as `nanokv bench` does (same engine settings, warm-up first), once under
 torch.profiler (device kernels; host ops too with --host), and sums kernel time by kind: decode attention, prefill
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="longctx")
     ap.add_argument("--bits", type=int, default=16, choices=(16, 8, 4))
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--host", action="store_true",
                     help="also profile host ops, to name what overlaps the longest idle gaps (slows the host)")
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts, outs = make_workload(args.workload)
     quant = dict(enable_compression=True, quantization_bitwidth=args.bits) if args.bits < 16 else {}
     llm = LLM(model="random:qwen3-0.6b", max_model_len=8192, max_num_batched_tokens=args.max_num_batched_tokens,
-              **quant)
+              block_size=args.block_size, **quant)
     eng = llm.engine
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)

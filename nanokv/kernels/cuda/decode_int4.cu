@@ -18,7 +18,9 @@
 // full-precision staging in a second loop, as in the Triton kernels; splits are merged by the last
 // program of each (sequence, KV head) (split_merge.cuh). Fragment helpers: mma_frag.cuh.
 // Compile-time: G (query heads per KV head), NKV (KV heads), BS (block size, a multiple of 16), Q_BF16,
-// ST_BF16, OUT_BF16 (else fp16), NSTAGE (ring depth), MAXNREG (register cap, 0 = none). Head dim 128.
+// ST_BF16, OUT_BF16 (else fp16), NSTAGE (ring depth), NT (16-token tiles per loop step, sharing the
+// block's key scales, bias and softmax reductions; BS % (16 NT) == 0), MAXNREG (register cap, 0 = none).
+// Head dim 128.
 // cuda_decode_int4.py inlines the #include lines for NVRTC.
 
 #include "mma_frag.cuh"
@@ -53,9 +55,9 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
   const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
   const float qk_scale = (float)qk_scale_d;
   const int seq_len = seq_lens[seq];
-  const int per = ((seq_len + 15) / 16 + num_splits - 1) / num_splits;  // tiles per split
-  const int lo = split * per * 16;
-  const int hi = min(lo + per * 16, seq_len);
+  const int per = ((seq_len + TT - 1) / TT + num_splits - 1) / num_splits;  // loop steps per split
+  const int lo = split * per * TT;
+  const int hi = min(lo + per * TT, seq_len);
   const int newest = (max(seq_len - 1, 0) / BS) * BS;  // first position of the newest (open) block
   const int r0 = 4 * (g >> 1) + 2 * (g & 1);              // token of s^T row g; row g + 8: r0 + 1
   const int koff = r0 * 64 + 16 * t;                        // lane's key bytes in a tile
@@ -85,13 +87,13 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
 
   const int* bt_row = bt + (long)seq * stride_bt;
   int early = 0;  // a staged tile met before the newest block (tests stage at will; decode steps do not)
-  // The split's tiles stream through a ring of NSTAGE shared-memory stages (cp.async, the warp's
-  // own copy: one 16-byte piece per lane per part), NSTAGE - 1 tiles ahead of the compute; each
-  // tile's block-table entry and staging slot are read one more tile ahead (they head its chain).
+  // The split's loop steps (TT tokens: NT tiles of 16) stream through a ring of NSTAGE shared-memory
+  // stages (cp.async, the warp's own copy: 16-byte pieces), NSTAGE - 1 steps ahead of the compute;
+  // each step's block-table entry and staging slot are read one more step ahead (they head its chain).
   __shared__ __align__(16) unsigned char ring[NSTAGE][STAGE_BYTES];
-  const int ntiles = hi > lo ? (hi - lo + 15) / 16 : 0;
-  // tile i + k's block (k <= NSTAGE + 1) and staging slot (k <= NSTAGE) at iteration i: registers,
-  // shifted by unrolled copies; the slot is read a tile after the block, so no load waits on another
+  const int ntiles = hi > lo ? (hi - lo + TT - 1) / TT : 0;  // loop steps
+  // step i + k's block (k <= NSTAGE + 1) and staging slot (k <= NSTAGE) at iteration i: registers,
+  // shifted by unrolled copies; the slot is read a step after the block, so no load waits on another
   int ph[NSTAGE + 2], sl[NSTAGE + 1];
 #pragma unroll
   for (int k = 0; k <= NSTAGE + 1; ++k) ph[k] = tile_phys(bt_row, lo, ntiles, k);
@@ -99,13 +101,13 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
   for (int k = 0; k <= NSTAGE; ++k) sl[k] = ph[k] >= 0 ? stage_of[ph[k]] : -1;
 #pragma unroll
   for (int k = 0; k < NSTAGE - 1; ++k)
-    fetch_tile(ring[k], kc, vc, ks, kz, vs, vz, ph[k], sl[k], kvh, (unsigned)(lo + 16 * k) % BS, lane);
+    fetch_tile(ring[k], kc, vc, ks, kz, vs, vz, ph[k], sl[k], kvh, (unsigned)(lo + TT * k) % BS, lane);
   int stage = 0;
   for (int i = 0; i < ntiles; ++i) {
-    const int start = lo + 16 * i;
+    const int start = lo + TT * i;
     const int ahead = stage == 0 ? NSTAGE - 1 : stage - 1;  // (stage + NSTAGE - 1) % NSTAGE
     fetch_tile(ring[ahead], kc, vc, ks, kz, vs, vz, ph[NSTAGE - 1], sl[NSTAGE - 1], kvh,
-               (unsigned)(start + 16 * (NSTAGE - 1)) % BS, lane);
+               (unsigned)(start + TT * (NSTAGE - 1)) % BS, lane);
     const int cur_ph = ph[0], cur_sl = sl[0];
 #pragma unroll
     for (int k = 0; k < NSTAGE; ++k) sl[k] = sl[k + 1];
@@ -116,22 +118,29 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
     asm volatile("cp.async.wait_group %0;" ::"n"(NSTAGE - 1));
     __syncwarp();
     if (cur_sl >= 0 && start < newest) early = 1;
-    if (cur_ph >= 0 && cur_sl < 0) {
+    if (cur_ph >= 0 && cur_sl < 0) {  // the NT tiles h of this step: tokens start + 16 h + (0..15)
       const unsigned char* rs = ring[stage];
-      const uint4 k0 = *reinterpret_cast<const uint4*>(rs + koff);  // rows r0, r0 + 1, bytes 16t..
-      const uint4 k1 = *reinterpret_cast<const uint4*>(rs + koff + 64);
       const u16* crow = reinterpret_cast<const u16*>(rs + SZ_OFF) + 16 * t;
       const u16* zrow = crow + HD;
-      u32 vw[8];
+      u32 kw0[NT][4], kw1[NT][4], vw[NT][8], vs2[NT], vz2[NT];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) vw[j] = *reinterpret_cast<const u32*>(rs + V_OFF + (8 * j + g) * 16 + 4 * t);
-      const u32 vs2 = *reinterpret_cast<const u32*>(rs + VSZ_OFF + 2 * r0);  // tokens r0, r0 + 1
-      const u32 vz2 = *reinterpret_cast<const u32*>(rs + VSZ_OFF + 32 + 2 * r0);
+      for (int h = 0; h < NT; ++h) {
+        const uint4 k0 = *reinterpret_cast<const uint4*>(rs + 1024 * h + koff);  // rows r0, r0 + 1, bytes 16t..
+        const uint4 k1 = *reinterpret_cast<const uint4*>(rs + 1024 * h + koff + 64);
+        kw0[h][0] = k0.x; kw0[h][1] = k0.y; kw0[h][2] = k0.z; kw0[h][3] = k0.w;
+        kw1[h][0] = k1.x; kw1[h][1] = k1.y; kw1[h][2] = k1.z; kw1[h][3] = k1.w;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) vw[h][j] = *reinterpret_cast<const u32*>(rs + V_OFF + (8 * j + g) * TT + 16 * h + 4 * t);
+        vs2[h] = *reinterpret_cast<const u32*>(rs + VSZ_OFF + 2 * (16 * h + r0));  // tokens r0, r0 + 1
+        vz2[h] = *reinterpret_cast<const u32*>(rs + VSZ_OFF + 2 * TT + 2 * (16 * h + r0));
+      }
       // bias q . z: a natural quad of zero pairs (4a .. 4a + 3) as A against q pairs (4a, 4a + 2)
       // gives row g the sum over pairs 4a, 4a + 2 (bz0), against (4a + 1, 4a + 3) gives row g + 8 the
-      // rest (bz1); the other rows are unused. No register copies: the operands are as loaded.
-      float s[4] = {0.f, 0.f, 0.f, 0.f}, bz0[4] = {0.f, 0.f, 0.f, 0.f}, bz1[4] = {0.f, 0.f, 0.f, 0.f};
-      const u32 kw0[4] = {k0.x, k0.y, k0.z, k0.w}, kw1[4] = {k1.x, k1.y, k1.z, k1.w};
+      // rest (bz1); the other rows are unused. No register copies: the operands are as loaded. The
+      // block's scales, its bias and q * s serve all NT tiles of the step.
+      float s[NT][4], bz0[4] = {0.f, 0.f, 0.f, 0.f}, bz1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int h = 0; h < NT; ++h) s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // dims 16t + (0..15), then 64 + 16t + (0..15)
         const uint4 sa = reinterpret_cast<const uint4*>(crow + 64 * half)[0];
@@ -142,37 +151,63 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
         const u32* qq = half ? qh : ql;
 #pragma unroll
         for (int w = 0; w < 4; ++w) {  // word w: dims 4w..4w+3 of this lane's 16 (pairs 2w, 2w + 1)
-          const u32 x0 = prmt(kw0[w], 0u, 0x4140u), y0 = prmt(kw0[w], 0u, 0x4342u);  // bytes (0, 1), (2, 3)
-          const u32 x1 = prmt(kw1[w], 0u, 0x4140u), y1 = prmt(kw1[w], 0u, 0x4342u);
           const u32 b0 = hmul2(qq[QP(2 * w)], sc[2 * w]), b1 = hmul2(qq[QP(2 * w + 1)], sc[2 * w + 1]);
-          if (half == 0) mma(s, nib_lo(x0), nib_lo(x1), nib_lo(y0), nib_lo(y1), b0, b1);
-          else mma(s, nib_hi(x0), nib_hi(x1), nib_hi(y0), nib_hi(y1), b0, b1);
+#pragma unroll
+          for (int h = 0; h < NT; ++h) {
+            const u32 x0 = prmt(kw0[h][w], 0u, 0x4140u), y0 = prmt(kw0[h][w], 0u, 0x4342u);  // bytes (0, 1), (2, 3)
+            const u32 x1 = prmt(kw1[h][w], 0u, 0x4140u), y1 = prmt(kw1[h][w], 0u, 0x4342u);
+            if (half == 0) mma(s[h], nib_lo(x0), nib_lo(x1), nib_lo(y0), nib_lo(y1), b0, b1);
+            else mma(s[h], nib_hi(x0), nib_hi(x1), nib_hi(y0), nib_hi(y1), b0, b1);
+          }
         }
         mma(bz0, za.x, za.y, za.z, za.w, qq[0], qq[1]);
         mma(bz1, za.x, za.y, za.z, za.w, qq[2], qq[3]);
         mma(bz0, zb.x, zb.y, zb.z, zb.w, qq[4], qq[5]);
         mma(bz1, zb.x, zb.y, zb.z, zb.w, qq[6], qq[7]);
       }
+      bool v0[NT], v1[NT];
+#pragma unroll
+      for (int h = 0; h < NT; ++h) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float bias = bz0[j] + bz1[2 + j];
+          s[h][j] += bias;
+          s[h][2 + j] += bias;
+        }
+        v0[h] = start + 16 * h + r0 < hi;
+        v1[h] = start + 16 * h + r0 + 1 < hi;
+      }
+      float alpha[2];
+      softmax_step<NT>(st, s, v0, v1, qk_scale, alpha);
+      float vs0[NT], vs1[NT], vz0[NT], vz1[NT];
+#pragma unroll
+      for (int h = 0; h < NT; ++h) {
+        vs0[h] = v0[h] ? f16_f32(vs2[h] & 0xFFFF) : 0.f;
+        vs1[h] = v1[h] ? f16_f32(vs2[h] >> 16) : 0.f;
+        vz0[h] = v0[h] ? f16_f32(vz2[h] & 0xFFFF) : 0.f;
+        vz1[h] = v1[h] ? f16_f32(vz2[h] >> 16) : 0.f;
+      }
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const float bias = bz0[j] + bz1[2 + j];
-        s[j] += bias;
-        s[2 + j] += bias;
-      }
-      const bool v0 = start + r0 < hi, v1 = start + r0 + 1 < hi;
-      float alpha[2];
-      softmax_step(st, s, v0, v1, qk_scale, alpha);
-      const float vs0 = v0 ? f16_f32(vs2 & 0xFFFF) : 0.f, vs1 = v1 ? f16_f32(vs2 >> 16) : 0.f;
-      const float vz0 = v0 ? f16_f32(vz2 & 0xFFFF) : 0.f, vz1 = v1 ? f16_f32(vz2 >> 16) : 0.f;
+        float z = st.z[j] * alpha[j];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) st.z[j] = st.z[j] * alpha[j] + s[j] * vz0 + s[2 + j] * vz1;
-      const u32 pb0 = trans8x8(pack_f16(s[0] * vs0, s[1] * vs0));
-      const u32 pb1 = trans8x8(pack_f16(s[2] * vs1, s[3] * vs1));
+        for (int h = 0; h < NT; ++h) z = z + s[h][j] * vz0[h] + s[h][2 + j] * vz1[h];
+        st.z[j] = z;
+      }
+      u32 pb0[NT], pb1[NT];
+#pragma unroll
+      for (int h = 0; h < NT; ++h) {
+        pb0[h] = trans8x8(pack_f16(s[h][0] * vs0[h], s[h][1] * vs0[h]));
+        pb1[h] = trans8x8(pack_f16(s[h][2] * vs1[h], s[h][3] * vs1[h]));
+      }
       rescale(acc, alpha);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {  // dim rows 8i + g (low nibbles) and 64 + 8i + g (high)
-        const u32 x = vw[i], y = vw[i] >> 8;
-        mma(acc[i], nib_lo(x), nib_hi(x), nib_lo(y), nib_hi(y), pb0, pb1);
+#pragma unroll
+        for (int h = 0; h < NT; ++h) {
+          const u32 x = vw[h][i], y = vw[h][i] >> 8;
+          mma(acc[i], nib_lo(x), nib_hi(x), nib_lo(y), nib_hi(y), pb0[h], pb1[h]);
+        }
       }
     }
     __syncwarp();  // every lane has read this stage before a later fetch refills it
@@ -186,29 +221,29 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
     const int sl = ph >= 0 ? stage_of[ph] : -1;
     if (sl < 0) continue;
     const int tin = start % BS;
-    const bool v0 = start + r0 < hi, v1 = start + r0 + 1 < hi;
+    const bool v0[1] = {start + r0 < hi}, v1[1] = {start + r0 + 1 < hi};
     const u16* kr = kst + (size_t)sl * (NKV * BS * HD) + kvh * (BS * HD) + (tin + r0) * HD + 16 * t;
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    float s[1][4] = {{0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const uint4* p0 = reinterpret_cast<const uint4*>(kr + 64 * half);
       const uint4* p1 = reinterpret_cast<const uint4*>(kr + HD + 64 * half);
-      const uint4 a0 = v0 ? p0[0] : make_uint4(0, 0, 0, 0), a1 = v0 ? p0[1] : make_uint4(0, 0, 0, 0);
-      const uint4 c0 = v1 ? p1[0] : make_uint4(0, 0, 0, 0), c1 = v1 ? p1[1] : make_uint4(0, 0, 0, 0);
+      const uint4 a0 = v0[0] ? p0[0] : make_uint4(0, 0, 0, 0), a1 = v0[0] ? p0[1] : make_uint4(0, 0, 0, 0);
+      const uint4 c0 = v1[0] ? p1[0] : make_uint4(0, 0, 0, 0), c1 = v1[0] ? p1[1] : make_uint4(0, 0, 0, 0);
       const u32 r0w[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
       const u32 r1w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
       const u32* qq = half ? qh : ql;
 #pragma unroll
       for (int w = 0; w < 4; ++w)
-        mma(s, to_f16x2(r0w[2 * w], ST_BF16), to_f16x2(r1w[2 * w], ST_BF16), to_f16x2(r0w[2 * w + 1], ST_BF16),
+        mma(s[0], to_f16x2(r0w[2 * w], ST_BF16), to_f16x2(r1w[2 * w], ST_BF16), to_f16x2(r0w[2 * w + 1], ST_BF16),
             to_f16x2(r1w[2 * w + 1], ST_BF16), qq[QP(2 * w)], qq[QP(2 * w + 1)]);
     }
     float alpha[2];
-    softmax_step(st, s, v0, v1, qk_scale, alpha);
+    softmax_step<1>(st, s, v0, v1, qk_scale, alpha);
     st.z[0] *= alpha[0];
     st.z[1] *= alpha[1];
-    const u32 pb0 = trans8x8(pack_f16(s[0], s[1]));
-    const u32 pb1 = trans8x8(pack_f16(s[2], s[3]));
+    const u32 pb0 = trans8x8(pack_f16(s[0][0], s[0][1]));
+    const u32 pb1 = trans8x8(pack_f16(s[0][2], s[0][3]));
     rescale(acc, alpha);
     // V^T fragment: dims 8i + g (lo) / 64 + 8i + g (hi), tokens (4t, 4t + 2) and (4t + 1, 4t + 3)
     const u16* vr = vst + (size_t)sl * (NKV * BS * HD) + kvh * (BS * HD) + tin * HD;
@@ -265,17 +300,18 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
     }
   }
   // fill: this step's slot of each sequence's token ([B] int64, -1 = none); a token in the last slot
-  // of its block completed it (fill_int4.cuh). Row r's fill is done by a program of the first wave:
-  // in row order its split 0; by length the program (rank r / splits, split r % splits), so that the
-  // last programs to start (the shortest sequences') carry no fill
-  const int frow = by_length ? blockIdx.z * num_splits + split : (split == 0 ? seq : nrows);
-  if (fill && frow < nrows) {
+  // of its block completed it (fill_int4.cuh). Program (i, split) of row index i of the grid (the
+  // i-th longest by length, else row i) fills part `split` of row i's block: the work of one block is
+  // spread over num_splits warps, so that none ends much later than its attention work
+  const int frow = by_length ? blockIdx.z : blockIdx.x;
+  if (fill) {
     const long long slot = fill_slots[frow];
     const int blk = slot >= 0 && slot % BS == BS - 1 ? (int)(slot / BS) : -1;
     const int sl = blk >= 0 ? stage_of[blk] : -1;
     if (sl >= 0)
-      fill_block(kst, vst, sl, blk, kvh, const_cast<unsigned char*>(kc), const_cast<unsigned char*>(vc),
-                 const_cast<u16*>(ks), const_cast<u16*>(kz), const_cast<u16*>(vs), const_cast<u16*>(vz), lane);
+      fill_part(kst, vst, sl, blk, kvh, const_cast<unsigned char*>(kc), const_cast<unsigned char*>(vc),
+                const_cast<u16*>(ks), const_cast<u16*>(kz), const_cast<u16*>(vs), const_cast<u16*>(vz), split,
+                num_splits, lane);
   }
   if (!split_mode) return;
 

@@ -1,6 +1,6 @@
 // Quantize-on-fill inside the int4 decode (decode_int4.cu): the block a decode token completes goes
-// from full-precision staging into the pool in the same launch, by the (sequence, KV head)'s split-0
-// warp after its attention work, instead of one more launch per layer and step
+// from full-precision staging into the pool in the same launch, shared by the warps of a (row, KV
+// head) after their attention work, instead of one more launch per layer and step
 // (triton_blockquant._fill_quant_kernel, which the other steps keep using). Bit for bit that kernel and
 // nanokv.kv.quant: keys per channel over the block's BS tokens, values per token over the 128 dims,
 // both asymmetric; IEEE division, scale and zero rounded to fp16, an underflowed scale stored as 1.0,
@@ -19,69 +19,84 @@ __device__ __forceinline__ u32 fill_code(float x, float z, float s) {
   return (u32)fminf(fmaxf(rintf(__fdiv_rn(__fsub_rn(x, z), s)), 0.f), 15.f);
 }
 
-// One warp quantizes staging slot sl of KV head kvh into pool block blk. Key codes [BS, 64] B (byte
-// (t, d): channel d low nibble, d + 64 high), value codes dims-major [64, BS] B (byte (d, t) the same
-// pairing over token t's dims), key scale/zero [128] fp16, value scale/zero [BS] fp16.
-__device__ __noinline__ void fill_block(const u16* kst, const u16* vst, int sl, int blk, int kvh,
-                                        unsigned char* kc, unsigned char* vc, u16* ks, u16* kz, u16* vs,
-                                        u16* vz, int lane) {
+__device__ __forceinline__ float warp_min(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fminf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// One warp quantizes part `part` of `parts` of staging slot sl of KV head kvh into pool block blk:
+// the key channel pairs (d, d + 64) with d = part (mod parts) and the value tokens t = part (mod parts).
+// The parts go to the (sequence, KV head)'s split programs, so that no program carries a whole block
+// (one warp filling a 64-token block alone, beside issue-bound decode warps, set the launch's length).
+// Key codes [BS, 64] B (byte (t, d): channel d low nibble, d + 64 high), value codes dims-major
+// [64, BS] B (byte (d, t) the same pairing over token t's dims), key scale/zero [128] fp16, value
+// scale/zero [BS] fp16.
+__device__ __noinline__ void fill_part(const u16* kst, const u16* vst, int sl, int blk, int kvh,
+                                       unsigned char* kc, unsigned char* vc, u16* ks, u16* kz, u16* vs,
+                                       u16* vz, int part, int parts, int lane) {
   const size_t src = ((size_t)sl * NKV + kvh) * (BS * HD);
   const size_t b = (size_t)blk * NKV + kvh;
   const u16* kr = kst + src;
   const u16* vr = vst + src;
-  // keys: lane owns channels lane + 32 j; its bytes are d = lane (channels j = 0, 2) and lane + 32 (1, 3)
-  float z[4], s[4];
+  constexpr int TPL = (BS + 31) / 32;  // tokens per lane
+  for (int d = part; d < 64; d += parts) {  // keys: channels d, d + 64 over the block's tokens
+    float x[TPL][2], lo[2], hi[2];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float lo = __int_as_float(0x7f800000), hi = NEG_INF;
-    for (int t = 0; t < BS; ++t) {
-      const float x = stage_f32(kr[t * HD + lane + 32 * j]);
-      lo = fminf(lo, x);
-      hi = fmaxf(hi, x);
-    }
-    const u16 sc = fill_scale(lo, hi), zc = f32_f16(lo);
-    ks[b * HD + lane + 32 * j] = sc;
-    kz[b * HD + lane + 32 * j] = zc;
-    s[j] = f16_f32(sc);
-    z[j] = f16_f32(zc);
-  }
-  for (int t = 0; t < BS; ++t) {
-    const u16* row = kr + t * HD;
+    for (int c = 0; c < 2; ++c) {
+      lo[c] = __int_as_float(0x7f800000);
+      hi[c] = NEG_INF;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int d = lane + 32 * h;
-      const u32 c = fill_code(stage_f32(row[d]), z[h], s[h]) | fill_code(stage_f32(row[d + 64]), z[h + 2], s[h + 2]) << 4;
-      kc[b * (BS * 64) + t * 64 + d] = (unsigned char)c;
-    }
-  }
-  // values: token t's range over its 128 dims (4 per lane, then across the warp); lane's bytes are
-  // dims d = lane and lane + 32 of tokens t..t + 3, one word each
-  for (int t0 = 0; t0 < BS; t0 += 4) {
-    u32 w[2] = {0u, 0u};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int t = t0 + k;
-      float x[4], lo, hi;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) x[j] = stage_f32(vr[t * HD + lane + 32 * j]);
-      lo = fminf(fminf(x[0], x[1]), fminf(x[2], x[3]));
-      hi = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-        hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+      for (int k = 0; k < TPL; ++k) {
+        const int t = lane + 32 * k;
+        x[k][c] = t < BS ? stage_f32(kr[t * HD + d + 64 * c]) : 0.f;
+        if (t < BS) {
+          lo[c] = fminf(lo[c], x[k][c]);
+          hi[c] = fmaxf(hi[c], x[k][c]);
+        }
       }
-      const u16 sc = fill_scale(lo, hi), zc = f32_f16(lo);
+      lo[c] = warp_min(lo[c]);
+      hi[c] = warp_max(hi[c]);
+    }
+    float sf[2], zf[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const u16 sc = fill_scale(lo[c], hi[c]), zc = f32_f16(lo[c]);
       if (lane == 0) {
-        vs[b * BS + t] = sc;
-        vz[b * BS + t] = zc;
+        ks[b * HD + d + 64 * c] = sc;
+        kz[b * HD + d + 64 * c] = zc;
       }
-      const float sf = f16_f32(sc), zf = f16_f32(zc);
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        w[h] |= (fill_code(x[h], zf, sf) | fill_code(x[h + 2], zf, sf) << 4) << (8 * k);
+      sf[c] = f16_f32(sc);
+      zf[c] = f16_f32(zc);
     }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) *reinterpret_cast<u32*>(vc + b * (64 * BS) + (lane + 32 * h) * BS + t0) = w[h];
+    for (int k = 0; k < TPL; ++k) {
+      const int t = lane + 32 * k;
+      if (t < BS)
+        kc[b * (BS * 64) + t * 64 + d] =
+            (unsigned char)(fill_code(x[k][0], zf[0], sf[0]) | fill_code(x[k][1], zf[1], sf[1]) << 4);
+    }
+  }
+  for (int t = part; t < BS; t += parts) {  // values: token t's range over its 128 dims
+    float x[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = stage_f32(vr[t * HD + lane + 32 * j]);
+    const float lo = warp_min(fminf(fminf(x[0], x[1]), fminf(x[2], x[3])));
+    const float hi = warp_max(fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])));
+    const u16 sc = fill_scale(lo, hi), zc = f32_f16(lo);
+    if (lane == 0) {
+      vs[b * BS + t] = sc;
+      vz[b * BS + t] = zc;
+    }
+    const float sf = f16_f32(sc), zf = f16_f32(zc);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)  // dims lane + 32 h (low nibble) and lane + 32 h + 64 (high)
+      vc[b * (64 * BS) + (lane + 32 * h) * BS + t] =
+          (unsigned char)(fill_code(x[h], zf, sf) | fill_code(x[h + 2], zf, sf) << 4);
   }
 }

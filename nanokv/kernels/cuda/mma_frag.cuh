@@ -80,22 +80,35 @@ struct Softmax {  // per lane: heads 2t and 2t + 1; l and z are this lane's part
   float m[2], l[2], z[2];
 };
 
-// One online-softmax step on raw scores s (rows g, g + 8 = tokens pi(g), pi(g) + 1, valid if v0 / v1;
-// heads 2t, 2t + 1): scaled, masked to -inf; returns alpha per head, p in s.
-__device__ __forceinline__ void softmax_step(Softmax& st, float (&s)[4], bool v0, bool v1, float qk_scale,
-                                             float (&alpha)[2]) {
-  s[0] = v0 ? s[0] * qk_scale : NEG_INF;
-  s[1] = v0 ? s[1] * qk_scale : NEG_INF;
-  s[2] = v1 ? s[2] * qk_scale : NEG_INF;
-  s[3] = v1 ? s[3] * qk_scale : NEG_INF;
+// One online-softmax step on the raw scores of N tiles, s[h] (rows g, g + 8 = tokens pi(g), pi(g) + 1 of
+// tile h, valid if v0[h] / v1[h]; heads 2t, 2t + 1): scaled, masked to -inf; returns alpha per head,
+// p in s.
+template <int N>
+__device__ __forceinline__ void softmax_step(Softmax& st, float (&s)[N][4], const bool (&v0)[N],
+                                             const bool (&v1)[N], float qk_scale, float (&alpha)[2]) {
+#pragma unroll
+  for (int h = 0; h < N; ++h) {
+    s[h][0] = v0[h] ? s[h][0] * qk_scale : NEG_INF;
+    s[h][1] = v0[h] ? s[h][1] * qk_scale : NEG_INF;
+    s[h][2] = v1[h] ? s[h][2] * qk_scale : NEG_INF;
+    s[h][3] = v1[h] ? s[h][3] * qk_scale : NEG_INF;
+  }
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    float m_new = fmaxf(st.m[j], max_over_rows(fmaxf(s[j], s[2 + j])));
+    float mx = fmaxf(s[0][j], s[0][2 + j]);
+#pragma unroll
+    for (int h = 1; h < N; ++h) mx = fmaxf(mx, fmaxf(s[h][j], s[h][2 + j]));
+    float m_new = fmaxf(st.m[j], max_over_rows(mx));
     float m_safe = m_new == NEG_INF ? 0.f : m_new;
     alpha[j] = ex2(st.m[j] - m_safe);
-    s[j] = ex2(s[j] - m_safe);
-    s[2 + j] = ex2(s[2 + j] - m_safe);
-    st.l[j] = st.l[j] * alpha[j] + s[j] + s[2 + j];
+    float l = st.l[j] * alpha[j];
+#pragma unroll
+    for (int h = 0; h < N; ++h) {
+      s[h][j] = ex2(s[h][j] - m_safe);
+      s[h][2 + j] = ex2(s[h][2 + j] - m_safe);
+      l = l + s[h][j] + s[h][2 + j];
+    }
+    st.l[j] = l;
     st.m[j] = m_new;
   }
 }
