@@ -38,7 +38,9 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # paged KV cache
-    block_size: int = 16
+    # tokens per KV block; 0 = auto: 32 where compression stores a layer in 4 bits (the INT4 format's
+    # key group: 29.7% of bf16's bytes and 3.36x the tokens at 32, 32.8% and 3.05x at 16), else 16
+    block_size: int = 0
     num_gpu_blocks: int | None = None  # overrides the memory-derived count (on any device)
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # CPU byte budget for KV (default 1 GiB)
@@ -123,10 +125,10 @@ class EngineConfig:
         choice("prefix_caching_hash_algo", HASH_ALGOS)
         choice("attention_backend", ATTENTION_BACKENDS)
         choice("adaptive_mode", ("act", "recommend"))
-        if not isinstance(self.block_size, int) or not _power_of_two(self.block_size) or not (
-            8 <= self.block_size <= 256
-        ):
-            raise ConfigError("block_size", f"got {self.block_size!r}; allowed: a power of two from 8 to 256")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or (self.block_size != 0 and (
+                not _power_of_two(self.block_size) or not 8 <= self.block_size <= 256)):
+            raise ConfigError("block_size", f"got {self.block_size!r}; allowed: a power of two from 8 to 256, "
+                                            "or 0 (auto)")
         int_range("num_gpu_blocks", 1, allow_none=True)
         int_range("kv_cache_memory_bytes", 1, allow_none=True)
         int_range("max_num_seqs", 1, 65536)
@@ -157,6 +159,10 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
         self.quantization_bitwidth = parse_bitwidth(self.quantization_bitwidth)
+        if self.block_size == 0:
+            spec = self.quantization_bitwidth
+            int4 = self.enable_compression and 4 in (spec["default"], *spec["layers"].values())
+            self.block_size = 32 if int4 else 16
         self._validate_adaptive()
 
     def _validate_adaptive(self) -> None:

@@ -32,6 +32,25 @@ def test_out_of_range_config_named(key, value, allowed):
     assert allowed in str(e.value)
 
 
+@pytest.mark.parametrize("kwargs,expected", [
+    ({}, 16),
+    ({"enable_compression": True, "quantization_bitwidth": 8}, 16),
+    ({"enable_compression": True, "quantization_bitwidth": 4}, 32),
+    ({"enable_compression": True, "quantization_bitwidth": {"default": 8, "layers": {"3": 4}}}, 32),
+    ({"enable_compression": False, "quantization_bitwidth": 4}, 16),
+    ({"enable_compression": True, "quantization_bitwidth": 4, "block_size": 16}, 16),
+    ({"block_size": 64}, 64),
+])
+def test_block_size_auto(kwargs, expected):
+    """block_size 0 (the default) is 32 where any layer is stored in 4 bits, 16 otherwise; a given size stays."""
+    assert EngineConfig.from_kwargs(**kwargs).block_size == expected
+
+
+def test_block_size_bool_rejected():
+    with pytest.raises(ConfigError, match="or 0 \\(auto\\)"):
+        EngineConfig.from_kwargs(block_size=True)
+
+
 def test_per_layer_bits_validated():
     cfg = EngineConfig.from_kwargs(enable_compression=True,
                                    quantization_bitwidth={"default": 4, "layers": {"0": 8, "-1": 8}})
