@@ -15,7 +15,8 @@
 // - lane (g, t) reads bytes [16t, 16t + 16) of its two key rows (dims 16t.., 64 + 16t..), and
 //   its B fragments hold (q * s) for the same dims, so no lane needs another lane's codes.
 // Tiles stream through a shared-memory ring (tile_ring.cuh). Open (staged) blocks are scored from
-// full-precision staging in a second loop, as in the Triton kernels; splits are merged by the last
+// full-precision staging in a second loop (staged_tile.cuh), as in the Triton kernels; blocks a step
+// completes are quantized in the same launch (fill_int4.cuh); splits are merged by the last
 // program of each (sequence, KV head) (split_merge.cuh). Fragment helpers: mma_frag.cuh.
 // Compile-time: G (query heads per KV head), NKV (KV heads), BS (block size, a multiple of 16), Q_BF16,
 // ST_BF16, OUT_BF16 (else fp16), NSTAGE (ring depth), NT (16-token tiles per loop step, sharing the
@@ -27,6 +28,7 @@
 #include "tile_ring.cuh"
 #include "split_merge.cuh"
 #include "fill_int4.cuh"
+#include "staged_tile.cuh"
 
 // a register cap reaches the driver's PTX compiler only as .maxnreg in the PTX (__maxnreg__)
 #if defined(MAXNREG) && MAXNREG > 0
@@ -130,7 +132,8 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
         kw0[h][0] = k0.x; kw0[h][1] = k0.y; kw0[h][2] = k0.z; kw0[h][3] = k0.w;
         kw1[h][0] = k1.x; kw1[h][1] = k1.y; kw1[h][2] = k1.z; kw1[h][3] = k1.w;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) vw[h][j] = *reinterpret_cast<const u32*>(rs + V_OFF + (8 * j + g) * TT + 16 * h + 4 * t);
+        for (int j = 0; j < 8; ++j)
+          vw[h][j] = *reinterpret_cast<const u32*>(rs + V_OFF + (8 * j + g) * TT + 16 * h + 4 * t);
         vs2[h] = *reinterpret_cast<const u32*>(rs + VSZ_OFF + 2 * (16 * h + r0));  // tokens r0, r0 + 1
         vz2[h] = *reinterpret_cast<const u32*>(rs + VSZ_OFF + 2 * TT + 2 * (16 * h + r0));
       }
@@ -216,53 +219,8 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
   asm volatile("cp.async.wait_group 0;");
 
   // staged tokens in full precision (plain q): the newest block, or the whole split (see above)
-  for (int start = early ? lo : max(lo, newest); start < hi; start += 16) {
-    const int ph = bt_row[start / BS];
-    const int sl = ph >= 0 ? stage_of[ph] : -1;
-    if (sl < 0) continue;
-    const int tin = start % BS;
-    const bool v0[1] = {start + r0 < hi}, v1[1] = {start + r0 + 1 < hi};
-    const u16* kr = kst + (size_t)sl * (NKV * BS * HD) + kvh * (BS * HD) + (tin + r0) * HD + 16 * t;
-    float s[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const uint4* p0 = reinterpret_cast<const uint4*>(kr + 64 * half);
-      const uint4* p1 = reinterpret_cast<const uint4*>(kr + HD + 64 * half);
-      const uint4 a0 = v0[0] ? p0[0] : make_uint4(0, 0, 0, 0), a1 = v0[0] ? p0[1] : make_uint4(0, 0, 0, 0);
-      const uint4 c0 = v1[0] ? p1[0] : make_uint4(0, 0, 0, 0), c1 = v1[0] ? p1[1] : make_uint4(0, 0, 0, 0);
-      const u32 r0w[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-      const u32 r1w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-      const u32* qq = half ? qh : ql;
-#pragma unroll
-      for (int w = 0; w < 4; ++w)
-        mma(s[0], to_f16x2(r0w[2 * w], ST_BF16), to_f16x2(r1w[2 * w], ST_BF16), to_f16x2(r0w[2 * w + 1], ST_BF16),
-            to_f16x2(r1w[2 * w + 1], ST_BF16), qq[QP(2 * w)], qq[QP(2 * w + 1)]);
-    }
-    float alpha[2];
-    softmax_step<1>(st, s, v0, v1, qk_scale, alpha);
-    st.z[0] *= alpha[0];
-    st.z[1] *= alpha[1];
-    const u32 pb0 = trans8x8(pack_f16(s[0][0], s[0][1]));
-    const u32 pb1 = trans8x8(pack_f16(s[0][2], s[0][3]));
-    rescale(acc, alpha);
-    // V^T fragment: dims 8i + g (lo) / 64 + 8i + g (hi), tokens (4t, 4t + 2) and (4t + 1, 4t + 3)
-    const u16* vr = vst + (size_t)sl * (NKV * BS * HD) + kvh * (BS * HD) + tin * HD;
-    u16 e[4][2];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const bool ok = start + 4 * t + k < hi;
-        e[k][0] = ok ? vr[(4 * t + k) * HD + 8 * i + g] : (u16)0;
-        e[k][1] = ok ? vr[(4 * t + k) * HD + 64 + 8 * i + g] : (u16)0;
-      }
-      const u32 a0 = to_f16x2((u32)e[0][0] | ((u32)e[2][0] << 16), ST_BF16);
-      const u32 a1 = to_f16x2((u32)e[0][1] | ((u32)e[2][1] << 16), ST_BF16);
-      const u32 a2 = to_f16x2((u32)e[1][0] | ((u32)e[3][0] << 16), ST_BF16);
-      const u32 a3 = to_f16x2((u32)e[1][1] | ((u32)e[3][1] << 16), ST_BF16);
-      mma(acc[i], a0, a1, a2, a3, pb0, pb1);
-    }
-  }
+  staged_tokens(st, acc, ql, qh, kst, vst, stage_of, bt_row, early ? lo : max(lo, newest), hi, kvh, r0, g, t,
+                qk_scale);
 
   // epilogue: out (or this split's normalized partial) = (acc + z) / l, heads 2t + j < G
   float inv_l[2], zt[2];
