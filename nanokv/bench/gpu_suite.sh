@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything the GPU issues measure.
 #   bash nanokv/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf] [pool] [ncu]
-#                                  [pairs] [rotab] [breakdown] [variants] [hostprof] [swap4]
+#                                  [pairs] [rotab] [breakdown] [variants] [hostprof] [swap4] [int4next]
 # pairs: int8 then bf16 on the long-context workload, PAIRS times (issue 4's ratio, same machine);
 # rotab: int8 with TritonConfig.qk_rotation_in_rope on, then off, PAIRS times; breakdown: run_breakdown
 # of int8 and bf16 with host ops (the longest idle gaps and what overlaps them); variants: the int8
@@ -83,6 +83,24 @@ for ph in $phases; do
       [ -n "${BREAKDOWN4:-}" ] && run breakdown_4 python3 -m nanokv.bench.run_breakdown --workload longctx --bits 4 \
         --out "$OUT/breakdown_4.json"
       run e2e_int8 $BENCH --workload longctx --enable-compression --quantization-bitwidth 8 --out "$OUT/e2e_int8.json" ;;
+    int4next)  # session 17's open measurements: the CUDA int4 kernel's GPU tests (the staged loop moved to
+      # staged_tile.cuh after the last call), its knobs again now that the fill no longer sets the
+      # launch's length, an Nsight Compute stall profile of the two-tile loop, and int4/bf16 pairs at
+      # the default block size (auto: int4 32, bf16 16) and at 32 for both
+      run int4_tests python3 -m pytest -q tests/test_kernels_cuda.py
+      PROBE="python3 -m nanokv.bench.decode_probe --bits 4 --batch 128 --ctx 4096 --engine-like --shuffle"
+      run probe4_bs32 $PROBE --time --block-size 32 --variants \
+        ";quant_cuda4_stages=3;quant_cuda4_waves=3;quant_cuda4_waves=2;quant_cuda4_maxnreg=128;quant_cuda4_tiles=1"
+      run ncu_4 ncu --clock-control none --set full --import-source yes -k regex:"decode_int4" --launch-skip 2 \
+        --launch-count 1 -f -o "$OUT/ncu_4" $PROBE --block-size 32 --calls 3
+      ncu --import "$OUT/ncu_4.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_4_sass.csv" 2>&1
+      python3 -m nanokv.bench.ncu_stalls "$OUT/ncu_4_sass.csv" --top 20 | tee -a "$LOG"
+      for i in $(seq "${PAIRS:-2}"); do
+        run pair${i}_int4 $BENCH --workload longctx --enable-compression --quantization-bitwidth 4 \
+          --out "$OUT/pair${i}_int4.json"
+        run pair${i}_bf16 $BENCH --workload longctx --out "$OUT/pair${i}_bf16.json"
+        run pair${i}_bf16_32 $BENCH --workload longctx --block-size 32 --out "$OUT/pair${i}_bf16_32.json"
+      done ;;
     hostprof) run hostprof_8 python3 -m nanokv.bench.host_profile --bits 8 --out "$OUT/hostprof_8.json" ;;
     breakdown)
       for b in 8 16; do
