@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="longctx")
     ap.add_argument("--bits", type=int, default=16, choices=(16, 8, 4))
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=0, help="0: EngineConfig's auto (int4 32, else 16)")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--host", action="store_true",
                     help="also profile host ops, to name what overlaps the longest idle gaps (slows the host)")

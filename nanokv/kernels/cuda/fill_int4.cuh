@@ -19,17 +19,6 @@ __device__ __forceinline__ u32 fill_code(float x, float z, float s) {
   return (u32)fminf(fmaxf(rintf(__fdiv_rn(__fsub_rn(x, z), s)), 0.f), 15.f);
 }
 
-__device__ __forceinline__ float warp_min(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fminf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-
 // One warp quantizes part `part` of `parts` of staging slot sl of KV head kvh into pool block blk:
 // the key channel pairs (d, d + 64) with d = part (mod parts) and the value tokens t = part (mod parts).
 // The parts go to the (sequence, KV head)'s split programs, so that no program carries a whole block

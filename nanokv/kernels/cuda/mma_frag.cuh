@@ -70,6 +70,22 @@ __device__ __forceinline__ float max_over_rows(float x) {  // over the 8 lanes o
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
 }
+// over the whole warp
+__device__ __forceinline__ float warp_min(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fminf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
 __device__ __forceinline__ float sum_over_rows(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 4);
   x += __shfl_xor_sync(0xffffffffu, x, 8);

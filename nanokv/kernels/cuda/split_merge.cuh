@@ -25,14 +25,12 @@ __device__ __forceinline__ void merge_if_last(int* counts, const float* part_o, 
     const long row0 = ((long)seq * Hq + head) * num_splits;
     float mmax = NEG_INF;
     for (int s = lane; s < num_splits; s += 32) mmax = fmaxf(mmax, __ldcg(part_ml + row0 + s));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mmax = fmaxf(mmax, __shfl_xor_sync(0xffffffffu, mmax, o));
+    mmax = warp_max(mmax);
     const float msafe = mmax == NEG_INF ? 0.f : mmax;
     float wsum = 0.f;
     for (int s = lane; s < num_splits; s += 32)
       wsum += __ldcg(part_ml + n_part + row0 + s) * ex2(__ldcg(part_ml + row0 + s) - msafe);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
+    wsum = warp_sum(wsum);
     const float inv = 1.f / (wsum > 0.f ? wsum : 1.f);
     float o4[4] = {0.f, 0.f, 0.f, 0.f};
     for (int s = 0; s < num_splits; ++s) {  // empty splits have l = 0: weight 0
