@@ -21,14 +21,31 @@
 // Compile-time: G (query heads per KV head), NKV (KV heads), BS (block size, a multiple of 16), Q_BF16,
 // ST_BF16, OUT_BF16 (else fp16), NSTAGE (ring depth), NT (16-token tiles per loop step, sharing the
 // block's key scales, bias and softmax reductions; BS % (16 NT) == 0), MAXNREG (register cap, 0 = none).
+// VARIANT (bits, under A/B): 1 = KOFF, key codes enter the MMA as fp16 1024 + c (low nibbles) and
+// 1024 + 16 c (high, against (q * s) / 16) with no subtraction, the offsets taken out per loop step
+// by one product of a constant 1024 tile with the very B operands; 2 = STPF, the split holding the
+// open block prefetches its staged rows to L2 when it starts; 4 = VOFF, value codes likewise, each
+// PV product followed by one of a constant -1024 tile with the same weights (the accumulators never
+// hold the offsets across tiles), high-nibble rows scaled by 1/16 after the loop; 8 = PIPE, the loop
+// software-pipelined (step_int4.cuh; NSTAGE >= 3).
 // Head dim 128.
 // cuda_decode_int4.py inlines the #include lines for NVRTC.
+
+#ifndef VARIANT
+#define VARIANT 0
+#endif
+#define KOFF (VARIANT & 1)
+#define STPF (VARIANT & 2)
+#define VOFF (VARIANT & 4)
+#define PIPE (VARIANT & 8)
+#define NEG1024 0xE400E400u
 
 #include "mma_frag.cuh"
 #include "tile_ring.cuh"
 #include "split_merge.cuh"
 #include "fill_int4.cuh"
 #include "staged_tile.cuh"
+#include "step_int4.cuh"
 
 // a register cap reaches the driver's PTX compiler only as .maxnreg in the PTX (__maxnreg__)
 #if defined(MAXNREG) && MAXNREG > 0
@@ -104,6 +121,57 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
 #pragma unroll
   for (int k = 0; k < NSTAGE - 1; ++k)
     fetch_tile(ring[k], kc, vc, ks, kz, vs, vz, ph[k], sl[k], kvh, (unsigned)(lo + TT * k) % BS, lane);
+#if STPF
+  {  // the open block's staged rows of this split, to L2 while the loop streams the codes
+    const int from = max(lo, newest);
+    const int pn = hi > from ? bt_row[from / BS] : -1;
+    const int sn = pn >= 0 ? stage_of[pn] : -1;
+    if (sn >= 0) {
+      const size_t base = (size_t)sn * (NKV * BS * HD) + kvh * (BS * HD) + (from % BS) * HD;
+      for (int l = lane; l < 2 * (hi - from); l += 32) {  // 128-byte lines: two per token row
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(kst + base + 64 * l));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(vst + base + 64 * l));
+      }
+    }
+  }
+#endif
+#if PIPE
+  // software-pipelined: iteration i scores step i + 1 (its stage waited for one iteration after its
+  // copy was issued) while it weighs step i, scored the iteration before; NSTAGE >= 3 keeps both
+  // stages resident while the copy of step i + NSTAGE - 1 lands in the third
+  static_assert(NSTAGE >= 3, "PIPE needs 3 ring stages");
+  float sc_cur[NT][4];
+  asm volatile("cp.async.wait_group %0;" ::"n"(NSTAGE - 2));
+  __syncwarp();
+  if (ntiles > 0 && ph[0] >= 0 && sl[0] < 0) key_scores(ring[0], ql, qh, koff, t, sc_cur);
+  int stage = 0;
+  for (int i = 0; i < ntiles; ++i) {
+    const int start = lo + TT * i;
+    const int ahead = stage == 0 ? NSTAGE - 1 : stage - 1;
+    const int nxt = stage == NSTAGE - 1 ? 0 : stage + 1;
+    fetch_tile(ring[ahead], kc, vc, ks, kz, vs, vz, ph[NSTAGE - 1], sl[NSTAGE - 1], kvh,
+               (unsigned)(start + TT * (NSTAGE - 1)) % BS, lane);
+    const int cur_ph = ph[0], cur_sl = sl[0], nxt_codes = i + 1 < ntiles && ph[1] >= 0 && sl[1] < 0;
+#pragma unroll
+    for (int k = 0; k < NSTAGE; ++k) sl[k] = sl[k + 1];
+#pragma unroll
+    for (int k = 0; k <= NSTAGE; ++k) ph[k] = ph[k + 1];
+    sl[NSTAGE] = ph[NSTAGE] >= 0 ? stage_of[ph[NSTAGE]] : -1;
+    ph[NSTAGE + 1] = tile_phys(bt_row, lo, ntiles, i + NSTAGE + 2);
+    asm volatile("cp.async.wait_group %0;" ::"n"(NSTAGE - 2));
+    __syncwarp();
+    if (cur_sl >= 0 && start < newest) early = 1;
+    float sc_next[NT][4];
+    if (nxt_codes) key_scores(ring[nxt], ql, qh, koff, t, sc_next);
+    if (cur_ph >= 0 && cur_sl < 0) attend_values(ring[stage], sc_cur, start, hi, r0, g, t, st, acc, qk_scale);
+#pragma unroll
+    for (int h = 0; h < NT; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc_cur[h][e] = sc_next[h][e];
+    __syncwarp();  // every lane has read stage i before a later fetch refills it
+    stage = nxt;
+  }
+#else
   int stage = 0;
   for (int i = 0; i < ntiles; ++i) {
     const int start = lo + TT * i;
@@ -121,102 +189,22 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
     __syncwarp();
     if (cur_sl >= 0 && start < newest) early = 1;
     if (cur_ph >= 0 && cur_sl < 0) {  // the NT tiles h of this step: tokens start + 16 h + (0..15)
-      const unsigned char* rs = ring[stage];
-      const u16* crow = reinterpret_cast<const u16*>(rs + SZ_OFF) + 16 * t;
-      const u16* zrow = crow + HD;
-      u32 kw0[NT][4], kw1[NT][4], vw[NT][8], vs2[NT], vz2[NT];
-#pragma unroll
-      for (int h = 0; h < NT; ++h) {
-        const uint4 k0 = *reinterpret_cast<const uint4*>(rs + 1024 * h + koff);  // rows r0, r0 + 1, bytes 16t..
-        const uint4 k1 = *reinterpret_cast<const uint4*>(rs + 1024 * h + koff + 64);
-        kw0[h][0] = k0.x; kw0[h][1] = k0.y; kw0[h][2] = k0.z; kw0[h][3] = k0.w;
-        kw1[h][0] = k1.x; kw1[h][1] = k1.y; kw1[h][2] = k1.z; kw1[h][3] = k1.w;
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          vw[h][j] = *reinterpret_cast<const u32*>(rs + V_OFF + (8 * j + g) * TT + 16 * h + 4 * t);
-        vs2[h] = *reinterpret_cast<const u32*>(rs + VSZ_OFF + 2 * (16 * h + r0));  // tokens r0, r0 + 1
-        vz2[h] = *reinterpret_cast<const u32*>(rs + VSZ_OFF + 2 * TT + 2 * (16 * h + r0));
-      }
-      // bias q . z: a natural quad of zero pairs (4a .. 4a + 3) as A against q pairs (4a, 4a + 2)
-      // gives row g the sum over pairs 4a, 4a + 2 (bz0), against (4a + 1, 4a + 3) gives row g + 8 the
-      // rest (bz1); the other rows are unused. No register copies: the operands are as loaded. The
-      // block's scales, its bias and q * s serve all NT tiles of the step.
-      float s[NT][4], bz0[4] = {0.f, 0.f, 0.f, 0.f}, bz1[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int h = 0; h < NT; ++h) s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {  // dims 16t + (0..15), then 64 + 16t + (0..15)
-        const uint4 sa = reinterpret_cast<const uint4*>(crow + 64 * half)[0];
-        const uint4 sb2 = reinterpret_cast<const uint4*>(crow + 64 * half)[1];
-        const uint4 za = reinterpret_cast<const uint4*>(zrow + 64 * half)[0];
-        const uint4 zb = reinterpret_cast<const uint4*>(zrow + 64 * half)[1];
-        const u32 sc[8] = {sa.x, sa.y, sa.z, sa.w, sb2.x, sb2.y, sb2.z, sb2.w};
-        const u32* qq = half ? qh : ql;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {  // word w: dims 4w..4w+3 of this lane's 16 (pairs 2w, 2w + 1)
-          const u32 b0 = hmul2(qq[QP(2 * w)], sc[2 * w]), b1 = hmul2(qq[QP(2 * w + 1)], sc[2 * w + 1]);
-#pragma unroll
-          for (int h = 0; h < NT; ++h) {
-            const u32 x0 = prmt(kw0[h][w], 0u, 0x4140u), y0 = prmt(kw0[h][w], 0u, 0x4342u);  // bytes (0, 1), (2, 3)
-            const u32 x1 = prmt(kw1[h][w], 0u, 0x4140u), y1 = prmt(kw1[h][w], 0u, 0x4342u);
-            if (half == 0) mma(s[h], nib_lo(x0), nib_lo(x1), nib_lo(y0), nib_lo(y1), b0, b1);
-            else mma(s[h], nib_hi(x0), nib_hi(x1), nib_hi(y0), nib_hi(y1), b0, b1);
-          }
-        }
-        mma(bz0, za.x, za.y, za.z, za.w, qq[0], qq[1]);
-        mma(bz1, za.x, za.y, za.z, za.w, qq[2], qq[3]);
-        mma(bz0, zb.x, zb.y, zb.z, zb.w, qq[4], qq[5]);
-        mma(bz1, zb.x, zb.y, zb.z, zb.w, qq[6], qq[7]);
-      }
-      bool v0[NT], v1[NT];
-#pragma unroll
-      for (int h = 0; h < NT; ++h) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float bias = bz0[j] + bz1[2 + j];
-          s[h][j] += bias;
-          s[h][2 + j] += bias;
-        }
-        v0[h] = start + 16 * h + r0 < hi;
-        v1[h] = start + 16 * h + r0 + 1 < hi;
-      }
-      float alpha[2];
-      softmax_step<NT>(st, s, v0, v1, qk_scale, alpha);
-      float vs0[NT], vs1[NT], vz0[NT], vz1[NT];
-#pragma unroll
-      for (int h = 0; h < NT; ++h) {
-        vs0[h] = v0[h] ? f16_f32(vs2[h] & 0xFFFF) : 0.f;
-        vs1[h] = v1[h] ? f16_f32(vs2[h] >> 16) : 0.f;
-        vz0[h] = v0[h] ? f16_f32(vz2[h] & 0xFFFF) : 0.f;
-        vz1[h] = v1[h] ? f16_f32(vz2[h] >> 16) : 0.f;
-      }
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        float z = st.z[j] * alpha[j];
-#pragma unroll
-        for (int h = 0; h < NT; ++h) z = z + s[h][j] * vz0[h] + s[h][2 + j] * vz1[h];
-        st.z[j] = z;
-      }
-      u32 pb0[NT], pb1[NT];
-#pragma unroll
-      for (int h = 0; h < NT; ++h) {
-        pb0[h] = trans8x8(pack_f16(s[h][0] * vs0[h], s[h][1] * vs0[h]));
-        pb1[h] = trans8x8(pack_f16(s[h][2] * vs1[h], s[h][3] * vs1[h]));
-      }
-      rescale(acc, alpha);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {  // dim rows 8i + g (low nibbles) and 64 + 8i + g (high)
-#pragma unroll
-        for (int h = 0; h < NT; ++h) {
-          const u32 x = vw[h][i], y = vw[h][i] >> 8;
-          mma(acc[i], nib_lo(x), nib_hi(x), nib_lo(y), nib_hi(y), pb0[h], pb1[h]);
-        }
-      }
+      float s[NT][4];
+      key_scores(ring[stage], ql, qh, koff, t, s);
+      attend_values(ring[stage], s, start, hi, r0, g, t, st, acc, qk_scale);
     }
     __syncwarp();  // every lane has read this stage before a later fetch refills it
     stage = stage == NSTAGE - 1 ? 0 : stage + 1;
   }
+#endif
   asm volatile("cp.async.wait_group 0;");
+#if VOFF
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {  // high-nibble rows summed 16 c: back to c before the staged tokens add theirs
+    acc[i][2] *= 0.0625f;
+    acc[i][3] *= 0.0625f;
+  }
+#endif
 
   // staged tokens in full precision (plain q): the newest block, or the whole split (see above)
   staged_tokens(st, acc, ql, qh, kst, vst, stage_of, bt_row, early ? lo : max(lo, newest), hi, kvh, r0, g, t,
