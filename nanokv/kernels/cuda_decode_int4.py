@@ -86,11 +86,11 @@ def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor,
     shared-memory ring the tiles stream through (cp.async, stages - 1 tiles ahead). fill_slots:
     [B] int64, this step's slot of each row's token (-1 = none): the block a token completes is
     quantized from staging into the pool by the same launch (cuda/fill_int4.cuh), and
-    cache.filled_in_step is set. order: [B] int64, the rows longest first (argsort of seq_lens,
-    descending): the programs of longer sequences start first. tiles: 16-token tiles per loop step
-    (sharing the block's key scales; fewer where the block is smaller). variant: compile-time variant
-    bits under A/B (decode_int4.cu's header). False (nothing launched) where
-    it does not apply."""
+    cache.filled_in_step is set. order: [B] int64, the rows longest first (row index in the low 32 bits, its
+    seq_len in the high 32: AttentionMetadata.decode_order): the programs of longer sequences start first.
+    tiles: 16-token tiles per loop step (sharing the block's key scales; fewer where the block is smaller).
+    variant: compile-time variant bits under A/B (decode_int4.cu's header). False (nothing launched) where it
+    does not apply."""
     if not supported(q, out, cache):
         return False
     B, Hq, _ = q.shape

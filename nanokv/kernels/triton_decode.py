@@ -157,8 +157,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     fill_slots ([B] int64, the step's slot of each row's token, -1 = none): when the CUDA kernel serves
     the call, it also quantizes the staged blocks these tokens complete (the quantize-on-fill of
     nanokv.kv.hooks.after_attention) and sets cache.filled_in_step, so that after_attention skips its own
-    fill launch. seq_order ([B] int64, rows longest first): the CUDA kernel starts the programs of longer
-    sequences first."""
+    fill launch. seq_order ([B] int64, rows longest first, as AttentionMetadata.decode_order packs them): the
+    CUDA kernel starts the programs of longer sequences first."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:

@@ -27,7 +27,9 @@
 // open block prefetches its staged rows to L2 when it starts; 4 = VOFF, value codes likewise, each
 // PV product followed by one of a constant -1024 tile with the same weights (the accumulators never
 // hold the offsets across tiles), high-nibble rows scaled by 1/16 after the loop; 8 = PIPE, the loop
-// software-pipelined (step_int4.cuh; NSTAGE >= 3).
+// software-pipelined (step_int4.cuh; NSTAGE >= 3); 16 = PRO, a shorter chain of dependent loads
+// before the first step: the length from the order word, codes copied without waiting for the
+// staging slot (a staged block's stale codes are copied and not read).
 // Head dim 128.
 // cuda_decode_int4.py inlines the #include lines for NVRTC.
 
@@ -38,6 +40,7 @@
 #define STPF (VARIANT & 2)
 #define VOFF (VARIANT & 4)
 #define PIPE (VARIANT & 8)
+#define PRO (VARIANT & 16)
 #define NEG1024 0xE400E400u
 
 #include "mma_frag.cuh"
@@ -69,11 +72,17 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
   // sequence: the last programs to start are the shortest (less idle tail over uneven lengths);
   // else grid (B, NKV, splits)
   const int nrows = by_length ? gridDim.z : gridDim.x;
-  const int seq = by_length ? (int)order[blockIdx.z] : blockIdx.x, kvh = blockIdx.y;
+  // order[i]: row index in the low 32 bits, its length in the high 32 (AttentionMetadata.decode_order)
+  const long long oz = by_length ? order[blockIdx.z] : 0;
+  const int seq = by_length ? (int)(oz & 0xFFFFFFFFll) : blockIdx.x, kvh = blockIdx.y;
   const int split = by_length ? blockIdx.x : blockIdx.z, H = NKV;
   const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
   const float qk_scale = (float)qk_scale_d;
+#if PRO
+  const int seq_len = by_length ? (int)(oz >> 32) : seq_lens[seq];  // no second dependent load
+#else
   const int seq_len = seq_lens[seq];
+#endif
   const int per = ((seq_len + TT - 1) / TT + num_splits - 1) / num_splits;  // loop steps per split
   const int lo = split * per * TT;
   const int hi = min(lo + per * TT, seq_len);

@@ -31,7 +31,7 @@ __device__ __forceinline__ int tile_phys(const int* bt_row, int lo, int ntiles, 
 __device__ __forceinline__ void fetch_tile(unsigned char* dst, const unsigned char* kc, const unsigned char* vc,
                                            const u16* ks, const u16* kz, const u16* vs, const u16* vz, int ph,
                                            int sl, int kvh, int tin, int lane) {
-  if (ph >= 0 && sl < 0) {
+  if (ph >= 0 && (PRO || sl < 0)) {
     const size_t blk = (size_t)ph * NKV + kvh;
     const unsigned char* kp = kc + blk * (BS * 64) + tin * 64 + 32 * NT * lane;  // TT rows of 64 B
 #pragma unroll
