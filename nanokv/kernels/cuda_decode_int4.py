@@ -66,7 +66,11 @@ def _kernel(G: int, H: int, bs: int, q_bf16: bool, st_bf16: bool, out_bf16: bool
                 MAXNREG=maxnreg, NSTAGE=stages, NT=tiles, VARIANT=variant)
     opts = [f"-D{k}={v}" for k, v in defs.items()]
     try:
-        return torch.cuda._compile_kernel(source(), "nanokv_decode_int4", nvcc_options=opts)
+        kern = torch.cuda._compile_kernel(source(), "nanokv_decode_int4", nvcc_options=opts)
+        if variant & 128:  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9: all of it (percent)
+            from torch.cuda._utils import _get_gpu_runtime_library
+            _get_gpu_runtime_library().cuFuncSetAttribute(kern.func, 9, 100)
+        return kern
     except Exception as e:  # no NVRTC library, it rejected the source, or torch's private hook changed
         _BROKEN.append(str(e))
         log.warning("CUDA int4 decode unavailable (%s); using the Triton kernels", e)

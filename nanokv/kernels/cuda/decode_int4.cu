@@ -41,6 +41,7 @@
 #define VOFF (VARIANT & 4)
 #define PIPE (VARIANT & 8)
 #define PRO (VARIANT & 16)
+#define SWZ (VARIANT & 64)
 #define NEG1024 0xE400E400u
 
 #include "mma_frag.cuh"

@@ -12,8 +12,8 @@ __device__ __forceinline__ void key_scores(const unsigned char* rs, const u32 (&
   u32 kw0[NT][4], kw1[NT][4];
 #pragma unroll
   for (int h = 0; h < NT; ++h) {
-    const uint4 k0 = *reinterpret_cast<const uint4*>(rs + 1024 * h + koff);  // rows r0, r0 + 1, bytes 16t..
-    const uint4 k1 = *reinterpret_cast<const uint4*>(rs + 1024 * h + koff + 64);
+    const uint4 k0 = *reinterpret_cast<const uint4*>(rs + 1024 * h + KSW(koff));  // rows r0, r0 + 1, bytes 16t..
+    const uint4 k1 = *reinterpret_cast<const uint4*>(rs + 1024 * h + KSW(koff + 64));
     kw0[h][0] = k0.x; kw0[h][1] = k0.y; kw0[h][2] = k0.z; kw0[h][3] = k0.w;
     kw1[h][0] = k1.x; kw1[h][1] = k1.y; kw1[h][2] = k1.z; kw1[h][3] = k1.w;
   }
@@ -86,7 +86,7 @@ __device__ __forceinline__ void attend_values(const unsigned char* rs, float (&s
   for (int h = 0; h < NT; ++h) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      vw[h][j] = *reinterpret_cast<const u32*>(rs + V_OFF + (8 * j + g) * TT + 16 * h + 4 * t);
+      vw[h][j] = *reinterpret_cast<const u32*>(rs + V_OFF + 8 * j * TT + VSW(g, h) + 4 * t);  // (row 8j + g)
     vs2[h] = *reinterpret_cast<const u32*>(rs + VSZ_OFF + 2 * (16 * h + r0));  // tokens r0, r0 + 1
     vz2[h] = *reinterpret_cast<const u32*>(rs + VSZ_OFF + 2 * TT + 2 * (16 * h + r0));
   }
