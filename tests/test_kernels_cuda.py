@@ -51,17 +51,6 @@ def test_cuda_int4_decode_tiles_per_step(G: int, bs: int, splits: int, tiles: in
     check_twice_merged(cache, md, q, cuda_cfg(splits, tiles=tiles))
 
 
-@pytest.mark.parametrize("variant,stages", [(1, 2), (2, 2), (4, 2), (16, 2), (8, 3), (31, 3), (31, 4), (32, 2), (96, 2),
-                                            (224, 3), (255, 3)])
-@pytest.mark.parametrize("G,bs,splits", [(2, 32, 3), (2, 16, 8), (4, 64, 1)])
-def test_cuda_int4_decode_variants(G: int, bs: int, splits: int, variant: int, stages: int) -> None:
-    """The compile-time variants under A/B (TritonConfig.quant_cuda4_variant) compute the same."""
-    cache, md, q = build_batch(4, torch.bfloat16, bs, 2, G, 128, [], LENS, holes=True, seed=G * bs + variant)
-    cfg = cuda_cfg(splits, stages)
-    cfg.quant_cuda4_variant = variant
-    check_twice_merged(cache, md, q, cfg)
-
-
 @pytest.mark.parametrize("G,bs,splits", [(2, 16, 8), (3, 32, 1)])
 def test_cuda_int4_decode_in_row_order(G: int, bs: int, splits: int) -> None:
     """The grid in row order (quant_cuda4_by_length off) computes the same."""

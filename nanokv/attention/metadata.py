@@ -52,15 +52,12 @@ class AttentionMetadata:
         return self.num_prefills == 0
 
     def decode_order(self) -> torch.Tensor:
-        """[num_seqs - num_prefills] int64: the decode rows, longest context first, each as its row
-        index (low 32 bits) and its seq_len (high 32 bits), so that a kernel gets both in one load.
-        Computed by the first layer that asks and kept in `extras` for the others (one sort per step;
-        under a CUDA graph it is part of the graph, which must therefore be captured with fresh
-        metadata)."""
+        """[num_seqs - num_prefills] int64: the decode rows, longest context first. Computed by the
+        first layer that asks and kept in `extras` for the others (one argsort per step; under a CUDA
+        graph it is part of the graph, which must therefore be captured with fresh metadata)."""
         order = self.extras.get("decode_order")
         if order is None:
-            lens, rows = torch.sort(self.seq_lens[self.num_prefills:], descending=True, stable=True)
-            order = self.extras["decode_order"] = rows | (lens.to(torch.int64) << 32)
+            order = self.extras["decode_order"] = torch.argsort(self.seq_lens[self.num_prefills:], descending=True)
         return order
 
 

@@ -60,17 +60,13 @@ def source() -> str:
 
 @cache
 def _kernel(G: int, H: int, bs: int, q_bf16: bool, st_bf16: bool, out_bf16: bool, maxnreg: int, stages: int,
-            tiles: int = 1, variant: int = 0):
+            tiles: int = 1):
     """The compiled kernel for one configuration (NVRTC, PTX loaded by the driver; ~0.3 s each)."""
     defs = dict(G=G, NKV=H, BS=bs, Q_BF16=int(q_bf16), ST_BF16=int(st_bf16), OUT_BF16=int(out_bf16),
-                MAXNREG=maxnreg, NSTAGE=stages, NT=tiles, VARIANT=variant)
+                MAXNREG=maxnreg, NSTAGE=stages, NT=tiles)
     opts = [f"-D{k}={v}" for k, v in defs.items()]
     try:
-        kern = torch.cuda._compile_kernel(source(), "nanokv_decode_int4", nvcc_options=opts)
-        if variant & 128:  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9: all of it (percent)
-            from torch.cuda._utils import _get_gpu_runtime_library
-            _get_gpu_runtime_library().cuFuncSetAttribute(kern.func, 9, 100)
-        return kern
+        return torch.cuda._compile_kernel(source(), "nanokv_decode_int4", nvcc_options=opts)
     except Exception as e:  # no NVRTC library, it rejected the source, or torch's private hook changed
         _BROKEN.append(str(e))
         log.warning("CUDA int4 decode unavailable (%s); using the Triton kernels", e)
@@ -80,8 +76,7 @@ def _kernel(G: int, H: int, bs: int, q_bf16: bool, st_bf16: bool, out_bf16: bool
 def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                out: torch.Tensor, qk_scale: float, num_splits: int, part_o: torch.Tensor, part_ml: torch.Tensor,
                counts: torch.Tensor, maxnreg: int = 0, stages: int = 2,
-               fill_slots: torch.Tensor | None = None, order: torch.Tensor | None = None, tiles: int = 1,
-               variant: int = 0) -> bool:
+               fill_slots: torch.Tensor | None = None, order: torch.Tensor | None = None, tiles: int = 1) -> bool:
     """As triton_decode.paged_decode for an int4 cache, if `supported` accepts it and NVRTC builds the
     kernel: q [B, Hq, 128], block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, Hq, 128]
     written in place; qk_scale: the softmax scale times log2(e) (the kernels' softmax is base 2).
@@ -90,11 +85,10 @@ def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor,
     shared-memory ring the tiles stream through (cp.async, stages - 1 tiles ahead). fill_slots:
     [B] int64, this step's slot of each row's token (-1 = none): the block a token completes is
     quantized from staging into the pool by the same launch (cuda/fill_int4.cuh), and
-    cache.filled_in_step is set. order: [B] int64, the rows longest first (row index in the low 32 bits, its
-    seq_len in the high 32: AttentionMetadata.decode_order): the programs of longer sequences start first.
-    tiles: 16-token tiles per loop step (sharing the block's key scales; fewer where the block is smaller).
-    variant: compile-time variant bits under A/B (decode_int4.cu's header). False (nothing launched) where it
-    does not apply."""
+    cache.filled_in_step is set. order: [B] int64, the rows longest first (argsort of seq_lens,
+    descending): the programs of longer sequences start first. tiles: 16-token tiles per loop step
+    (sharing the block's key scales; fewer where the block is smaller). False (nothing launched) where
+    it does not apply."""
     if not supported(q, out, cache):
         return False
     B, Hq, _ = q.shape
@@ -104,7 +98,7 @@ def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor,
     while cache.block_size % (16 * nt):
         nt //= 2
     kern = _kernel(Hq // H, H, cache.block_size, q.dtype == torch.bfloat16, cache.k_stage.dtype == torch.bfloat16,
-                   out.dtype == torch.bfloat16, maxnreg, stages, nt, variant)
+                   out.dtype == torch.bfloat16, maxnreg, stages, nt)
     if kern is None:
         return False
     args = [q, cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero, cache.k_stage,

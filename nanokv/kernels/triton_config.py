@@ -99,9 +99,6 @@ class TritonConfig:
     # [2048, 4096], 32-token blocks (session 17): 2 tiles 166.3 us vs 1 tile 198.5 (16-token blocks,
     # 1 tile: 165.8); 2 tiles capped at 128 registers 173.1; 64-token blocks, 4 tiles 303.5 vs 2 255.1
     quant_cuda4_tiles: int = 2
-    # compile-time variants of the CUDA kernel under A/B (-DVARIANT=n, bits as decode_int4.cu's header
-    # lists them; 0 = the measured default)
-    quant_cuda4_variant: int = 0
     # decode-only steps: the CUDA kernel also quantizes the blocks the step's tokens complete
     # (cuda/fill_int4.cuh, each block shared by its row's split programs), instead of the fill kernel's
     # launch per layer after attention. Cost inside the launch (session 17, B 128): 16 / 32 / 64-token

@@ -21,28 +21,8 @@
 // Compile-time: G (query heads per KV head), NKV (KV heads), BS (block size, a multiple of 16), Q_BF16,
 // ST_BF16, OUT_BF16 (else fp16), NSTAGE (ring depth), NT (16-token tiles per loop step, sharing the
 // block's key scales, bias and softmax reductions; BS % (16 NT) == 0), MAXNREG (register cap, 0 = none).
-// VARIANT (bits, under A/B): 1 = KOFF, key codes enter the MMA as fp16 1024 + c (low nibbles) and
-// 1024 + 16 c (high, against (q * s) / 16) with no subtraction, the offsets taken out per loop step
-// by one product of a constant 1024 tile with the very B operands; 2 = STPF, the split holding the
-// open block prefetches its staged rows to L2 when it starts; 4 = VOFF, value codes likewise, each
-// PV product followed by one of a constant -1024 tile with the same weights (the accumulators never
-// hold the offsets across tiles), high-nibble rows scaled by 1/16 after the loop; 8 = PIPE, the loop
-// software-pipelined (step_int4.cuh; NSTAGE >= 3); 16 = PRO, a shorter chain of dependent loads
-// before the first step: the length from the order word, codes copied without waiting for the
-// staging slot (a staged block's stale codes are copied and not read).
 // Head dim 128.
 // cuda_decode_int4.py inlines the #include lines for NVRTC.
-
-#ifndef VARIANT
-#define VARIANT 0
-#endif
-#define KOFF (VARIANT & 1)
-#define STPF (VARIANT & 2)
-#define VOFF (VARIANT & 4)
-#define PIPE (VARIANT & 8)
-#define PRO (VARIANT & 16)
-#define SWZ (VARIANT & 64)
-#define NEG1024 0xE400E400u
 
 #include "mma_frag.cuh"
 #include "tile_ring.cuh"
@@ -73,17 +53,11 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
   // sequence: the last programs to start are the shortest (less idle tail over uneven lengths);
   // else grid (B, NKV, splits)
   const int nrows = by_length ? gridDim.z : gridDim.x;
-  // order[i]: row index in the low 32 bits, its length in the high 32 (AttentionMetadata.decode_order)
-  const long long oz = by_length ? order[blockIdx.z] : 0;
-  const int seq = by_length ? (int)(oz & 0xFFFFFFFFll) : blockIdx.x, kvh = blockIdx.y;
+  const int seq = by_length ? (int)order[blockIdx.z] : blockIdx.x, kvh = blockIdx.y;
   const int split = by_length ? blockIdx.x : blockIdx.z, H = NKV;
   const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
   const float qk_scale = (float)qk_scale_d;
-#if PRO
-  const int seq_len = by_length ? (int)(oz >> 32) : seq_lens[seq];  // no second dependent load
-#else
   const int seq_len = seq_lens[seq];
-#endif
   const int per = ((seq_len + TT - 1) / TT + num_splits - 1) / num_splits;  // loop steps per split
   const int lo = split * per * TT;
   const int hi = min(lo + per * TT, seq_len);
@@ -131,57 +105,6 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
 #pragma unroll
   for (int k = 0; k < NSTAGE - 1; ++k)
     fetch_tile(ring[k], kc, vc, ks, kz, vs, vz, ph[k], sl[k], kvh, (unsigned)(lo + TT * k) % BS, lane);
-#if STPF
-  {  // the open block's staged rows of this split, to L2 while the loop streams the codes
-    const int from = max(lo, newest);
-    const int pn = hi > from ? bt_row[from / BS] : -1;
-    const int sn = pn >= 0 ? stage_of[pn] : -1;
-    if (sn >= 0) {
-      const size_t base = (size_t)sn * (NKV * BS * HD) + kvh * (BS * HD) + (from % BS) * HD;
-      for (int l = lane; l < 2 * (hi - from); l += 32) {  // 128-byte lines: two per token row
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(kst + base + 64 * l));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(vst + base + 64 * l));
-      }
-    }
-  }
-#endif
-#if PIPE
-  // software-pipelined: iteration i scores step i + 1 (its stage waited for one iteration after its
-  // copy was issued) while it weighs step i, scored the iteration before; NSTAGE >= 3 keeps both
-  // stages resident while the copy of step i + NSTAGE - 1 lands in the third
-  static_assert(NSTAGE >= 3, "PIPE needs 3 ring stages");
-  float sc_cur[NT][4];
-  asm volatile("cp.async.wait_group %0;" ::"n"(NSTAGE - 2));
-  __syncwarp();
-  if (ntiles > 0 && ph[0] >= 0 && sl[0] < 0) key_scores(ring[0], ql, qh, koff, t, sc_cur);
-  int stage = 0;
-  for (int i = 0; i < ntiles; ++i) {
-    const int start = lo + TT * i;
-    const int ahead = stage == 0 ? NSTAGE - 1 : stage - 1;
-    const int nxt = stage == NSTAGE - 1 ? 0 : stage + 1;
-    fetch_tile(ring[ahead], kc, vc, ks, kz, vs, vz, ph[NSTAGE - 1], sl[NSTAGE - 1], kvh,
-               (unsigned)(start + TT * (NSTAGE - 1)) % BS, lane);
-    const int cur_ph = ph[0], cur_sl = sl[0], nxt_codes = i + 1 < ntiles && ph[1] >= 0 && sl[1] < 0;
-#pragma unroll
-    for (int k = 0; k < NSTAGE; ++k) sl[k] = sl[k + 1];
-#pragma unroll
-    for (int k = 0; k <= NSTAGE; ++k) ph[k] = ph[k + 1];
-    sl[NSTAGE] = ph[NSTAGE] >= 0 ? stage_of[ph[NSTAGE]] : -1;
-    ph[NSTAGE + 1] = tile_phys(bt_row, lo, ntiles, i + NSTAGE + 2);
-    asm volatile("cp.async.wait_group %0;" ::"n"(NSTAGE - 2));
-    __syncwarp();
-    if (cur_sl >= 0 && start < newest) early = 1;
-    float sc_next[NT][4];
-    if (nxt_codes) key_scores(ring[nxt], ql, qh, koff, t, sc_next);
-    if (cur_ph >= 0 && cur_sl < 0) attend_values(ring[stage], sc_cur, start, hi, r0, g, t, st, acc, qk_scale);
-#pragma unroll
-    for (int h = 0; h < NT; ++h)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc_cur[h][e] = sc_next[h][e];
-    __syncwarp();  // every lane has read stage i before a later fetch refills it
-    stage = nxt;
-  }
-#else
   int stage = 0;
   for (int i = 0; i < ntiles; ++i) {
     const int start = lo + TT * i;
@@ -206,15 +129,7 @@ extern "C" __global__ void BOUNDS nanokv_decode_int4(
     __syncwarp();  // every lane has read this stage before a later fetch refills it
     stage = stage == NSTAGE - 1 ? 0 : stage + 1;
   }
-#endif
   asm volatile("cp.async.wait_group 0;");
-#if VOFF
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {  // high-nibble rows summed 16 c: back to c before the staged tokens add theirs
-    acc[i][2] *= 0.0625f;
-    acc[i][3] *= 0.0625f;
-  }
-#endif
 
   // staged tokens in full precision (plain q): the newest block, or the whole split (see above)
   staged_tokens(st, acc, ql, qh, kst, vst, stage_of, bt_row, early ? lo : max(lo, newest), hi, kvh, r0, g, t,

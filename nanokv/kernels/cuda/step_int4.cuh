@@ -1,8 +1,7 @@
 // One loop step of the int4 decode (decode_int4.cu) on a ring stage: TT = 16 NT tokens of one block.
 // key_scores: s^T [16 tok, 8] per tile h = codes @ (q * s_k)^T + bias q . z (the block's key scales
 // and zero row serve all NT tiles). attend_values: the online softmax over them and the PV product
-// into acc. Split in two so that the software-pipelined loop (PIPE) can score step i + 1 while it
-// weighs step i's values.
+// into acc.
 
 // s[h]: raw scores of tile h (rows g, g + 8: tokens r0, r0 + 1; columns: heads 2t, 2t + 1)
 __device__ __forceinline__ void key_scores(const unsigned char* rs, const u32 (&ql)[8], const u32 (&qh)[8], int koff,
@@ -12,8 +11,8 @@ __device__ __forceinline__ void key_scores(const unsigned char* rs, const u32 (&
   u32 kw0[NT][4], kw1[NT][4];
 #pragma unroll
   for (int h = 0; h < NT; ++h) {
-    const uint4 k0 = *reinterpret_cast<const uint4*>(rs + 1024 * h + KSW(koff));  // rows r0, r0 + 1, bytes 16t..
-    const uint4 k1 = *reinterpret_cast<const uint4*>(rs + 1024 * h + KSW(koff + 64));
+    const uint4 k0 = *reinterpret_cast<const uint4*>(rs + 1024 * h + koff);  // rows r0, r0 + 1, bytes 16t..
+    const uint4 k1 = *reinterpret_cast<const uint4*>(rs + 1024 * h + koff + 64);
     kw0[h][0] = k0.x; kw0[h][1] = k0.y; kw0[h][2] = k0.z; kw0[h][3] = k0.w;
     kw1[h][0] = k1.x; kw1[h][1] = k1.y; kw1[h][2] = k1.z; kw1[h][3] = k1.w;
   }
@@ -21,9 +20,6 @@ __device__ __forceinline__ void key_scores(const unsigned char* rs, const u32 (&
   // row g the sum over pairs 4a, 4a + 2 (bz0), against (4a + 1, 4a + 3) gives row g + 8 the rest
   // (bz1); the other rows are unused. No register copies: the operands are as loaded.
   float bz0[4] = {0.f, 0.f, 0.f, 0.f}, bz1[4] = {0.f, 0.f, 0.f, 0.f};
-#if KOFF
-  float koff_acc[4] = {0.f, 0.f, 0.f, 0.f};  // every row: 1024 sum_d b_d, taken out with the bias
-#endif
 #pragma unroll
   for (int h = 0; h < NT; ++h) s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
 #pragma unroll
@@ -36,25 +32,13 @@ __device__ __forceinline__ void key_scores(const unsigned char* rs, const u32 (&
     const u32* qq = half ? qh : ql;
 #pragma unroll
     for (int w = 0; w < 4; ++w) {  // word w: dims 4w..4w+3 of this lane's 16 (pairs 2w, 2w + 1)
-      u32 b0 = hmul2(qq[QP(2 * w)], sc[2 * w]), b1 = hmul2(qq[QP(2 * w + 1)], sc[2 * w + 1]);
-#if KOFF
-      if (half) {  // high nibbles enter as 1024 + 16 c: (q * s) / 16 against them (exact: a power of 2)
-        b0 = hmul2(b0, 0x2C002C00u);
-        b1 = hmul2(b1, 0x2C002C00u);
-      }
-      mma(koff_acc, MAGIC, MAGIC, MAGIC, MAGIC, b0, b1);  // 1024 * the very operands' sum
-#endif
+      const u32 b0 = hmul2(qq[QP(2 * w)], sc[2 * w]), b1 = hmul2(qq[QP(2 * w + 1)], sc[2 * w + 1]);
 #pragma unroll
       for (int h = 0; h < NT; ++h) {
         const u32 x0 = prmt(kw0[h][w], 0u, 0x4140u), y0 = prmt(kw0[h][w], 0u, 0x4342u);  // bytes (0, 1), (2, 3)
         const u32 x1 = prmt(kw1[h][w], 0u, 0x4140u), y1 = prmt(kw1[h][w], 0u, 0x4342u);
-#if KOFF
-        const u32 m = half ? 0x00F000F0u : 0x000F000Fu;
-        mma(s[h], mask_or(x0, m, MAGIC), mask_or(x1, m, MAGIC), mask_or(y0, m, MAGIC), mask_or(y1, m, MAGIC), b0, b1);
-#else
         if (half == 0) mma(s[h], nib_lo(x0), nib_lo(x1), nib_lo(y0), nib_lo(y1), b0, b1);
         else mma(s[h], nib_hi(x0), nib_hi(x1), nib_hi(y0), nib_hi(y1), b0, b1);
-#endif
       }
     }
     mma(bz0, za.x, za.y, za.z, za.w, qq[0], qq[1]);
@@ -64,11 +48,7 @@ __device__ __forceinline__ void key_scores(const unsigned char* rs, const u32 (&
   }
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-#if KOFF
-    const float bias = bz0[j] + bz1[2 + j] - koff_acc[j];
-#else
     const float bias = bz0[j] + bz1[2 + j];
-#endif
 #pragma unroll
     for (int h = 0; h < NT; ++h) {
       s[h][j] += bias;
@@ -86,7 +66,7 @@ __device__ __forceinline__ void attend_values(const unsigned char* rs, float (&s
   for (int h = 0; h < NT; ++h) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      vw[h][j] = *reinterpret_cast<const u32*>(rs + V_OFF + 8 * j * TT + VSW(g, h) + 4 * t);  // (row 8j + g)
+      vw[h][j] = *reinterpret_cast<const u32*>(rs + V_OFF + (8 * j + g) * TT + 16 * h + 4 * t);
     vs2[h] = *reinterpret_cast<const u32*>(rs + VSZ_OFF + 2 * (16 * h + r0));  // tokens r0, r0 + 1
     vz2[h] = *reinterpret_cast<const u32*>(rs + VSZ_OFF + 2 * TT + 2 * (16 * h + r0));
   }
@@ -125,13 +105,7 @@ __device__ __forceinline__ void attend_values(const unsigned char* rs, float (&s
 #pragma unroll
     for (int h = 0; h < NT; ++h) {
       const u32 x = vw[h][i], y = vw[h][i] >> 8;
-#if VOFF
-      mma(acc[i], mask_or(x, 0x000F000Fu, MAGIC), mask_or(x, 0x00F000F0u, MAGIC), mask_or(y, 0x000F000Fu, MAGIC),
-          mask_or(y, 0x00F000F0u, MAGIC), pb0[h], pb1[h]);
-      mma(acc[i], NEG1024, NEG1024, NEG1024, NEG1024, pb0[h], pb1[h]);  // the offsets, from the same weights
-#else
       mma(acc[i], nib_lo(x), nib_hi(x), nib_lo(y), nib_hi(y), pb0[h], pb1[h]);
-#endif
     }
   }
 }

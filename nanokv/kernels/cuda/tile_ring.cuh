@@ -16,17 +16,6 @@ static_assert(BS % TT == 0, "a loop step must not cross a block");
 #define NSTAGE 2
 #endif
 
-// Where byte offset o of the step's key codes (row o / 64) and 16-token piece c of value dim row r
-// sit in a stage. SWZ: key rows 2 apart swap 64-byte halves of their 128-byte line, value pieces of
-// rows 4 apart swap 16-byte halves (NT = 2), so that the loop's shared loads meet no bank twice.
-#if SWZ
-#define KSW(o) ((o) ^ ((((o) >> 7) & 1) << 6))
-#define VSW(r, c) ((r) * TT + 16 * (NT == 2 ? (c) ^ (((r) >> 2) & 1) : (c)))
-#else
-#define KSW(o) (o)
-#define VSW(r, c) ((r) * TT + 16 * (c))
-#endif
-
 __device__ __forceinline__ void cp16(void* dst, const void* src) {
   const u32 d = (u32)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
@@ -42,15 +31,15 @@ __device__ __forceinline__ int tile_phys(const int* bt_row, int lo, int ntiles, 
 __device__ __forceinline__ void fetch_tile(unsigned char* dst, const unsigned char* kc, const unsigned char* vc,
                                            const u16* ks, const u16* kz, const u16* vs, const u16* vz, int ph,
                                            int sl, int kvh, int tin, int lane) {
-  if (ph >= 0 && (PRO || sl < 0)) {
+  if (ph >= 0 && sl < 0) {
     const size_t blk = (size_t)ph * NKV + kvh;
     const unsigned char* vp = vc + blk * (64 * BS) + tin;  // 64 dim rows, TT B each at tin
     // each copy instruction covers whole 32-byte sectors: lane l copies 16-byte pieces l, l + 32, ...
     // (a lane copying 32 NT contiguous bytes left each sector half-read per instruction: 150.9 vs
     // 142.5 us per call, H200, 32-token blocks, session 18)
     const unsigned char* kb = kc + blk * (BS * 64) + tin * 64;  // TT rows of 64 B, contiguous
-    const int kd = KSW(16 * lane), r = (int)((unsigned)lane / NT), c = (int)((unsigned)lane % NT);
-    const int vd = V_OFF + VSW(r, c);  // (the swizzles depend on the lane's part of each offset only)
+    const int kd = 16 * lane, r = (int)((unsigned)lane / NT), c = (int)((unsigned)lane % NT);
+    const int vd = V_OFF + r * TT + 16 * c;
 #pragma unroll
     for (int k = 0; k < 2 * NT; ++k) cp16(dst + kd + 512 * k, kb + 16 * lane + 512 * k);
 #pragma unroll
