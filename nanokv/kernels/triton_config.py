@@ -90,6 +90,8 @@ class TritonConfig:
     quant_cuda4: bool = True
     # its register cap (0 = the compiler's choice, 128; 96: 184.1 us, no spills but more recomputed
     # addresses) and the depth of its copy ring (2 / 3 / 4 stages: 168.2 / 170.8 / 173.3 us)
+    # (session 18, 32-token blocks, whole-sector copies: 2 stages 142.2 us, 3 stages 143.7; caps of
+    # 128 / 112 / 104 registers with all shared memory to the kernel 149.4 / 151.9 / 156.7 vs 142.5)
     quant_cuda4_maxnreg: int = 0
     quant_cuda4_stages: int = 2
     # 16-token tiles per step of its loop where the block size allows (bs % (16 n) == 0, else fewer):
@@ -97,7 +99,8 @@ class TritonConfig:
     # and the step's copy bookkeeping (sm_90 SASS of the loop: 443 executed instructions per 16
     # tokens with 1 tile, 330 with 2, at 167 registers, 12 programs per SM). H200, B 128, lengths over
     # [2048, 4096], 32-token blocks (session 17): 2 tiles 166.3 us vs 1 tile 198.5 (16-token blocks,
-    # 1 tile: 165.8); 2 tiles capped at 128 registers 173.1; 64-token blocks, 4 tiles 303.5 vs 2 255.1
+    # 1 tile: 165.8); 2 tiles capped at 128 registers 173.1; 64-token blocks, 4 tiles 303.5 vs 2 255.1.
+    # Session 18 (whole-sector copies): 2 tiles 142.2 us vs 1 tile 176.0
     quant_cuda4_tiles: int = 2
     # decode-only steps: the CUDA kernel also quantizes the blocks the step's tokens complete
     # (cuda/fill_int4.cuh, each block shared by its row's split programs), instead of the fill kernel's
@@ -111,7 +114,7 @@ class TritonConfig:
     # 2-tile loop fits 12: 3 waves measured the same, 165.5 vs 166.7 us), at least
     # quant_swap_min_splits; 0 = the Triton kernel's rule. H200, lengths over [2048, 4096], session 16:
     # B 64: 16 splits 100.9 / 101.8 us vs 8 109.0 / 109.6; B 96: 8 splits 126.0 vs 11 132.0; B 128: 8
-    # splits 164.3 vs 12 169.7, 16 179.6
+    # splits 164.3 vs 12 169.7, 16 179.6; session 18, 32-token blocks: 4 / 3 / 2 waves 142.2 / 142.3 / 142.0
     quant_cuda4_waves: int = 4
     # int8/int4 layers: the model's q/k norm + RoPE kernel (triton_rope) also applies the format's q/k
     # rotation, instead of a separate GEMM per layer and step (nanokv.kv.hooks.fused_rotation).
