@@ -14,7 +14,8 @@
 //   mask-and-splice each (0x6400 + m is fp16 1024 + m);
 // - lane (g, t) reads bytes [16t, 16t + 16) of its two key rows (dims 16t.., 64 + 16t..), and
 //   its B fragments hold (q * s) for the same dims, so no lane needs another lane's codes.
-// Tiles stream through a shared-memory ring (tile_ring.cuh). Open (staged) blocks are scored from
+// Tiles stream through a shared-memory ring (tile_ring.cuh); a loop step's two products and its
+// softmax: step_int4.cuh. Open (staged) blocks are scored from
 // full-precision staging in a second loop (staged_tile.cuh), as in the Triton kernels; blocks a step
 // completes are quantized in the same launch (fill_int4.cuh); splits are merged by the last
 // program of each (sequence, KV head) (split_merge.cuh). Fragment helpers: mma_frag.cuh.

@@ -41,7 +41,7 @@ __device__ __forceinline__ void fetch_tile(unsigned char* dst, const unsigned ch
     const int kd = 16 * lane, r = (int)((unsigned)lane / NT), c = (int)((unsigned)lane % NT);
     const int vd = V_OFF + r * TT + 16 * c;
 #pragma unroll
-    for (int k = 0; k < 2 * NT; ++k) cp16(dst + kd + 512 * k, kb + 16 * lane + 512 * k);
+    for (int k = 0; k < 2 * NT; ++k) cp16(dst + kd + 512 * k, kb + kd + 512 * k);
 #pragma unroll
     for (int k = 0; k < 2 * NT; ++k)  // lane: dim row 32 k / NT + r, 16-token piece c
       cp16(dst + vd + 512 * k, vp + (k * (32 / NT) + r) * BS + 16 * c);
