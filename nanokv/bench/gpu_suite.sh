@@ -83,10 +83,9 @@ for ph in $phases; do
       [ -n "${BREAKDOWN4:-}" ] && run breakdown_4 python3 -m nanokv.bench.run_breakdown --workload longctx --bits 4 \
         --out "$OUT/breakdown_4.json"
       run e2e_int8 $BENCH --workload longctx --enable-compression --quantization-bitwidth 8 --out "$OUT/e2e_int8.json" ;;
-    int4next)  # session 17's open measurements: the CUDA int4 kernel's GPU tests (the staged loop moved to
-      # staged_tile.cuh after the last call), its knobs again now that the fill no longer sets the
-      # launch's length, an Nsight Compute stall profile of the two-tile loop, and int4/bf16 pairs at
-      # the default block size (auto: int4 32, bf16 16) and at 32 for both
+    int4next)  # the CUDA int4 kernel's GPU tests, its knobs at 32-token blocks, an Nsight Compute stall
+      # profile of its loop (nanokv.bench.ncu_stalls), and int4/bf16 pairs at the default block size
+      # (auto: int4 32, bf16 16) and at 32 for both (sessions 17-18, docs/results/s18)
       run int4_tests python3 -m pytest -q tests/test_kernels_cuda.py
       PROBE="python3 -m nanokv.bench.decode_probe --bits 4 --batch 128 --ctx 4096 --engine-like --shuffle"
       run probe4_bs32 $PROBE --time --block-size 32 --variants \
