@@ -6,6 +6,7 @@
 #endif
 #define TT (16 * NT)
 static_assert(BS % TT == 0, "a loop step must not cross a block");
+static_assert(32 % NT == 0, "a copy instruction covers whole value rows (32 / NT of them)");
 // One stage of the ring: key codes [TT tokens, 64] B, value codes [64 dims, TT tokens] B, the block's
 // key scale and zero rows [2, 128] fp16, value scales [TT] and zeros [TT] fp16.
 #define V_OFF (1024 * NT)
