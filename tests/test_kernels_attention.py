@@ -237,6 +237,19 @@ def test_prefill_with_prefix_hits(bits: int, dtype: torch.dtype, bs: int) -> Non
     check(cache, md, q, small_cfg())
 
 
+@pytest.mark.parametrize("bs,block_n", [(8, 32), (16, 16), (32, 64), (16, 64)])
+@pytest.mark.parametrize("kinds", [False, True])
+def test_int4_prefill_tile_kinds(bs: int, block_n: int, kinds: bool) -> None:
+    """int4 prefill in runs of code-only, boundary and staging-only tiles (prefill_tile_kinds) or
+    every tile looking both up: the first open block at various offsets in a tile, holes, a fresh
+    prompt, a chunk starting on a block boundary."""
+    prefills = [(3 * bs + 5, 40), (2 * block_n, 17), (block_n + bs, 9), (bs - 1, 30), (0, 12), (2 * bs, 70)]
+    cache, md, q = build_batch(4, torch.float16, bs, 2, 2, 32, prefills, [], holes=True, seed=bs + block_n)
+    cfg = small_cfg(block_n=block_n)
+    cfg.prefill_tile_kinds = kinds
+    check(cache, md, q, cfg)
+
+
 @pytest.mark.parametrize("G", [1, 2, 3])
 def test_mixed_prefill_and_decode(G: int) -> None:
     cache, md, q = build_batch(16, torch.float16, 16, 2, G, 64, [(0, 17), (40, 6)], [3, 64, 90],

@@ -103,13 +103,35 @@ def compile_fill() -> bytes:
                          vc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16"))
 
 
+def compile_prefill(bits: int, kinds: bool = True, block_m: int = 64, warps: int = 4) -> bytes:
+    """The paged prefill kernel at Qwen3-0.6B shapes (G 2, D 128; int4 at 32-token blocks, bf16 at 16)."""
+    from nanokv.kernels.triton_prefill import _prefill_kernel
+    q = bits < 16
+    const = dict(D=128, DH=64, G=2, BS=32 if bits == 4 else 16, BITS=bits, CDT=tl.float16 if q else tl.bfloat16,
+                 ASM=True, WORDS=q, BLOCK_M=block_m, TOKENS=block_m // 2, BLOCK_DH=64, BLOCK_N=64, KINDS=kinds)
+    ptrs = dict(PTRS, qsl_ptr="*i32")
+    ptrs.update({16: dict(k_ptr="*bf16", v_ptr="*bf16"), 8: dict(v_ptr="*i8"), 4: dict(v_ptr="*u8")}[bits])
+    names = _prefill_kernel.arg_names
+    sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in names}
+    # as the launcher specializes: pointers 16-byte aligned, strides multiples of 16 (stride_bt not)
+    div16 = [i for i, n in enumerate(names) if n not in const and (sig[n].startswith("*") or (
+        n.startswith("stride_") and n != "stride_bt"))]
+    src = ASTSource(_prefill_kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs={(i,): [["tt.divisibility", 16]] for i in div16})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2)
+                          ).asm["cubin"]
+
+
 def compile_silu() -> bytes:
     return _compile(_silu_mul_kernel, dict(BLOCK=1024), dict(x_ptr="*bf16", o_ptr="*bf16"))
 
 
 OTHERS = {"rope rot=False": lambda: compile_rope(False), "rope rot=True": lambda: compile_rope(True),
           "norm add=False": lambda: compile_norm(False), "norm add=True": lambda: compile_norm(True),
-          "silu_mul": compile_silu, "int4 fill": compile_fill}
+          "silu_mul": compile_silu, "int4 fill": compile_fill,
+          "prefill bits=16": lambda: compile_prefill(16), "prefill bits=8": lambda: compile_prefill(8),
+          "prefill bits=4": lambda: compile_prefill(4), "prefill bits=4 kinds=0": lambda: compile_prefill(4, False),
+          "prefill bits=4 block_m=128 warps=8": lambda: compile_prefill(4, True, 128, 8)}
 
 
 def resources(cubin_path: str) -> str:

@@ -128,6 +128,11 @@ class TritonConfig:
     prefill_block_n: int = 64
     prefill_warps: int = 4
     prefill_stages: int = 2
+    # int4 caches: the prefill's context in runs of tiles compiled for what they read (codes only,
+    # the one tile at the first open block, staging only) instead of every tile looking both up
+    prefill_tile_kinds: bool = True
+    quant4_prefill_block_m: int = 0  # int4 caches: prefill rows / warps per program (0 = prefill_*)
+    quant4_prefill_warps: int = 0
     # fresh prompts (no cached prefix) in a 16-bit cache go to torch SDPA (flash), 2.5x faster than
     # the paged prefill kernel on an H200, once the longest is at least this long; 0 = never
     sdpa_prefill_min_tokens: int = 256

@@ -87,12 +87,12 @@ def _decode_kernel(
             crows, strows, staged = stage_rows(stage_ptr, phys, valid, tok, kvh, stride_cn, stride_ch,
                                                stride_stn, stride_sth, BS, D)
         s = qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
-                      kst_ptr, crows, strows, staged, DH, BITS, ASM, WORDS)
+                      kst_ptr, crows, strows, staged, DH, BITS, ASM, WORDS, 2)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         p, _alpha, m_i, l_i, acc_lo, acc_hi = decode_softmax_step(s, m_i, l_i, acc_lo, acc_hi, LAZY_TAU)
         acc_lo, acc_hi = pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, offs_d,
                                        d_mask, vst_ptr, strows, staged, bt_row, start, hi, kvh, stride_kn,
-                                       stride_kh, DH, BITS, CDT, ASM, WORDS, FOLD_V, BS)
+                                       stride_kh, DH, BITS, CDT, ASM, WORDS, FOLD_V, BS, 2)
 
     store_decode(acc_lo, acc_hi, m_i, l_i, offs_g, kvh, seq, split, num_splits, out_ptr, part_o_ptr, part_ml_ptr,
                  stride_ot, stride_oh, D, DH, G, BLOCK_DH, SPLIT)

@@ -64,7 +64,8 @@ def split_range(seq_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
               kst_ptr, crows, strows, staged,
-              DH: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr):
+              DH: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr,
+              STAGING: tl.constexpr):
     """Scores [BLOCK_M, BLOCK_N] fp32 = q @ K^T, K read from the paged cache (dequant folded in).
 
     q_lo, q_hi: [BLOCK_M, BLOCK_DH] query halves in the compute dtype.
@@ -72,9 +73,13 @@ def qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_m
     WORDS: quantized key codes read as int32 words (k_ptr is an int32 view), fp16 tiles.
     int4 only (see stage_rows): crows [BLOCK_N] offsets of each token's per-channel scale/zero row,
     strows offsets into the full-precision staging kst_ptr, staged [BLOCK_N] reads from staging.
+    STAGING (int4): 2 any mix of staged and quantized tokens, 1 every valid token staged (read as a
+    16-bit tile, no codes), 0 none staged (no staging loads; triton_prefill's runs of tiles).
     """
     CDT = q_lo.dtype
-    if BITS < 16:
+    if BITS == 4 and STAGING == 1:
+        s = _qk_rows(q_lo, q_hi, kst_ptr, strows, staged, offs_d, d_mask, DH)
+    elif BITS < 16:
         if WORDS:
             if BITS == 4:
                 c_lo, c_hi = load_code_words(k_ptr, rows, valid, 0, rows.shape[0], q_lo.shape[1], 4, ASM)
@@ -90,43 +95,57 @@ def qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_m
                 c_lo = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0).to(CDT)
                 c_hi = tl.load(k_ptr + rows[:, None] + DH + offs_d[None, :], mask=m2, other=0).to(CDT)
         if BITS == 4:  # per-channel scales differ per block: dequantize the tile in registers
-            k_lo = _chan_dequant(c_lo, ks_ptr, kz_ptr, crows, valid, offs_d, d_mask, kst_ptr, strows, staged, CDT)
+            k_lo = _chan_dequant(c_lo, ks_ptr, kz_ptr, crows, valid, offs_d, d_mask, kst_ptr, strows, staged, CDT,
+                                 STAGING)
             k_hi = _chan_dequant(c_hi, ks_ptr + DH, kz_ptr + DH, crows, valid, offs_d, d_mask, kst_ptr + DH,
-                                 strows, staged, CDT)
+                                 strows, staged, CDT, STAGING)
             s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))
         else:
             s = tl.dot(q_hi, tl.trans(c_hi), tl.dot(q_lo, tl.trans(c_lo)))
             s = s * tl.load(ks_ptr + srows, mask=valid, other=0.0).to(tl.float32)[None, :]
     else:
-        m2 = valid[None, :] & d_mask[:, None]  # [BLOCK_DH, BLOCK_N]: K^T tile, d contiguous
-        k_lo = tl.load(k_ptr + rows[None, :] + offs_d[:, None], mask=m2, other=0.0)
-        k_hi = tl.load(k_ptr + rows[None, :] + DH + offs_d[:, None], mask=m2, other=0.0)
-        s = tl.dot(q_hi, k_hi.to(CDT), tl.dot(q_lo, k_lo.to(CDT)))
+        s = _qk_rows(q_lo, q_hi, k_ptr, rows, valid, offs_d, d_mask, DH)
     return s
 
 
 @triton.jit
-def _chan_dequant(c, s_ptr, z_ptr, crows, valid, offs_d, d_mask, st_ptr, strows, staged, CDT: tl.constexpr):
+def _qk_rows(q_lo, q_hi, k_ptr, rows, valid, offs_d, d_mask, DH: tl.constexpr):
+    """Scores from 16-bit key rows (the cache's, or int4 staging's): rows [BLOCK_N] element offsets."""
+    m2 = valid[None, :] & d_mask[:, None]  # [BLOCK_DH, BLOCK_N]: K^T tile, d contiguous
+    k_lo = tl.load(k_ptr + rows[None, :] + offs_d[:, None], mask=m2, other=0.0)
+    k_hi = tl.load(k_ptr + rows[None, :] + DH + offs_d[:, None], mask=m2, other=0.0)
+    return tl.dot(q_hi, k_hi.to(q_lo.dtype), tl.dot(q_lo, k_lo.to(q_lo.dtype)))
+
+
+@triton.jit
+def _chan_dequant(c, s_ptr, z_ptr, crows, valid, offs_d, d_mask, st_ptr, strows, staged, CDT: tl.constexpr,
+                  STAGING: tl.constexpr):
     """int4 key half-tile: codes c [BLOCK_N, BLOCK_DH] -> c * scale[channel] + zero[channel] (fp32
-    math: a channel's zero point can be far larger than its step), staged tokens from staging."""
+    math: a channel's zero point can be far larger than its step), staged tokens from staging
+    (none staged when STAGING == 0)."""
     m2 = valid[:, None] & d_mask[None, :]
     sc = tl.load(s_ptr + crows[:, None] + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
     zr = tl.load(z_ptr + crows[:, None] + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
     x = c.to(tl.float32) * sc + zr
-    fm = staged[:, None] & d_mask[None, :]
-    f = tl.load(st_ptr + strows[:, None] + offs_d[None, :], mask=fm, other=0.0).to(tl.float32)
-    return tl.where(staged[:, None], f, x).to(CDT)
+    if STAGING != 0:
+        fm = staged[:, None] & d_mask[None, :]
+        f = tl.load(st_ptr + strows[:, None] + offs_d[None, :], mask=fm, other=0.0).to(tl.float32)
+        x = tl.where(staged[:, None], f, x)
+    return x.to(CDT)
 
 
 @triton.jit
 def stage_rows(stage_ptr, phys, valid, tok, kvh, stride_cn, stride_ch, stride_stn, stride_sth,
-               BS: tl.constexpr, D: tl.constexpr):
+               BS: tl.constexpr, D: tl.constexpr, LOOKUP: tl.constexpr = True):
     """int4: (crows, strows, staged) for a tile of tokens, see qk_scores. A block whose staging
-    slot (stage_ptr: [N] int32, -1 = none) is set is still open: it is read from staging [S, H, bs, D]."""
+    slot (stage_ptr: [N] int32, -1 = none) is set is still open: it is read from staging [S, H, bs, D].
+    LOOKUP False: a tile known to hold codes only (staged all False, strows unused)."""
+    crows = phys * stride_cn + kvh * stride_ch
+    if not LOOKUP:
+        return crows, crows, valid & False
     st = tl.load(stage_ptr + phys, mask=valid, other=-1)
     staged = valid & (st >= 0)
     strows = tl.where(staged, st, 0).to(tl.int64) * stride_stn + kvh * stride_sth + (tok % BS) * D
-    crows = phys * stride_cn + kvh * stride_ch
     return crows, strows, staged
 
 
@@ -135,7 +154,7 @@ def pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, 
                   vst_ptr, strows, staged,
                   bt_row_ptr, start, hi, kvh, stride_n, stride_h,
                   DH: tl.constexpr, BITS: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr,
-                  WORDS: tl.constexpr, FOLD_V: tl.constexpr, BS: tl.constexpr):
+                  WORDS: tl.constexpr, FOLD_V: tl.constexpr, BS: tl.constexpr, STAGING: tl.constexpr):
     """acc += p @ V for one tile of tokens [start, start + BLOCK_N). p: [BLOCK_M, BLOCK_N] fp32 (0
     on invalid tokens); acc: fp32 halves. int8 and int4 values are read through the block table by
     int8_value_codes / int4_value_codes (bt_row_ptr .. stride_h; dims-major blocks), never as words;
@@ -149,7 +168,11 @@ def pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, 
     """
     m2 = valid[:, None] & d_mask[None, :]  # [BLOCK_N, BLOCK_DH]
     pc = p.to(CDT)
-    if BITS < 16:
+    if BITS == 4 and STAGING == 1:  # every valid token staged: a 16-bit tile, no codes (qk_scores)
+        fm = staged[:, None] & d_mask[None, :]
+        v_lo = tl.load(vst_ptr + strows[:, None] + offs_d[None, :], mask=fm, other=0.0)
+        v_hi = tl.load(vst_ptr + strows[:, None] + DH + offs_d[None, :], mask=fm, other=0.0)
+    elif BITS < 16:
         BLOCK_N: tl.constexpr = p.shape[1]
         if BITS == 4:
             c_lo, c_hi = int4_value_codes(v_ptr, bt_row_ptr, start, hi, kvh, stride_n, stride_h, offs_d, d_mask,
@@ -162,11 +185,14 @@ def pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, 
         if BITS == 4:
             vs = tl.load(vs_ptr + srows, mask=valid, other=0.0).to(CDT)[:, None]
             vz = tl.load(vz_ptr + srows, mask=valid, other=0.0).to(CDT)[:, None]
-            fm = staged[:, None] & d_mask[None, :]  # open blocks: full precision from staging
-            f_lo = tl.load(vst_ptr + strows[:, None] + offs_d[None, :], mask=fm, other=0.0).to(CDT)
-            f_hi = tl.load(vst_ptr + strows[:, None] + DH + offs_d[None, :], mask=fm, other=0.0).to(CDT)
-            v_lo = tl.where(staged[:, None], f_lo, c_lo * vs + vz)
-            v_hi = tl.where(staged[:, None], f_hi, c_hi * vs + vz)
+            v_lo = c_lo * vs + vz
+            v_hi = c_hi * vs + vz
+            if STAGING != 0:
+                fm = staged[:, None] & d_mask[None, :]  # open blocks: full precision from staging
+                f_lo = tl.load(vst_ptr + strows[:, None] + offs_d[None, :], mask=fm, other=0.0).to(CDT)
+                f_hi = tl.load(vst_ptr + strows[:, None] + DH + offs_d[None, :], mask=fm, other=0.0).to(CDT)
+                v_lo = tl.where(staged[:, None], f_lo, v_lo)
+                v_hi = tl.where(staged[:, None], f_hi, v_hi)
         elif FOLD_V:
             pc = fold_v_weights(p, tl.load(vs_ptr + srows, mask=valid, other=0.0), CDT)
             v_lo, v_hi = c_lo, c_hi

@@ -34,6 +34,40 @@ from nanokv.kv.cache import LayerKVCache, check_layout
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _attend(state, lo, hi, q_lo, q_hi, q_pos, bt_row, kv_end, kvh, ptrs, strides, qk_scale,
+            D: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, CDT: tl.constexpr,
+            ASM: tl.constexpr, WORDS: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr,
+            STAGING: tl.constexpr):
+    """The online softmax over the key tiles from lo (a tile start) to hi: state (m, l, acc_lo,
+    acc_hi) -> state. STAGING: what the tiles read (triton_kvtile.qk_scores)."""
+    m_i, l_i, acc_lo, acc_hi = state
+    k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, kst_ptr, vst_ptr, stage_ptr = ptrs
+    stride_kn, stride_kh, stride_ks, stride_sn, stride_sh, stride_cn, stride_ch, stride_stn, stride_sth = strides
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_DH)
+    d_mask = offs_d < DH
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + offs_n
+        valid, rows, phys = tile_rows(bt_row, tok, kv_end, kvh, stride_kn, stride_kh, stride_ks, BS)
+        srows = phys * stride_sn + kvh * stride_sh + tok % BS
+        crows, strows, staged = srows, srows, valid
+        if BITS == 4:  # per-channel key scales; open blocks read from full-precision staging
+            crows, strows, staged = stage_rows(stage_ptr, phys, valid, tok, kvh, stride_cn, stride_ch,
+                                               stride_stn, stride_sth, BS, D, STAGING != 0)
+        s = qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
+                      kst_ptr, crows, strows, staged, DH, BITS, ASM, WORDS, STAGING)
+        keep = valid[None, :] & (tok[None, :] <= q_pos[:, None])
+        s = tl.where(keep, s * qk_scale, float("-inf"))
+        p, m_i, l_i, acc_lo, acc_hi = online_softmax_step(s, m_i, l_i, acc_lo, acc_hi)
+        # int8 folds V scales into p (as the decode does): per-element scaling of the dims-major value
+        # tiles cost 2,100 vs 1,400 loop instructions per 64 tokens (offline sm_90)
+        acc_lo, acc_hi = pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, offs_d,
+                                       d_mask, vst_ptr, strows, staged, bt_row, start, kv_end, kvh, stride_kn,
+                                       stride_kh, DH, BITS, CDT, ASM, WORDS, BITS == 8, BS, STAGING)
+    return m_i, l_i, acc_lo, acc_hi
+
+
 # metadata pointers and sizes vary step to step (slices at the prefill count, table width): not
 # specialized on, or each new alignment / divisibility class would compile the kernel again mid-run
 @triton.jit(do_not_specialize=["bt_ptr", "seq_lens_ptr", "qsl_ptr", "stride_bt"])
@@ -47,6 +81,7 @@ def _prefill_kernel(
     D: tl.constexpr, DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
     CDT: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr,
     BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr,
+    KINDS: tl.constexpr,
 ):
     # TOKENS = BLOCK_M // G query tokens per tile (rows beyond TOKENS * G idle)
     tile = tl.program_id(0)
@@ -60,7 +95,6 @@ def _prefill_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_DH)
-    offs_n = tl.arange(0, BLOCK_N)
     t_local = first + offs_m // G
     heads = kvh * G + offs_m % G
     row_ok = offs_m < n_tok * G
@@ -78,24 +112,27 @@ def _prefill_kernel(
     # keys up to the last query token of this tile (causal); 0 when the tile is empty
     kv_end = tl.where(n_tok > 0, seq_len - q_len + first + n_tok, 0)
     bt_row = bt_ptr + seq * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
-        tok = start + offs_n
-        valid, rows, phys = tile_rows(bt_row, tok, kv_end, kvh, stride_kn, stride_kh, stride_ks, BS)
-        srows = phys * stride_sn + kvh * stride_sh + tok % BS
-        crows, strows, staged = srows, srows, valid
-        if BITS == 4:  # per-channel key scales; open blocks read from full-precision staging
-            crows, strows, staged = stage_rows(stage_ptr, phys, valid, tok, kvh, stride_cn, stride_ch,
-                                               stride_stn, stride_sth, BS, D)
-        s = qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
-                      kst_ptr, crows, strows, staged, DH, BITS, ASM, WORDS)
-        keep = valid[None, :] & (tok[None, :] <= q_pos[:, None])
-        s = tl.where(keep, s * qk_scale, float("-inf"))
-        p, m_i, l_i, acc_lo, acc_hi = online_softmax_step(s, m_i, l_i, acc_lo, acc_hi)
-        # int8 folds V scales into p (as the decode does): per-element scaling of the dims-major value
-        # tiles cost 2,100 vs 1,400 loop instructions per 64 tokens (offline sm_90)
-        acc_lo, acc_hi = pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, offs_d,
-                                       d_mask, vst_ptr, strows, staged, bt_row, start, kv_end, kvh, stride_kn,
-                                       stride_kh, DH, BITS, CDT, ASM, WORDS, BITS == 8, BS)
+    # int4 with KINDS: the context in three runs of tiles, each compiled for what it reads. Blocks
+    # wholly before the step's first token were filled by earlier steps, so they hold codes; every
+    # block this step writes is staged (StageTable.plan). cb = first token of the first staged block:
+    # tiles before a read codes only, the one tile [a, b) holding cb both, tiles from b staging only.
+    cb = (seq_len - q_len) // BS * BS
+    a = tl.minimum(cb // BLOCK_N * BLOCK_N, kv_end)
+    b = tl.minimum(tl.cdiv(cb, BLOCK_N) * BLOCK_N, kv_end)
+    state = (m_i, l_i, acc_lo, acc_hi)
+    ptrs = (k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, kst_ptr, vst_ptr, stage_ptr)
+    strides = (stride_kn, stride_kh, stride_ks, stride_sn, stride_sh, stride_cn, stride_ch, stride_stn, stride_sth)
+    if BITS == 4 and KINDS:
+        state = _attend(state, 0, a, q_lo, q_hi, q_pos, bt_row, kv_end, kvh, ptrs, strides, qk_scale,
+                        D, DH, BS, BITS, CDT, ASM, WORDS, BLOCK_DH, BLOCK_N, 0)
+        state = _attend(state, a, b, q_lo, q_hi, q_pos, bt_row, kv_end, kvh, ptrs, strides, qk_scale,
+                        D, DH, BS, BITS, CDT, ASM, WORDS, BLOCK_DH, BLOCK_N, 2)
+        state = _attend(state, b, kv_end, q_lo, q_hi, q_pos, bt_row, kv_end, kvh, ptrs, strides, qk_scale,
+                        D, DH, BS, BITS, CDT, ASM, WORDS, BLOCK_DH, BLOCK_N, 1)
+    else:
+        state = _attend(state, 0, kv_end, q_lo, q_hi, q_pos, bt_row, kv_end, kvh, ptrs, strides, qk_scale,
+                        D, DH, BS, BITS, CDT, ASM, WORDS, BLOCK_DH, BLOCK_N, 2)
+    m_i, l_i, acc_lo, acc_hi = state
 
     inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)  # acc is 0 where l is
     o_rows = out_ptr + (q_start + t_local)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh
@@ -106,9 +143,10 @@ def _prefill_kernel(
 def paged_prefill(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, max_query_len: int, out: torch.Tensor, scale: float,
                   block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                  asm: bool | None = None, words: bool | None = None) -> torch.Tensor:
+                  asm: bool | None = None, words: bool | None = None, tile_kinds: bool = True) -> torch.Tensor:
     """q: [Tp, Hq, D] prefill tokens, packed; block_tables: [P, max_blocks] int32 (-1 holes);
-    seq_lens: [P] int32; query_start_loc: [P + 1] int32 (starts at 0); out: [Tp, Hq, D] in place."""
+    seq_lens: [P] int32; query_start_loc: [P + 1] int32 (starts at 0); out: [Tp, Hq, D] in place.
+    tile_kinds (int4): tiles wholly of codes or wholly staged take a branch without the other's loads."""
     P = int(seq_lens.shape[0])
     Tp, Hq, D = q.shape
     H = cache.num_kv_heads
@@ -135,7 +173,7 @@ def paged_prefill(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tens
         D=D, DH=D // 2, G=G, BS=cache.block_size, CDT=cdt, ASM=use_asm(q.device) if asm is None else asm,
         WORDS=words,
         BITS=cache.bits if cache.quantized else 16,
-        BLOCK_M=block_m, TOKENS=tokens, BLOCK_DH=max(16, next_pow2(D // 2)), BLOCK_N=block_n,
+        BLOCK_M=block_m, TOKENS=tokens, BLOCK_DH=max(16, next_pow2(D // 2)), BLOCK_N=block_n, KINDS=tile_kinds,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
