@@ -66,8 +66,12 @@ _BF16 = pytest.mark.skipif(DEV == "cpu", reason="TRITON_INTERPRET rounds fp32 ->
     pytest.param(torch.bfloat16, torch.float16, marks=_BF16)])
 @pytest.mark.parametrize("heads,d", [((4, 2), 32), ((3, 3), 64), ((2, 1), 24)])
 @pytest.mark.parametrize("norm", [True, False])
-def test_triton_qk_norm_rope_matches_torch(dtype, out_dtype, heads, d, norm) -> None:
-    """Odd head counts (a partial head tile), a head dim whose half is not a power of two."""
+@pytest.mark.parametrize("many", [False, True])
+def test_triton_qk_norm_rope_matches_torch(dtype, out_dtype, heads, d, norm, many, monkeypatch) -> None:
+    """Odd head counts (a partial head tile), a head dim whose half is not a power of two; many:
+    several tokens per program (long steps), 5 tokens so the last program is partly empty."""
+    if many:
+        monkeypatch.setattr(triton_rope, "MANY_TOKENS", 1)
     qk, qw, kw, cos, sin, hq = _inputs(dtype, *heads, d=d)
     want = _compiled_semantics(qk, qw, kw, 1e-6, cos, sin, out_dtype, hq, norm)
     got = triton_rope.qk_norm_rope(qk.to(DEV), cos.to(DEV), sin.to(DEV), out_dtype,
@@ -106,10 +110,13 @@ def test_bad_layout_is_an_error_naming_the_inputs() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,d", [((4, 2), 32), ((3, 3), 64), ((2, 1), 48)])
-def test_triton_rope_applies_the_kv_rotation_as_its_gemm_would(dtype, heads, d) -> None:
+@pytest.mark.parametrize("many", [False, True])
+def test_triton_rope_applies_the_kv_rotation_as_its_gemm_would(dtype, heads, d, many, monkeypatch) -> None:
     """rot: the KV format's q/k rotation (Hadamard at 32 and 64, a QR matrix at 48) in the same
     kernel: as rounding the RoPE output to dtype and multiplying by R; head counts below the dot's
-    16 rows, a half dim of 24."""
+    16 rows, a half dim of 24; many: several tokens per program."""
+    if many:
+        monkeypatch.setattr(triton_rope, "MANY_TOKENS", 1)
     from nanokv.kv.rotation import rotation_matrix
     qk, qw, kw, cos, sin, hq = _inputs(dtype, *heads, d=d)
     r = rotation_matrix(d, dtype)

@@ -81,12 +81,13 @@ def _compile(fn, const: dict, ptrs: dict, num_warps: int = 4) -> bytes:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps)).asm["cubin"]
 
 
-def compile_rope(rot: bool) -> bytes:
+def compile_rope(rot: bool, tokens: int = 1) -> bytes:
     """The q/k norm + RoPE kernel at Qwen3-0.6B shapes (24 heads of 128, bf16 in, fp16 out for an
-    int8 layer), with or without the KV rotation's dots -> the sm_90 cubin."""
-    return _compile(_qk_norm_rope_kernel, dict(DH=64, BLOCK_H=32, BLOCK_DH=64, NORM=True, ROT=rot, PREC="tf32"),
+    int8 layer), with or without the KV rotation's dots, tokens per program -> the sm_90 cubin."""
+    return _compile(_qk_norm_rope_kernel, dict(DH=64, BLOCK_H=32, BLOCK_DH=64, NORM=True, ROT=rot, PREC="tf32",
+                                               TOK=tokens),
                     dict(x_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16",
-                         r_ptr="*fp16", o_ptr="*fp16", eps="fp32"))
+                         r_ptr="*fp16", o_ptr="*fp16", eps="fp32"), 4 if tokens == 1 else 8)
 
 
 def compile_norm(add: bool) -> bytes:
@@ -127,11 +128,11 @@ def compile_silu() -> bytes:
 
 
 OTHERS = {"rope rot=False": lambda: compile_rope(False), "rope rot=True": lambda: compile_rope(True),
+          "rope rot=True tokens=4": lambda: compile_rope(True, 4),
           "norm add=False": lambda: compile_norm(False), "norm add=True": lambda: compile_norm(True),
           "silu_mul": compile_silu, "int4 fill": compile_fill,
           "prefill bits=16": lambda: compile_prefill(16), "prefill bits=8": lambda: compile_prefill(8),
-          "prefill bits=4": lambda: compile_prefill(4), "prefill bits=4 kinds=0": lambda: compile_prefill(4, False),
-          "prefill bits=4 block_m=128 warps=8": lambda: compile_prefill(4, True, 128, 8)}
+          "prefill bits=4": lambda: compile_prefill(4), "prefill bits=4 kinds=0": lambda: compile_prefill(4, False)}
 
 
 def resources(cubin_path: str) -> str:

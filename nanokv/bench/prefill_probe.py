@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="C:L pairs, earlier tokens : new tokens, one launch each")
     ap.add_argument("--variants", default="", help="';'-separated override lists; '' = defaults")
     ap.add_argument("--fill", action="store_true", help="int4: also time the fill kernel of a prefill step")
+    ap.add_argument("--rope", action="store_true", help="also time the q/k norm + RoPE kernel")
     args = ap.parse_args(argv)
     bs = args.block_size or (32 if args.bits == 4 else 16)
     total: dict[str, float] = {}
@@ -64,7 +65,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefill_probe bits={args.bits} all chunks [{spec}]: {ms * 1e3:.1f} us", flush=True)
     if args.fill and args.bits == 4:
         time_fill(bs, 4 if args.smoke else 8, 64 if args.smoke else 2048)
+    if args.rope:
+        time_rope(args.bits)
     return 0
+
+
+def time_rope(bits: int) -> None:
+    """The q/k norm + RoPE kernel (with the format's rotation below 16 bits) over a 16k-token prefill
+    step and a 128-token decode step, at several tokens per program."""
+    from nanokv.kernels import triton_rope
+    from nanokv.kv.rotation import rotation_matrix
+    Hq, Hk, D = SH.H * SH.G, SH.H, SH.D
+    odt = torch.float16 if bits < 16 else SH.dtype  # the attention's dtype (nanokv.kv.hooks.qk_dtype)
+    rot = rotation_matrix(D, odt).to(SH.dev) if bits < 16 else None
+    for T in (64, 256) if SH.dev.type == "cpu" else (16384, 128):
+        qk = torch.randn(T, Hq + Hk, D, device=SH.dev, dtype=SH.dtype)
+        w = torch.rand(D, device=SH.dev, dtype=SH.dtype) + 0.5
+        cs = torch.randn(T, 1, D, device=SH.dev, dtype=SH.dtype)
+        cos, sin = cs[..., :D // 2], cs[..., D // 2:]
+        for tok in (1, 2, 4, 8):
+            ms = timed(functools.partial(lambda i, a: triton_rope.qk_norm_rope(*a), a=(
+                qk, cos, sin, odt, (w, w, 1e-6, Hq), rot, tok)))
+            print(f"prefill_probe rope bits={bits} T={T}, {tok} tokens per program: {ms * 1e3:.1f} us", flush=True)
 
 
 def time_fill(bs: int, P: int, L: int) -> None:

@@ -120,6 +120,8 @@ class TritonConfig:
     # rotation, instead of a separate GEMM per layer and step (nanokv.kv.hooks.fused_rotation).
     # H200 long-context int8 run, session 12: 11,130 tok/s with it vs 10,827 without (one pair)
     qk_rotation_in_rope: bool = True
+    # that kernel's tokens per program in steps of 1024 tokens or more (decode steps: one each)
+    rope_tokens: int = 4
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM
     min_split_tokens: int = 256  # no split shorter than this (the merge would cost more than it saves)
