@@ -146,7 +146,9 @@ def after_attention(layer: int, cache: LayerKVCache, md: Any, o: torch.Tensor) -
             if cache.filled_in_step:  # the decode kernel quantized them (cuda_decode_int4)
                 cache.filled_in_step = False
             else:
-                quantize_filled_graphsafe(cache, md.extras.get("fill_slots", md.slot_mapping))
+                fill = md.extras.get("fill_slots")  # (8 warps: prefill steps' fills 141 vs 156 us at 4)
+                quantize_filled_graphsafe(cache, md.slot_mapping if fill is None else fill,
+                                          0 if fill is None else 8)
         else:
             quantize_filled(cache, layer)
     if cache.rotate_v and not cache.rotate_v_in_weights:
