@@ -104,12 +104,12 @@ def compile_fill() -> bytes:
                          vc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16"))
 
 
-def compile_prefill(bits: int, kinds: bool = True, block_m: int = 64, warps: int = 4, block_n: int = 64) -> bytes:
+def compile_prefill(bits: int, kinds: bool = True, block_m: int = 64, warps: int = 4) -> bytes:
     """The paged prefill kernel at Qwen3-0.6B shapes (G 2, D 128; int4 at 32-token blocks, bf16 at 16)."""
     from nanokv.kernels.triton_prefill import _prefill_kernel
     q = bits < 16
     const = dict(D=128, DH=64, G=2, BS=32 if bits == 4 else 16, BITS=bits, CDT=tl.float16 if q else tl.bfloat16,
-                 ASM=True, WORDS=q, BLOCK_M=block_m, TOKENS=block_m // 2, BLOCK_DH=64, BLOCK_N=block_n, KINDS=kinds)
+                 ASM=True, WORDS=q, BLOCK_M=block_m, TOKENS=block_m // 2, BLOCK_DH=64, BLOCK_N=64, KINDS=kinds)
     ptrs = dict(PTRS, qsl_ptr="*i32")
     ptrs.update({16: dict(k_ptr="*bf16", v_ptr="*bf16"), 8: dict(v_ptr="*i8"), 4: dict(v_ptr="*u8")}[bits])
     names = _prefill_kernel.arg_names
@@ -132,9 +132,7 @@ OTHERS = {"rope rot=False": lambda: compile_rope(False), "rope rot=True": lambda
           "norm add=False": lambda: compile_norm(False), "norm add=True": lambda: compile_norm(True),
           "silu_mul": compile_silu, "int4 fill": compile_fill,
           "prefill bits=16": lambda: compile_prefill(16), "prefill bits=8": lambda: compile_prefill(8),
-          "prefill bits=4": lambda: compile_prefill(4, True, 128, 8),
-          "prefill bits=4 kinds=0": lambda: compile_prefill(4, False),
-          "prefill bits=4 block_n=32": lambda: compile_prefill(4, True, 128, 8, 32)}
+          "prefill bits=4": lambda: compile_prefill(4), "prefill bits=4 kinds=0": lambda: compile_prefill(4, False)}
 
 
 def resources(cubin_path: str) -> str:

@@ -133,14 +133,12 @@ class TritonBackend:
             else:
                 sdpa_fresh_prefill(q, k, v, md, out, scale, fresh)
         rest = [i for i in range(P) if i not in set(fresh)]
-        q4 = cache.bits == 4  # int4: its own prefill tile sizes where set (TritonConfig.quant4_prefill_*)
-        bm = q4 and cfg.quant4_prefill_block_m or cfg.prefill_block_m
-        bn = q4 and cfg.quant4_prefill_block_n or cfg.prefill_block_n
-        warps = q4 and cfg.quant4_prefill_warps or cfg.prefill_warps
+        q4 = cache.bits == 4
         for a, b in runs(rest):  # usually one run: a chunk continuing, or prompts with a cached prefix
             triton_prefill.paged_prefill(
                 q, cache, md.block_tables[a:b], md.seq_lens[a:b], md.query_start_loc[a:b + 1],
-                md.max_query_len, out, scale, block_m=bm, block_n=bn, num_warps=warps,
+                md.max_query_len, out, scale, block_m=q4 and cfg.quant4_prefill_block_m or cfg.prefill_block_m,
+                block_n=cfg.prefill_block_n, num_warps=q4 and cfg.quant4_prefill_warps or cfg.prefill_warps,
                 num_stages=cfg.prefill_stages, asm=cfg.asm, words=cfg.words, tile_kinds=cfg.prefill_tile_kinds)
         nd = md.num_seqs - P
         if nd > 0:

@@ -140,7 +140,6 @@ class TritonConfig:
     # looking staging up, before prefill_tile_kinds: 735.9 / 386.5 / 901.1; bf16 804 us in all)
     quant4_prefill_block_m: int = 128
     quant4_prefill_warps: int = 8
-    quant4_prefill_block_n: int = 0  # int4 prefill tile (0 = prefill_block_n); <= bs: one block's scales per tile
     # fresh prompts (no cached prefix) in a 16-bit cache go to torch SDPA (flash), 2.5x faster than
     # the paged prefill kernel on an H200, once the longest is at least this long; 0 = never
     sdpa_prefill_min_tokens: int = 256

@@ -65,7 +65,7 @@ def split_range(seq_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
 def qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
               kst_ptr, crows, strows, staged,
               DH: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr,
-              STAGING: tl.constexpr, ONE_BLOCK: tl.constexpr = False):
+              STAGING: tl.constexpr):
     """Scores [BLOCK_M, BLOCK_N] fp32 = q @ K^T, K read from the paged cache (dequant folded in).
 
     q_lo, q_hi: [BLOCK_M, BLOCK_DH] query halves in the compute dtype.
@@ -96,9 +96,9 @@ def qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_m
                 c_hi = tl.load(k_ptr + rows[:, None] + DH + offs_d[None, :], mask=m2, other=0).to(CDT)
         if BITS == 4:  # per-channel scales differ per block: dequantize the tile in registers
             k_lo = _chan_dequant(c_lo, ks_ptr, kz_ptr, crows, valid, offs_d, d_mask, kst_ptr, strows, staged, CDT,
-                                 STAGING, ONE_BLOCK)
+                                 STAGING)
             k_hi = _chan_dequant(c_hi, ks_ptr + DH, kz_ptr + DH, crows, valid, offs_d, d_mask, kst_ptr + DH,
-                                 strows, staged, CDT, STAGING, ONE_BLOCK)
+                                 strows, staged, CDT, STAGING)
             s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))
         else:
             s = tl.dot(q_hi, tl.trans(c_hi), tl.dot(q_lo, tl.trans(c_lo)))
@@ -119,18 +119,13 @@ def _qk_rows(q_lo, q_hi, k_ptr, rows, valid, offs_d, d_mask, DH: tl.constexpr):
 
 @triton.jit
 def _chan_dequant(c, s_ptr, z_ptr, crows, valid, offs_d, d_mask, st_ptr, strows, staged, CDT: tl.constexpr,
-                  STAGING: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                  STAGING: tl.constexpr):
     """int4 key half-tile: codes c [BLOCK_N, BLOCK_DH] -> c * scale[channel] + zero[channel] (fp32
     math: a channel's zero point can be far larger than its step), staged tokens from staging
-    (none staged when STAGING == 0). ONE_BLOCK: the tile lies in one block and crows is that
-    block's scale row (a scalar): one [BLOCK_DH] load each, not one per token."""
-    if ONE_BLOCK:
-        sc = tl.load(s_ptr + crows + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        zr = tl.load(z_ptr + crows + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    else:
-        m2 = valid[:, None] & d_mask[None, :]
-        sc = tl.load(s_ptr + crows[:, None] + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-        zr = tl.load(z_ptr + crows[:, None] + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+    (none staged when STAGING == 0)."""
+    m2 = valid[:, None] & d_mask[None, :]
+    sc = tl.load(s_ptr + crows[:, None] + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+    zr = tl.load(z_ptr + crows[:, None] + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
     x = c.to(tl.float32) * sc + zr
     if STAGING != 0:
         fm = staged[:, None] & d_mask[None, :]

@@ -41,7 +41,6 @@ def _attend(state, lo, hi, q_lo, q_hi, q_pos, bt_row, kv_end, kvh, ptrs, strides
             STAGING: tl.constexpr):
     """The online softmax over the key tiles from lo (a tile start) to hi: state (m, l, acc_lo,
     acc_hi) -> state. STAGING: what the tiles read (triton_kvtile.qk_scores)."""
-    ONE_BLOCK: tl.constexpr = BITS == 4 and STAGING == 0 and BLOCK_N <= BS
     m_i, l_i, acc_lo, acc_hi = state
     k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, kst_ptr, vst_ptr, stage_ptr = ptrs
     stride_kn, stride_kh, stride_ks, stride_sn, stride_sh, stride_cn, stride_ch, stride_stn, stride_sth = strides
@@ -56,10 +55,8 @@ def _attend(state, lo, hi, q_lo, q_hi, q_pos, bt_row, kv_end, kvh, ptrs, strides
         if BITS == 4:  # per-channel key scales; open blocks read from full-precision staging
             crows, strows, staged = stage_rows(stage_ptr, phys, valid, tok, kvh, stride_cn, stride_ch,
                                                stride_stn, stride_sth, BS, D, STAGING != 0)
-        if ONE_BLOCK:  # a code tile inside one block (tiles start on multiples of BLOCK_N): its scale row
-            crows = tl.maximum(tl.load(bt_row + start // BS), 0).to(tl.int64) * stride_cn + kvh * stride_ch
         s = qk_scores(q_lo, q_hi, k_ptr, ks_ptr, kz_ptr, rows, srows, valid, offs_d, d_mask,
-                      kst_ptr, crows, strows, staged, DH, BITS, ASM, WORDS, STAGING, ONE_BLOCK)
+                      kst_ptr, crows, strows, staged, DH, BITS, ASM, WORDS, STAGING)
         keep = valid[None, :] & (tok[None, :] <= q_pos[:, None])
         s = tl.where(keep, s * qk_scale, float("-inf"))
         p, m_i, l_i, acc_lo, acc_hi = online_softmax_step(s, m_i, l_i, acc_lo, acc_hi)
