@@ -132,7 +132,8 @@ OTHERS = {"rope rot=False": lambda: compile_rope(False), "rope rot=True": lambda
           "norm add=False": lambda: compile_norm(False), "norm add=True": lambda: compile_norm(True),
           "silu_mul": compile_silu, "int4 fill": compile_fill,
           "prefill bits=16": lambda: compile_prefill(16), "prefill bits=8": lambda: compile_prefill(8),
-          "prefill bits=4": lambda: compile_prefill(4), "prefill bits=4 kinds=0": lambda: compile_prefill(4, False)}
+          "prefill bits=4": lambda: compile_prefill(4, True, 128, 8),  # int4's default rows / warps
+          "prefill bits=4 kinds=0": lambda: compile_prefill(4, False)}
 
 
 def resources(cubin_path: str) -> str:
