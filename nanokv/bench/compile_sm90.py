@@ -62,10 +62,15 @@ def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_r
         const.update(int4_tiles(2, 16, block_n, min_rows))
     else:
         const.update(BITS=bits, BLOCK_G=max(min_rows, 2))
+    return _compile_specialized(fn, const, ptrs, warps)
+
+
+def _compile_specialized(fn, const: dict, ptrs: dict, warps: int) -> bytes:
+    """As the launcher specializes an attention kernel at these shapes: pointers 16-byte aligned,
+    strides multiples of 16 (stride_bt is left unspecialized by the kernels; their loops'
+    divisibility reasoning needs these), two pipeline stages."""
     names = fn.arg_names
     sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in names}
-    # as the launcher specializes at these shapes: pointers 16-byte aligned, strides multiples of 16
-    # (stride_bt is left unspecialized by the kernels; their loops' divisibility reasoning needs these)
     div16 = [i for i, n in enumerate(names) if n not in const and (sig[n].startswith("*") or (
         n.startswith("stride_") and n != "stride_bt"))]
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()},
@@ -112,15 +117,7 @@ def compile_prefill(bits: int, kinds: bool = True, block_m: int = 64, warps: int
                  ASM=True, WORDS=q, BLOCK_M=block_m, TOKENS=block_m // 2, BLOCK_DH=64, BLOCK_N=64, KINDS=kinds)
     ptrs = dict(PTRS, qsl_ptr="*i32")
     ptrs.update({16: dict(k_ptr="*bf16", v_ptr="*bf16"), 8: dict(v_ptr="*i8"), 4: dict(v_ptr="*u8")}[bits])
-    names = _prefill_kernel.arg_names
-    sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in names}
-    # as the launcher specializes: pointers 16-byte aligned, strides multiples of 16 (stride_bt not)
-    div16 = [i for i, n in enumerate(names) if n not in const and (sig[n].startswith("*") or (
-        n.startswith("stride_") and n != "stride_bt"))]
-    src = ASTSource(_prefill_kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(i,): [["tt.divisibility", 16]] for i in div16})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2)
-                          ).asm["cubin"]
+    return _compile_specialized(_prefill_kernel, const, ptrs, warps)
 
 
 def compile_silu() -> bytes:

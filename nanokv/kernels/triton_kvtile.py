@@ -164,7 +164,7 @@ def pv_accumulate(p, acc_lo, acc_hi, v_ptr, vs_ptr, vz_ptr, rows, srows, valid, 
     acc += (p * vs[None, :]) @ codes: [BLOCK_M, BLOCK_N] multiplies instead of [BLOCK_N, D]; see
     fold_v_weights for why fp16 holds p * vs. Otherwise (and always for int4 here, whose staged
     tokens mix with quantized ones in a tile) V is dequantized in registers in the compute dtype
-    (one packed multiply-add per element).
+    (one packed multiply-add per element). STAGING (int4) as in qk_scores.
     """
     m2 = valid[:, None] & d_mask[None, :]  # [BLOCK_N, BLOCK_DH]
     pc = p.to(CDT)

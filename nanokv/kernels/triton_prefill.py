@@ -8,6 +8,9 @@ seq_lens[i] - q_len_i + j and sees keys 0..that position, minus holes.
 Grid (query tiles, num_prefills, num_kv_heads). GQA-aware like decode: the BLOCK_M rows of a
 program are (token, head) pairs of one KV head group, row r = token r // G, head r % G, so a
 group's heads share every K/V tile. Programs past a sequence's last query tile do no work.
+
+int4 (prefill_tile_kinds): a program walks its context in three runs of tiles compiled for what
+they read, codes, both, staging (see the kernel), instead of looking every token up in both.
 """
 
 from __future__ import annotations
