@@ -39,11 +39,14 @@ def _batch(bits: int, specs: list[tuple[int, int]], holes: list[list[int]], num_
         pos = torch.arange(c + n)
         slots = torch.tensor(ids)[pos // BS] * BS + pos % BS
         kv = torch.randn(2, c + n, H, D, generator=g)
-        if cache.stage is not None:  # int4: as the runner stores, staged, full blocks quantized on fill
-            cache.stage.plan(slots.numpy())
-            reference.store_kvcache(kv[0], kv[1], cache, slots)
-            quantize_filled(cache)
-            cache.stage.finish()
+        if cache.stage is not None:  # int4 as the runner stores: the blocks earlier steps filled are
+            # quantized, this step's stay staged until after its attention (what the kernels rely on)
+            for earlier, part in ((True, slice(0, c)), (False, slice(c, c + n))):
+                cache.stage.plan(slots[part].numpy())
+                reference.store_kvcache(kv[0][part], kv[1][part], cache, slots[part])
+                if earlier:
+                    quantize_filled(cache)
+                    cache.stage.finish()
         else:
             reference.store_kvcache(kv[0], kv[1], cache, slots)
         k, v = reference.gather_kv(cache, torch.tensor(ids), torch.float32)

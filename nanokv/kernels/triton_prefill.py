@@ -149,7 +149,10 @@ def paged_prefill(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tens
                   asm: bool | None = None, words: bool | None = None, tile_kinds: bool = True) -> torch.Tensor:
     """q: [Tp, Hq, D] prefill tokens, packed; block_tables: [P, max_blocks] int32 (-1 holes);
     seq_lens: [P] int32; query_start_loc: [P + 1] int32 (starts at 0); out: [Tp, Hq, D] in place.
-    tile_kinds (int4): tiles wholly of codes or wholly staged take a branch without the other's loads."""
+    tile_kinds (int4): the context read in runs of tiles by position, which relies on how the runner
+    stages (StageTable.plan, quantize-on-fill after attention): blocks wholly before a sequence's first
+    query token hold codes, every block holding one of its query tokens is staged. Off: every token
+    is looked up in the staging map (any state)."""
     P = int(seq_lens.shape[0])
     Tp, Hq, D = q.shape
     H = cache.num_kv_heads
