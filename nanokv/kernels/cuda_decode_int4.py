@@ -19,6 +19,7 @@ against the torch reference on a GPU.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from functools import cache
 from pathlib import Path
@@ -73,10 +74,53 @@ def _kernel(G: int, H: int, bs: int, q_bf16: bool, st_bf16: bool, out_bf16: bool
         return None
 
 
+class _Launcher:
+    """cuLaunchKernel with its argument array built once per kernel. torch's launcher
+    (`_compile_kernel`'s callable) makes a ctypes object per argument, a new array type and a cast
+    per argument at every call (~27 arguments here): in a prefill step's decode rows, eager, that is
+    host time per layer while the host, not the device, sets the pace (docs/kernels.md, session 20).
+    Here each argument has a fixed ctypes cell whose address the array holds; a call only stores the
+    values (cuLaunchKernel copies them at the launch, so graph capture records them as well)."""
+
+    def __init__(self, kern, args: list) -> None:
+        self.func = kern.func
+        self.lib = torch.cuda._utils._get_gpu_runtime_library()
+        kinds = (ctypes.c_void_p if isinstance(a, torch.Tensor) else ctypes.c_double if isinstance(a, float)
+                 else ctypes.c_int for a in args)
+        self.cells = [k() for k in kinds]
+        self.argv = (ctypes.c_void_p * len(args))(*(ctypes.addressof(c) for c in self.cells))
+        self.kinds = [type(a) for a in args]
+
+    def __call__(self, grid: tuple[int, int, int], args: list) -> None:
+        if [type(a) for a in args] != self.kinds:
+            raise TypeError("argument kinds changed between launches")
+        for cell, a in zip(self.cells, args):
+            cell.value = a.data_ptr() if isinstance(a, torch.Tensor) else a
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        rc = self.lib.cuLaunchKernel(self.func, grid[0], grid[1], grid[2], 32, 1, 1, 0, stream, self.argv, None)
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchKernel failed with CUDA error {rc}")
+
+
+_LAUNCHERS: dict[int, _Launcher] = {}
+
+
+def _launch(kern, grid: tuple[int, int, int], args: list, direct: bool) -> None:
+    """Launch with one warp per program: through _Launcher (direct) or torch's launcher."""
+    if direct and hasattr(kern, "func"):
+        fast = _LAUNCHERS.get(id(kern))
+        if fast is None:
+            fast = _LAUNCHERS[id(kern)] = _Launcher(kern, args)
+        fast(grid, args)
+    else:
+        kern(grid=grid, block=(32, 1, 1), args=args)
+
+
 def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                out: torch.Tensor, qk_scale: float, num_splits: int, part_o: torch.Tensor, part_ml: torch.Tensor,
                counts: torch.Tensor, maxnreg: int = 0, stages: int = 2,
-               fill_slots: torch.Tensor | None = None, order: torch.Tensor | None = None, tiles: int = 1) -> bool:
+               fill_slots: torch.Tensor | None = None, order: torch.Tensor | None = None, tiles: int = 1,
+               direct_launch: bool = True) -> bool:
     """As triton_decode.paged_decode for an int4 cache, if `supported` accepts it and NVRTC builds the
     kernel: q [B, Hq, 128], block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, Hq, 128]
     written in place; qk_scale: the softmax scale times log2(e) (the kernels' softmax is base 2).
@@ -87,8 +131,8 @@ def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor,
     quantized from staging into the pool by the same launch (cuda/fill_int4.cuh), and
     cache.filled_in_step is set. order: [B] int64, the rows longest first (argsort of seq_lens,
     descending): the programs of longer sequences start first. tiles: 16-token tiles per loop step
-    (sharing the block's key scales; fewer where the block is smaller). False (nothing launched) where
-    it does not apply."""
+    (sharing the block's key scales; fewer where the block is smaller). direct_launch: through
+    _Launcher, else torch's launcher. False (nothing launched) where it does not apply."""
     if not supported(q, out, cache):
         return False
     B, Hq, _ = q.shape
@@ -110,7 +154,7 @@ def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor,
     for name, t in (("fill_slots", fill_slots), ("order", order)):
         if t is not None and (t.dtype != torch.int64 or t.shape[0] != B):
             raise ValueError(f"{name} must be int64, one per row: got {t.dtype} {tuple(t.shape)} for {B} rows")
-    kern(grid=(B, H, num_splits) if order is None else (num_splits, H, B), block=(32, 1, 1), args=args)
+    _launch(kern, (B, H, num_splits) if order is None else (num_splits, H, B), args, direct_launch)
     if fill_slots is not None:
         cache.filled_in_step = True
     return True

@@ -77,7 +77,8 @@ def decode_options(cfg: TritonConfig, cache: LayerKVCache) -> dict:
                 swap_stages=cfg.quant_swap_stages, swap_merge=cfg.quant_swap_merge, swap4=cfg.quant_swap4,
                 swap4_prefetch=cfg.quant_swap4_prefetch, swap4_maxnreg=cfg.quant_swap4_maxnreg,
                 cuda4=cfg.quant_cuda4, cuda4_maxnreg=cfg.quant_cuda4_maxnreg,
-                cuda4_stages=cfg.quant_cuda4_stages, cuda4_tiles=cfg.quant_cuda4_tiles)
+                cuda4_stages=cfg.quant_cuda4_stages, cuda4_tiles=cfg.quant_cuda4_tiles,
+                cuda4_direct=cfg.quant_cuda4_direct_launch)
 
 
 def decode_tiles(cfg: TritonConfig, quantized: bool) -> tuple[int, int, int]:

@@ -116,6 +116,10 @@ class TritonConfig:
     # B 64: 16 splits 100.9 / 101.8 us vs 8 109.0 / 109.6; B 96: 8 splits 126.0 vs 11 132.0; B 128: 8
     # splits 164.3 vs 12 169.7, 16 179.6; session 18, 32-token blocks: 4 / 3 / 2 waves 142.2 / 142.3 / 142.0
     quant_cuda4_waves: int = 4
+    # launch it through cuda_decode_int4._Launcher (argument array built once), not torch's launcher
+    # (a ctypes object, cast and array type per argument and call): host time in eager steps. H200,
+    # 25 long-context prefill steps under cProfile (session 20): 0.071 vs 0.174 s for 672 launches
+    quant_cuda4_direct_launch: bool = True
     # int8/int4 layers: the model's q/k norm + RoPE kernel (triton_rope) also applies the format's q/k
     # rotation, instead of a separate GEMM per layer and step (nanokv.kv.hooks.fused_rotation).
     # H200 long-context int8 run, session 12: 11,130 tok/s with it vs 10,827 without (one pair)

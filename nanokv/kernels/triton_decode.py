@@ -133,7 +133,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  swap_maxnreg: int = 0, swap_stages: int = 0, swap_merge: bool = True,
                  swap4: bool = False, swap4_prefetch: int = 0, swap4_maxnreg: int = 0, cuda4: bool = False,
                  cuda4_maxnreg: int = 0, cuda4_stages: int = 2, fill_slots: torch.Tensor | None = None,
-                 seq_order: torch.Tensor | None = None, cuda4_tiles: int = 1) -> torch.Tensor:
+                 seq_order: torch.Tensor | None = None, cuda4_tiles: int = 1, cuda4_direct: bool = True
+                 ) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
@@ -153,7 +154,8 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     int4 kernel (triton_decode_swap4) under the same tile rule, instead of triton_decode_int4, with its own
     register cap (swap4_maxnreg) and tile-ahead metadata loads (swap4_prefetch). cuda4: such int4 decodes
     run the CUDA C++ kernel instead where it applies (cuda_decode_int4.supported), capped at
-    cuda4_maxnreg, with a cuda4_stages-deep copy ring and cuda4_tiles 16-token tiles per loop step.
+    cuda4_maxnreg, with a cuda4_stages-deep copy ring and cuda4_tiles 16-token tiles per loop step
+    (cuda4_direct: launched through cuda_decode_int4._Launcher).
     fill_slots ([B] int64, the step's slot of each row's token, -1 = none): when the CUDA kernel serves
     the call, it also quantizes the staged blocks these tokens complete (the quantize-on-fill of
     nanokv.kv.hooks.after_attention) and sets cache.filled_in_step, so that after_attention skips its own
@@ -202,7 +204,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
         if cache.bits == 4:  # the CUDA kernel where it applies and runs, else Triton's
             if not (cuda4 and (merged or not split) and cuda_decode_int4.try_decode(
                     q, cache, block_tables, seq_lens, out, scale * LOG2E, num_splits, part_o, part_ml, counts,
-                    cuda4_maxnreg, cuda4_stages, fill_slots, seq_order, cuda4_tiles)):
+                    cuda4_maxnreg, cuda4_stages, fill_slots, seq_order, cuda4_tiles, cuda4_direct)):
                 decode_int4_swap_kernel[(B, H, num_splits)](
                     *args, stride_vd=cache.v.stride(3), stride_vt=cache.v.stride(2), PREFETCH=swap4_prefetch, **swap)
         else:
