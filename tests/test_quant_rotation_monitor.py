@@ -92,6 +92,37 @@ def test_monitor_samples_every_nth_call_only():
     assert len(calls) == 3  # calls 0, 3, 6
 
 
+def test_monitor_staggers_its_samples_across_layers():
+    """Each layer is sampled at its first call and then one call in `every`, but not all layers at
+    the same call: a step (one call per layer) pays at most ceil(layers / every) samples after the
+    first, for int4 blocks (record_blocks) as for stores (maybe_record)."""
+    L, every, steps = 6, 4, 13
+    mon = CompressionMonitor(every=every, rows=4)
+    caches = [allocate_layer_cache(8, 4, 3, 16, 64, torch.float32, "cpu") for _ in range(L)]
+    mon.attach(caches)
+    calls: list[tuple[int, int]] = []  # (step, layer) of each sample
+    step = [0]
+    mon.record = lambda layer, *a, **kw: calls.append((step[0], layer))  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(4)
+    for step[0] in range(steps):
+        for layer, c in enumerate(caches):
+            _store(mon, layer, c, torch.randn(16, 3, 64, generator=g), torch.randn(16, 3, 64, generator=g))
+    per_step = [sum(1 for s, _ in calls if s == t) for t in range(steps)]
+    assert per_step[0] == L  # every layer's first call
+    assert max(per_step[1:]) <= -(-L // every) and min(per_step[1:]) >= 1
+    for layer in range(L):
+        mine = [s for s, lay in calls if lay == layer]
+        assert mine[0] == 0 and all(b - a == every for a, b in zip(mine[1:], mine[2:]))
+        assert len(mine) >= 1 + (steps - every) // every
+    blocks: list[tuple[int, int]] = []  # int4: record_blocks samples the blocks it is handed, on the same schedule
+    mon4 = CompressionMonitor(every=every, rows=4)
+    mon4._fold = lambda layer, *a: blocks.append((step[0], layer))  # type: ignore[method-assign]
+    for step[0] in range(steps):
+        for layer in range(L):
+            mon4.record_blocks(layer, torch.randn(1, 3, 16, 64, generator=g), torch.randn(1, 3, 16, 64, generator=g))
+    assert [sum(1 for s, _ in blocks if s == t) for t in range(steps)] == per_step
+
+
 def test_outlier_hook_raises_error_of_that_layer_and_rotation_absorbs_it():
     g = torch.Generator().manual_seed(3)
     k, v = torch.randn(64, 3, 64, generator=g), torch.randn(64, 3, 64, generator=g)
