@@ -18,7 +18,7 @@ from nanokv.engine.async_step import AsyncStepper
 from nanokv.engine.detokenizer import check_stop_strings, detokenize_step
 from nanokv.engine.scheduler import Scheduler
 from nanokv.engine.sequence import RequestMetrics, Sequence
-from nanokv.engine.warmup import warm_up
+from nanokv.engine.warmup import warm_logits, warm_up
 from nanokv.errors import RequestError
 from nanokv.kv.monitor import CompressionMonitor
 from nanokv.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
@@ -114,6 +114,7 @@ class Engine:
                                     and cfg.eviction_policy != "adaptive"):
             self._async = AsyncStepper(self)
         warm_up(self)  # CUDA: compile what a chunked prompt needs now, not mid-request (nanokv.engine.warmup)
+        warm_logits(self)  # CUDA: load the LM head's GEMM kernels for every sampling row count
         self.controller: Any = None  # nanokv.adaptive.AdaptiveController: self-tuning, off unless asked for
         if cfg.adaptive or cfg.eviction_policy == "adaptive":
             from nanokv.adaptive.engine_glue import build_controller

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from nanokv.sampling import SamplingParams
 
 
@@ -43,3 +45,22 @@ def warm_up(engine: Any, force: bool = False) -> None:
         sched.max_num_batched_tokens = budget
     engine.cache_manager.reset_prefix_cache()
     engine.reset_counters()
+
+
+def warm_logits(engine: Any) -> None:
+    """The LM head and the greedy pick for every row count a step can sample (1 .. max_num_seqs).
+    The head's GEMM runs eagerly on the step's sampling rows, a new count in almost every prefill
+    step and as decodes finish; the first use of each of cuBLAS's kernels for those shapes loads
+    it, host time inside a step (H200, long-context run: the first run's 25 prefill steps spent
+    0.4 s in aten::mm on the host against 0.09 s in a second run; docs/kernels.md, session 20).
+    One rank only: with tensor parallelism the head gathers across ranks."""
+    if engine.device.type != "cuda" or engine.config.tensor_parallel_size != 1:
+        return
+    model = engine.runner.model
+    dtype = next(model.parameters()).dtype
+    hidden = torch.zeros(engine.config.max_num_seqs, engine.model_config.hidden_size, dtype=dtype,
+                         device=engine.device)
+    with torch.inference_mode():
+        for m in range(1, hidden.shape[0] + 1):
+            model.compute_logits(hidden[:m], False).argmax(dim=-1)
+    torch.cuda.synchronize(engine.device)
