@@ -134,11 +134,17 @@ def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = Fals
             gc_time[1] += time.perf_counter() - gc_time[0]
             gc_time[2] += info["generation"] == 2
     gc.callbacks.append(on_gc)
+    mem0 = torch.cuda.memory_stats(device)
     t = time.perf_counter()
     res = llm.generate(prompts, params, use_tqdm=True)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
     gc.callbacks.remove(on_gc)
+    mem1 = torch.cuda.memory_stats(device)
+    # the caching allocator inside the timed run: cudaMalloc / cudaFree calls and retries (a retry
+    # frees cached blocks after a failed cudaMalloc, a device sync), all zero in a steady state
+    alloc = {k: mem1.get(k, 0) - mem0.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                                                          "num_sync_all_streams")}
     total = sum(outs)
     assert all(len(r.token_ids) == o for r, o in zip(res, outs))
     bw = measure_copy_bandwidth(device)
@@ -151,14 +157,14 @@ def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = Fals
         "gpu": torch.cuda.get_device_name(device), "config": eng.config.to_dict(),
         "preemptions": eng.scheduler.num_preemptions, "kv_blocks": eng.cache_manager.num_blocks, **floor,
         "achieved_over_floor": floor["floor_seconds"] / dt,
-        "gc_seconds": gc_time[1], "gc_full_collections": gc_time[2],
+        "gc_seconds": gc_time[1], "gc_full_collections": gc_time[2], "allocator": alloc,
     }
     if eng._timing is not None:
         out["step_timing"] = dict(eng._timing)
         print(f"  step timing: {eng._timing}")
     print(f"[{workload}] {len(prompts)} seqs, {total} output tokens in {dt:.2f} s = {total / dt:,.0f} tok/s")
     print(f"  copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s; Python GC "
-          f"{gc_time[1]:.3f} s in the timed run ({gc_time[2]} full collections)")
+          f"{gc_time[1]:.3f} s in the timed run ({gc_time[2]} full collections); allocator {alloc}")
     print(f"  roofline floor {floor['floor_seconds']:.2f} s ({floor['floor_output_tokens_per_s']:,.0f} tok/s);"
           f" achieved/floor = {out['achieved_over_floor']:.1%}")
     if compare:
