@@ -5,7 +5,8 @@ hook (nanokv.kv.hooks.before_store) calls `maybe_record` with the exact K/V rows
 stored (int4: `record_blocks` with each block as it is quantized, nanokv.kv.blockquant); every
 `every`-th call per layer it quantizes up to `rows` sampled rows with the reference
 quantizer of that layer's format and folds the error into an exponentially weighted average.
-Cost: one small quant/dequant per layer every `every` steps, nothing on the other steps.
+Cost: one small quant/dequant per layer every `every` steps, the layers' turns spread over the
+steps (a few layers per step rather than all of them in one step of `every`).
 
 The figure per layer is the relative error of the sampled rows taken together,
 sqrt(sum ||x - x~||^2 / sum ||x||^2), for K and V separately; `snapshot()` reports the worse of the
