@@ -101,10 +101,11 @@ def compile_norm(add: bool) -> bytes:
                     dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", o_ptr="*bf16", s_ptr="*bf16", eps="fp32"))
 
 
-def compile_fill() -> bytes:
-    """The int4 quantize-on-fill kernel (triton_blockquant) at Qwen3-0.6B's head dim, 16-token blocks."""
+def compile_fill(recip: bool = False) -> bytes:
+    """The int4 quantize-on-fill kernel (triton_blockquant) at Qwen3-0.6B's head dim, 16-token blocks
+    (recip: TritonConfig.fill_recip)."""
     from nanokv.kernels.triton_blockquant import _fill_quant_kernel
-    return _compile(_fill_quant_kernel, dict(BS=16, DH=64, BLOCK_DH=64),
+    return _compile(_fill_quant_kernel, dict(BS=16, DH=64, BLOCK_DH=64, RECIP=recip),
                     dict(slot_ptr="*i64", stage_ptr="*i32", kst_ptr="*bf16", vst_ptr="*bf16", kc_ptr="*u8",
                          vc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16"))
 
@@ -127,7 +128,7 @@ def compile_silu() -> bytes:
 OTHERS = {"rope rot=False": lambda: compile_rope(False), "rope rot=True": lambda: compile_rope(True),
           "rope rot=True tokens=4": lambda: compile_rope(True, 4),
           "norm add=False": lambda: compile_norm(False), "norm add=True": lambda: compile_norm(True),
-          "silu_mul": compile_silu, "int4 fill": compile_fill,
+          "silu_mul": compile_silu, "int4 fill": compile_fill, "int4 fill recip": lambda: compile_fill(True),
           "prefill bits=16": lambda: compile_prefill(16), "prefill bits=8": lambda: compile_prefill(8),
           "prefill bits=4": lambda: compile_prefill(4, True, 128, 8),  # int4's default rows / warps
           "prefill bits=4 kinds=0": lambda: compile_prefill(4, False)}

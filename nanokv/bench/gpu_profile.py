@@ -37,24 +37,24 @@ def _events_ms(fn, n: int = 20) -> float:
     return times[len(times) // 2]
 
 
-def check_fresh_prefill(device: torch.device) -> float:
-    """Relative error of the fresh-prompt path (varlen flash) vs float64 causal attention, bf16 inputs
-    of Qwen3-0.6B head shapes, three packed prompts; NaN poisoned output."""
+def check_fresh_prefill(device: torch.device, dtype: torch.dtype = torch.bfloat16, cudnn: bool = False) -> float:
+    """Relative error of the fresh-prompt path (varlen flash; cudnn: fp16 through cuDNN) vs float64
+    causal attention, inputs of Qwen3-0.6B head shapes, three packed prompts; NaN poisoned output."""
     from nanokv.attention.metadata import AttentionMetadata
     from nanokv.kernels.fresh_prefill import sdpa_fresh_prefill
 
     lens = [700, 129, 1500]
     qsl = [0, 700, 829, 2329]
     g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(qsl[-1], 16, 128, device=device, generator=g).bfloat16()
-    k = torch.randn(qsl[-1], 8, 128, device=device, generator=g).bfloat16()
-    v = torch.randn(qsl[-1], 8, 128, device=device, generator=g).bfloat16()
+    q = torch.randn(qsl[-1], 16, 128, device=device, generator=g).to(dtype)
+    k = torch.randn(qsl[-1], 8, 128, device=device, generator=g).to(dtype)
+    v = torch.randn(qsl[-1], 8, 128, device=device, generator=g).to(dtype)
     md = AttentionMetadata(slot_mapping=torch.zeros(0), query_start_loc=torch.tensor(qsl, device=device,
                            dtype=torch.int32), seq_lens=torch.tensor(lens), block_tables=torch.zeros(0),
                            num_prefills=3, num_prefill_tokens=qsl[-1], num_decode_tokens=0, max_query_len=1500,
                            max_seq_len=1500, query_start_loc_cpu=qsl, seq_lens_cpu=lens)
     out = torch.full_like(q, float("nan"))
-    sdpa_fresh_prefill(q, k, v, md, out, 128 ** -0.5, [0, 1, 2])
+    sdpa_fresh_prefill(q, k, v, md, out, 128 ** -0.5, [0, 1, 2], cudnn=cudnn)
     err = 0.0
     for i in range(3):
         s, e = qsl[i], qsl[i + 1]

@@ -95,10 +95,11 @@ def time_fill(bs: int, P: int, L: int) -> None:
     from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe
     cache, md = make_batch(SH, 4, bs, [L] * P, [L] * P, P, store=True)
     slots = md.slot_mapping[md.slot_mapping % bs == bs - 1].contiguous()
-    for w in (1, 2, 4, 8):
-        ms = timed(functools.partial(lambda i, w: quantize_filled_graphsafe(cache, slots, w), w=w))
-        print(f"prefill_probe fill kernel, {w} warps, {slots.numel()} blocks x {cache.num_kv_heads} heads: "
-              f"{ms * 1e3:.1f} us", flush=True)
+    for recip in (False, True):  # (TritonConfig.fill_recip)
+        for w in (1, 2, 4, 8):
+            ms = timed(functools.partial(lambda i, w, r: quantize_filled_graphsafe(cache, slots, w, r), w=w, r=recip))
+            print(f"prefill_probe fill kernel, {w} warps, {slots.numel()} blocks x {cache.num_kv_heads} heads"
+                  f"{', reciprocal' * recip}: {ms * 1e3:.1f} us", flush=True)
 
 
 if __name__ == "__main__":

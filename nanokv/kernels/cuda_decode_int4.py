@@ -78,7 +78,8 @@ class _Launcher:
     """cuLaunchKernel with its argument array built once per kernel. torch's launcher
     (`_compile_kernel`'s callable) makes a ctypes object per argument, a new array type and a cast
     per argument at every call (~27 arguments here): in a prefill step's decode rows, eager, that is
-    host time per layer while the host, not the device, sets the pace (docs/kernels.md, session 20).
+    host time per layer, which counts wherever the host sets the pace (a first run's prefill steps;
+    docs/kernels.md, session 20).
     Here each argument has a fixed ctypes cell whose address the array holds; a call only stores the
     values (cuLaunchKernel copies them at the launch, so graph capture records them as well)."""
 

@@ -39,14 +39,42 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
         return None
 
 
+_CUDNN_OK: list[bool] = [True]  # flips off (once, logged) if cuDNN's attention rejects these shapes
+
+
+def _cudnn_per_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qsl: list[int], seqs: list[int],
+                      out: torch.Tensor, scale: float) -> bool:
+    """Causal attention of each listed prompt through cuDNN (SDPA restricted to that backend, GQA
+    native), written into out. False (nothing trusted written) where cuDNN cannot serve."""
+    if not (_CUDNN_OK[0] and q.is_cuda and q.dtype == torch.float16):
+        return False
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            for i in seqs:
+                s, e = qsl[i], qsl[i + 1]
+                o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None],
+                                                   v[s:e].transpose(0, 1)[None], is_causal=True, scale=scale,
+                                                   enable_gqa=q.shape[1] != k.shape[1])
+                out[s:e] = o[0].transpose(0, 1)
+    except RuntimeError as e:  # no cuDNN attention in this build, or not for these shapes
+        _CUDNN_OK[0] = False
+        log.warning("cuDNN attention unavailable (%s); fresh prompts use varlen flash", e)
+        return False
+    return True
+
+
 def sdpa_fresh_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, out: torch.Tensor,
-                       scale: float, seqs: list[int]) -> None:
+                       scale: float, seqs: list[int], cudnn: bool = False) -> None:
     """Prefill sequences whose whole context is this step's tokens, attended on the K/V this step
     just computed (q [T, Hq, D], k and v [T, Hk, D]; exactly what was stored, so no gather from
     the cache): one varlen flash call per run of consecutive sequences on a GPU, else causal SDPA
-    per sequence. Host offsets only (query_start_loc_cpu)."""
+    per sequence. cudnn: fp16 prompts one by one through cuDNN's attention where it serves
+    (TritonConfig.fresh_prefill_cudnn). Host offsets only (query_start_loc_cpu)."""
     qsl = md.query_start_loc_cpu
     G = q.shape[1] // k.shape[1]
+    if cudnn and _cudnn_per_prompt(q, k, v, qsl, seqs, out, scale):
+        return
     for a, b in runs(seqs):
         s, e = qsl[a], qsl[b]
         cu = md.query_start_loc[a:b + 1] - md.query_start_loc[a]

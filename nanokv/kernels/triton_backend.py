@@ -130,9 +130,10 @@ class TritonBackend:
         fresh = self._fresh(cache, md, k) if P > 0 else []
         if fresh and k is not None and v is not None:
             if cache.bits == 8:
-                sdpa_fresh_prefill(*int8_as_stored(q, cache, md.slot_mapping), md, out, scale, fresh)
+                sdpa_fresh_prefill(*int8_as_stored(q, cache, md.slot_mapping), md, out, scale, fresh,
+                                   cudnn=self.config.fresh_prefill_cudnn)
             else:
-                sdpa_fresh_prefill(q, k, v, md, out, scale, fresh)
+                sdpa_fresh_prefill(q, k, v, md, out, scale, fresh, cudnn=self.config.fresh_prefill_cudnn)
         rest = [i for i in range(P) if i not in set(fresh)]
         q4 = cache.bits == 4
         for a, b in runs(rest):  # usually one run: a chunk continuing, or prompts with a cached prefix

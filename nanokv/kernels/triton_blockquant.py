@@ -15,26 +15,50 @@ scales stored as 1.0 (triton_store's helpers).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from nanokv.kernels.triton_config import TritonConfig, config_from_env
 from nanokv.kernels.triton_kvtile import next_pow2
 from nanokv.kernels.triton_store import _rne_clip, _safe_scale
 from nanokv.kv.cache import LayerKVCache
 
 
 @triton.jit
-def _codes(x, lo, scale):
-    """x [BS, BLOCK_DH] fp32, lo and scale broadcastable fp16 -> codes 0..15 as int32."""
-    return _rne_clip(tl.div_rn(x - lo.to(tl.float32), scale.to(tl.float32)), 0.0, 15.0).to(tl.int32)
+def div_by_recip(d, s, y):
+    """d / s rounded to nearest even, as tl.div_rn, given y = div_rn(1, s): a product and two fused
+    corrections, no slow path. The first correction leaves the quotient within one ulp, and from a
+    quotient within one ulp and the correctly rounded reciprocal, one more step gives the correctly
+    rounded quotient (Markstein); each remainder d - q s is exact in an fma. Holds for normal
+    operands and quotients (codes come from quotients near 0.5 .. 14.5; a zero d gives 0).
+    div_rn itself takes a slow path in a warp where any lane's operands need it, a zero dividend
+    among them: in the fill kernel's blocks, every channel's minimum (Nsight Compute, session 20)."""
+    q = d * y
+    q = tl.fma(tl.fma(-q, s, d), y, q)
+    return tl.fma(tl.fma(-q, s, d), y, q)
+
+
+@triton.jit
+def _codes(x, lo, scale, RECIP: tl.constexpr):
+    """x [BS, BLOCK_DH] fp32, lo and scale broadcastable fp16 -> codes 0..15 as int32; RECIP: divide
+    by the scale's reciprocal with exact corrections (div_by_recip: the same codes)."""
+    d = x - lo.to(tl.float32)
+    s = scale.to(tl.float32)
+    if RECIP:
+        q = div_by_recip(d, s, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s))
+    else:
+        q = tl.div_rn(d, s)
+    return _rne_clip(q, 0.0, 15.0).to(tl.int32)
 
 
 @triton.jit
 def _fill_quant_kernel(
     slot_ptr, stage_ptr, kst_ptr, vst_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
     stride_stn, stride_sth, stride_cn, stride_ch, stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_vt, stride_vd, BS: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr,
+    stride_vt, stride_vd, BS: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr, RECIP: tl.constexpr,
 ):
     # stride_vt, stride_vd: the value codes' token and byte strides (values dims-major, nanokv.kv.cache)
     # grid (T, H, 2): the keys (axis 2 = 0) and the values (1) of a block are separate programs, so
@@ -60,7 +84,8 @@ def _fill_quant_kernel(
             sc_l = _safe_scale(tl.div_rn(tl.max(k_lo, axis=0) - lo_l, 15.0).to(tl.float16))
             sc_h = _safe_scale(tl.div_rn(tl.max(k_hi, axis=0) - lo_h, 15.0).to(tl.float16))
             z_l, z_h = lo_l.to(tl.float16), lo_h.to(tl.float16)
-            packed = _codes(k_lo, z_l[None, :], sc_l[None, :]) | (_codes(k_hi, z_h[None, :], sc_h[None, :]) << 4)
+            packed = (_codes(k_lo, z_l[None, :], sc_l[None, :], RECIP)
+                      | (_codes(k_hi, z_h[None, :], sc_h[None, :], RECIP) << 4))
             tl.store(kc_ptr + crow, packed.to(tl.uint8), mask=m2)
             meta = blk * stride_cn + h * stride_ch + offs_d  # [BLOCK_DH] into [N, H, D]
             tl.store(ks_ptr + meta, sc_l, mask=d_ok)
@@ -77,7 +102,8 @@ def _fill_quant_kernel(
                               tl.max(tl.where(d_ok[None, :], v_hi, -big), axis=1))
             sc_v = _safe_scale(tl.div_rn(hi_v - lo_v, 15.0).to(tl.float16))
             z_v = lo_v.to(tl.float16)
-            packed = _codes(v_lo, z_v[:, None], sc_v[:, None]) | (_codes(v_hi, z_v[:, None], sc_v[:, None]) << 4)
+            packed = (_codes(v_lo, z_v[:, None], sc_v[:, None], RECIP)
+                      | (_codes(v_hi, z_v[:, None], sc_v[:, None], RECIP) << 4))
             vrow = blk * stride_kn + h * stride_kh + offs_t[:, None] * stride_vt + offs_d[None, :] * stride_vd
             tl.store(vc_ptr + vrow, packed.to(tl.uint8), mask=m2)
             vmeta = blk * stride_vn + h * stride_vh + offs_t  # [BS] into [N, H, bs]
@@ -85,10 +111,19 @@ def _fill_quant_kernel(
             tl.store(vz_ptr + vmeta, z_v)
 
 
-def quantize_filled_graphsafe(cache: LayerKVCache, slot_mapping: torch.Tensor, num_warps: int = 0) -> None:
+@functools.cache
+def _recip_default() -> bool:
+    """TritonConfig.fill_recip, from NANOKV_TRITON: the fill is launched by nanokv.kv.hooks, which
+    has no handle on the backend's config."""
+    return config_from_env(TritonConfig()).fill_recip
+
+
+def quantize_filled_graphsafe(cache: LayerKVCache, slot_mapping: torch.Tensor, num_warps: int = 0,
+                              recip: bool | None = None) -> None:
     """After the step's attention: quantize every block whose last slot this step wrote, from its
     staging slot into the pool. slot_mapping: [T] int64 (the step's; -1 = not stored). num_warps per
-    program, 0 = by block size."""
+    program, 0 = by block size. recip: codes through div_by_recip (the same codes; None =
+    TritonConfig.fill_recip)."""
     assert cache.stage is not None and cache.k_stage is not None and cache.v_stage is not None
     assert cache.k_scale is not None and cache.k_zero is not None
     assert cache.v_scale is not None and cache.v_zero is not None
@@ -103,5 +138,6 @@ def quantize_filled_graphsafe(cache: LayerKVCache, slot_mapping: torch.Tensor, n
         cache.k_stage.stride(0), cache.k_stage.stride(1), cache.k_scale.stride(0), cache.k_scale.stride(1),
         cache.k.stride(0), cache.k.stride(1), cache.v_scale.stride(0), cache.v_scale.stride(1),
         cache.v.stride(2), cache.v.stride(3),
-        BS=bs, DH=D // 2, BLOCK_DH=max(16, next_pow2(D // 2)), num_warps=num_warps or (4 if bs <= 64 else 8),
+        BS=bs, DH=D // 2, BLOCK_DH=max(16, next_pow2(D // 2)), RECIP=_recip_default() if recip is None else recip,
+        num_warps=num_warps or (4 if bs <= 64 else 8),
     )

@@ -126,6 +126,10 @@ class TritonConfig:
     qk_rotation_in_rope: bool = True
     # that kernel's tokens per program in steps of 1024 tokens or more when it rotates (else one)
     rope_tokens: int = 4
+    # int4 fill kernel (triton_blockquant): codes by the scale's reciprocal with two exact corrections
+    # (div_by_recip, the same codes) instead of the IEEE division, whose slow path a warp takes when
+    # any lane needs it (every channel's minimum: a zero dividend). Not yet timed on a GPU: off
+    fill_recip: bool = False
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM
     min_split_tokens: int = 256  # no split shorter than this (the merge would cost more than it saves)
@@ -147,6 +151,11 @@ class TritonConfig:
     # fresh prompts (no cached prefix) in a 16-bit cache go to torch SDPA (flash), 2.5x faster than
     # the paged prefill kernel on an H200, once the longest is at least this long; 0 = never
     sdpa_prefill_min_tokens: int = 256
+    # those prompts in fp16 (the quantized caches' compute dtype) through cuDNN's attention, one prompt
+    # per call, instead of one varlen flash call. H200, a 16,384-token step of 5 prompts, 16 / 8
+    # heads, dim 128 (nanokv.bench.attn_probe, session 20): 668.4 vs 796.5 us in fp16; bf16 925.5 vs
+    # 795.5 (so bf16 keeps flash). Not yet timed in the engine (host launches per prompt): off
+    fresh_prefill_cudnn: bool = False
     asm: bool | None = None  # inline-PTX code expansion (None: on NVIDIA GPUs)
     words: bool | None = None  # read quantized codes as int32 words (None: when the head dim allows)
 
