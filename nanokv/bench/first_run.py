@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nanokv.bench.gpu import make_workload
+from nanokv.bench.gpu import bench_warm_up, make_workload
 
 _Row = tuple[float, int, float]  # self CPU us, calls, device us
 
@@ -91,12 +91,7 @@ def main(argv: list[str] | None = None) -> int:
               **quant)
     eng = llm.engine
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
-    n = 4  # the benchmark's warm-up (nanokv.bench.gpu.run_gpu_bench)
-    while n < len(prompts) and sum(map(len, prompts[:n])) <= eng.config.max_num_batched_tokens:
-        n += 1
-    llm.generate(prompts[:n], params[:n], use_tqdm=False)
-    eng.cache_manager.reset_prefix_cache()
-    torch.cuda.synchronize()
+    bench_warm_up(llm, prompts, params)
     steps: list[tuple[float, int]] = []
     prof: list[Any] = [None]
     tables: list[dict[str, _Row]] = []

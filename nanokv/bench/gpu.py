@@ -106,6 +106,19 @@ def run_hf(mc_name: str, prompts, outs, device) -> float:
     return time.perf_counter() - t
 
 
+def bench_warm_up(llm: Any, prompts: list[list[int]], params: list[Any]) -> None:
+    """The benchmark's warm-up before its timed run: compile kernels, capture graphs; prompts past
+    one step's token budget, so a chunk continues in the next step and the paged prefill kernel is
+    compiled too (not in the timed run). Leaves an empty prefix cache."""
+    eng = llm.engine
+    n = 4
+    while n < len(prompts) and sum(map(len, prompts[:n])) <= eng.config.max_num_batched_tokens:
+        n += 1
+    llm.generate(prompts[:n], params[:n], use_tqdm=False)
+    eng.cache_manager.reset_prefix_cache()
+    torch.cuda.synchronize()
+
+
 def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = False, quick: bool = False,
                   num_seqs: int | None = None) -> dict[str, Any]:
     from nanokv.engine.llm import LLM
@@ -117,14 +130,7 @@ def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = Fals
     eng = llm.engine
     device = eng.device
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
-    # warm-up: compile kernels, capture graphs; prompts past one step's token budget, so a chunk
-    # continues in the next step and the paged prefill kernel is compiled too (not in the timed run)
-    n = 4
-    while n < len(prompts) and sum(map(len, prompts[:n])) <= eng.config.max_num_batched_tokens:
-        n += 1
-    llm.generate(prompts[:n], params[:n], use_tqdm=False)
-    eng.cache_manager.reset_prefix_cache()
-    torch.cuda.synchronize()
+    bench_warm_up(llm, prompts, params)
     gc_time = [0.0, 0.0, 0]  # start of the current collection, total seconds, full collections
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
