@@ -331,9 +331,12 @@ def test_split_counts_by_format_and_batch() -> None:
     assert [choose_splits(cfg, B, 8, 4096, 132) for B in (1, 16, 64, 128)] == [16, 4, 1, 1]
     assert choose_splits(cfg, 128, 8, 4096, 132, 8, 8) == cfg.quant_min_splits  # tiles of 16 > 8-token blocks
     assert choose_splits(TritonConfig(decode_splits=3), 128, 8, 4096, 132, 8, 16) == 3
-    # int4 (the CUDA kernel): the power of two nearest to 4 waves of 16 programs per SM, at least 8,
-    # capped by the context
+    # int4 (the CUDA kernel): the power of two nearest to quant_cuda4_waves (2) waves of 16 programs
+    # per SM, at least 8, capped by the context
     got = {B: choose_splits(cfg, B, 8, 8192, 132, 4, 16) for B in (16, 32, 64, 96, 128, 256)}
+    assert got == {16: 32, 32: 16, 64: 8, 96: 8, 128: 8, 256: 8}
+    four = TritonConfig(quant_cuda4_waves=4)
+    got = {B: choose_splits(four, B, 8, 8192, 132, 4, 16) for B in (16, 32, 64, 96, 128, 256)}
     assert got == {16: 32, 32: 32, 64: 16, 96: 8, 128: 8, 256: 8}
     assert choose_splits(TritonConfig(quant_cuda4_waves=0), 64, 8, 8192, 132, 4, 16) == 8  # the Triton rule
 

@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{ms * 1e3:.1f} us {gbs:.0f} GB/s", flush=True)
     if args.time:
         print("\n".join(compiled_resources()))
+        from nanokv.kernels import cuda_decode_int4
+        for name, kern in cuda_decode_int4.BUILT.items():
+            print(f"nanokv_decode_int4 ({name}): {cuda_decode_int4.programs_per_sm(kern)} programs per SM")
     return 0
 
 

@@ -67,11 +67,25 @@ def _kernel(G: int, H: int, bs: int, q_bf16: bool, st_bf16: bool, out_bf16: bool
                 MAXNREG=maxnreg, NSTAGE=stages, NT=tiles)
     opts = [f"-D{k}={v}" for k, v in defs.items()]
     try:
-        return torch.cuda._compile_kernel(source(), "nanokv_decode_int4", nvcc_options=opts)
+        kern = torch.cuda._compile_kernel(source(), "nanokv_decode_int4", nvcc_options=opts)
     except Exception as e:  # no NVRTC library, it rejected the source, or torch's private hook changed
         _BROKEN.append(str(e))
         log.warning("CUDA int4 decode unavailable (%s); using the Triton kernels", e)
         return None
+    BUILT[f"stages {stages}, tiles {tiles}, maxnreg {maxnreg}"] = kern
+    return kern
+
+
+BUILT: dict[str, object] = {}  # every configuration compiled in this process (for the probes' reports)
+
+
+def programs_per_sm(kern) -> int:
+    """How many of the kernel's one-warp programs fit on one SM at once (the driver's occupancy
+    calculator: registers, shared memory, program limits)."""
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    n = ctypes.c_int(0)
+    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), kern.func, 32, ctypes.c_size_t(0))
+    return n.value
 
 
 class _Launcher:

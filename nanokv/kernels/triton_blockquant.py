@@ -118,6 +118,12 @@ def _recip_default() -> bool:
     return config_from_env(TritonConfig()).fill_recip
 
 
+def prefill_fill_warps() -> int:
+    """Warps per program of a prefill step's fill (one program per filled block, head and K or V):
+    1 with the reciprocal codes, 8 with the division (timings at TritonConfig.fill_recip)."""
+    return 1 if _recip_default() else 8
+
+
 def quantize_filled_graphsafe(cache: LayerKVCache, slot_mapping: torch.Tensor, num_warps: int = 0,
                               recip: bool | None = None) -> None:
     """After the step's attention: quantize every block whose last slot this step wrote, from its

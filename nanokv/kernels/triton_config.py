@@ -92,6 +92,9 @@ class TritonConfig:
     # addresses) and the depth of its copy ring (2 / 3 / 4 stages: 168.2 / 170.8 / 173.3 us)
     # (session 18, 32-token blocks, whole-sector copies: 2 stages 142.2 us, 3 stages 143.7; caps of
     # 128 / 112 / 104 registers with all shared memory to the kernel 149.4 / 151.9 / 156.7 vs 142.5)
+    # (session 21: 2 / 3 / 4 stages 144.3 / 145.9 / 149.8 us at 12 / 12 / 11 programs per SM, the
+    # driver's occupancy figure; with the preferred shared-memory carveout at 100%: the same 144.3 /
+    # 146.3 / 149.8: registers, not shared memory, cap the programs per SM, and a deeper ring does not pay)
     quant_cuda4_maxnreg: int = 0
     quant_cuda4_stages: int = 2
     # 16-token tiles per step of its loop where the block size allows (bs % (16 n) == 0, else fewer):
@@ -114,8 +117,11 @@ class TritonConfig:
     # 2-tile loop fits 12: 3 waves measured the same, 165.5 vs 166.7 us), at least
     # quant_swap_min_splits; 0 = the Triton kernel's rule. H200, lengths over [2048, 4096], session 16:
     # B 64: 16 splits 100.9 / 101.8 us vs 8 109.0 / 109.6; B 96: 8 splits 126.0 vs 11 132.0; B 128: 8
-    # splits 164.3 vs 12 169.7, 16 179.6; session 18, 32-token blocks: 4 / 3 / 2 waves 142.2 / 142.3 / 142.0
-    quant_cuda4_waves: int = 4
+    # splits 164.3 vs 12 169.7, 16 179.6; session 18, 32-token blocks: 4 / 3 / 2 waves 142.2 / 142.3 / 142.0.
+    # 2 halves the splits below ~93 sequences (8 instead of 16; the floor keeps 8 at 128): whole
+    # long-context int4 runs (session 21, call 3, alternating) 15,075 / 15,054 / 15,111 / 15,139 tok/s
+    # against 15,014 / 14,925 at 4
+    quant_cuda4_waves: int = 2
     # launch it through cuda_decode_int4._Launcher (argument array built once), not torch's launcher
     # (a ctypes object, cast and array type per argument and call): host time in eager steps. H200,
     # 25 long-context prefill steps under cProfile (session 20): 0.071 vs 0.174 s for 672 launches
@@ -128,8 +134,11 @@ class TritonConfig:
     rope_tokens: int = 4
     # int4 fill kernel (triton_blockquant): codes by the scale's reciprocal with two exact corrections
     # (div_by_recip, the same codes) instead of the IEEE division, whose slow path a warp takes when
-    # any lane needs it (every channel's minimum: a zero dividend). Not yet timed on a GPU: off
-    fill_recip: bool = False
+    # any lane needs it (every channel's minimum: a zero dividend). A prefill step's fill then runs
+    # one warp per program (prefill_fill_warps). H200, 512 blocks x 8 heads, 32-token blocks (session
+    # 21, prefill_probe --fill): 1 / 2 / 4 / 8 warps 88.1 / 100.6 / 146.7 / 150.4 us, against the
+    # division's 161.3 / 168.8 / 156.2 / 141.2 (8 warps was its choice)
+    fill_recip: bool = True
     decode_splits: int = 0  # 0 = choose from the grid size and SM count; >= 1 forces it
     programs_per_sm: int = 3  # split-K target: about this many decode programs per SM
     min_split_tokens: int = 256  # no split shorter than this (the merge would cost more than it saves)
@@ -154,7 +163,8 @@ class TritonConfig:
     # those prompts in fp16 (the quantized caches' compute dtype) through cuDNN's attention, one prompt
     # per call, instead of one varlen flash call. H200, a 16,384-token step of 5 prompts, 16 / 8
     # heads, dim 128 (nanokv.bench.attn_probe, session 20): 668.4 vs 796.5 us in fp16; bf16 925.5 vs
-    # 795.5 (so bf16 keeps flash). Not yet timed in the engine (host launches per prompt): off
+    # 795.5 (so bf16 keeps flash). Whole long-context int4 runs (session 21, one call): 14,937 tok/s
+    # with it against 15,022 without (within the run-to-run spread; no gain): off
     fresh_prefill_cudnn: bool = False
     asm: bool | None = None  # inline-PTX code expansion (None: on NVIDIA GPUs)
     words: bool | None = None  # read quantized codes as int32 words (None: when the head dim allows)

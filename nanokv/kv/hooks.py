@@ -140,15 +140,15 @@ def after_attention(layer: int, cache: LayerKVCache, md: Any, o: torch.Tensor) -
             # mapping; in eager steps from the filled blocks' last slots (the runner's, in the
             # step's one upload): one program per filled block, not per step token (a 16k-token
             # prefill chunk launched 262k programs per layer, 15 of 16 with nothing to do)
-            from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe
+            from nanokv.kernels.triton_blockquant import prefill_fill_warps, quantize_filled_graphsafe
             if cache.monitor is not None and not _capturing(o):
                 _monitor_fill(layer, cache)
             if cache.filled_in_step:  # the decode kernel quantized them (cuda_decode_int4)
                 cache.filled_in_step = False
             else:
-                fill = md.extras.get("fill_slots")  # (8 warps: prefill steps' fills 141 vs 156 us at 4)
+                fill = md.extras.get("fill_slots")  # prefill steps: one program per filled block
                 quantize_filled_graphsafe(cache, md.slot_mapping if fill is None else fill,
-                                          0 if fill is None else 8)
+                                          0 if fill is None else prefill_fill_warps())
         else:
             quantize_filled(cache, layer)
     if cache.rotate_v and not cache.rotate_v_in_weights:
