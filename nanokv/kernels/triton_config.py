@@ -118,9 +118,9 @@ class TritonConfig:
     # quant_swap_min_splits; 0 = the Triton kernel's rule. H200, lengths over [2048, 4096], session 16:
     # B 64: 16 splits 100.9 / 101.8 us vs 8 109.0 / 109.6; B 96: 8 splits 126.0 vs 11 132.0; B 128: 8
     # splits 164.3 vs 12 169.7, 16 179.6; session 18, 32-token blocks: 4 / 3 / 2 waves 142.2 / 142.3 / 142.0.
-    # 2 halves the splits below ~93 sequences (8 instead of 16; the floor keeps 8 at 128): whole
-    # long-context int4 runs (session 21, call 3, alternating) 15,075 / 15,054 / 15,111 / 15,139 tok/s
-    # against 15,014 / 14,925 at 4
+    # 2 halves the splits below ~93 sequences (B 64: 8 instead of 16; the floor keeps 8 at 128). H200,
+    # session 21: B 64 86.2 vs 87.9 us, B 32 and 128 the same; whole long-context int4 runs
+    # alternating in one call, six each: 15,133-15,149 tok/s against 15,020-15,057 at 4
     quant_cuda4_waves: int = 2
     # launch it through cuda_decode_int4._Launcher (argument array built once), not torch's launcher
     # (a ctypes object, cast and array type per argument and call): host time in eager steps. H200,
