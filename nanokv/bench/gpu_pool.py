@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import sys
 import time
 from typing import Any
 
 import torch
+
+from nanokv.bench import write_json
 
 
 def free_mib(device: str) -> float | None:
@@ -164,9 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         fails.append("CUDA graphs missing after a resize")
     if cuda and res["free_mib_after_idle"] <= low_free:
         fails.append("the shrink gave no device memory back")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**res, "failures": fails}, f, indent=2)
+    write_json(args.out, {**res, "failures": fails}, indent=2)
     for why in fails:
         print(f"[pool] FAIL: {why}")
     print("[pool] OK" if not fails else f"[pool] {len(fails)} failure(s)")

@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import time
 
 import torch
 
+from nanokv.bench import write_json
 from nanokv.bench.gpu import make_workload
 
 
@@ -119,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--- callees of {name}")
         print("\n".join(line[:200] for line in s.getvalue().splitlines()[2:60]))
     res["cprofile"] = tables
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, res)
     return 0
 
 

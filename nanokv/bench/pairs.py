@@ -19,6 +19,8 @@ import sys
 import tempfile
 from statistics import mean
 
+from nanokv.bench import write_json
+
 
 def _tok_s(result: dict) -> float:
     """tok/s of nanokv in a bench JSON (GPU workloads at the top level, the CPU one under "nanokv")."""
@@ -68,9 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"int{args.bits} / bf16 over {len(runs)} pairs: " + " ".join(f"{r:.3f}" for r in ratios)
           + f"; range {res['ratio_min']:.3f}-{res['ratio_max']:.3f}; means {res['quant_mean']:,.0f} / "
           f"{res['bf16_mean']:,.0f} = {res['ratio_of_means']:.3f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, res)
     return 0
 
 

@@ -14,12 +14,12 @@ not a benchmark figure.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import time
 
 import torch
 
+from nanokv.bench import write_json
 from nanokv.bench.gpu import make_workload, measure_copy_bandwidth
 
 KINDS = [  # first match wins; names as the profiler reports kernels on the H200 (Triton, cuBLAS, flash)
@@ -160,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         host = ", ".join(f"{name[:40]} {o * 1e3:.2f}" for name, o in g["host"])
         print(f"    {g['at_s']:7.3f}: {g['idle_s'] * 1e3:6.2f} ms  {str(g['before'])[:40]} -> {str(g['after'])[:40]}"
               + (f"  [{host}]" if host else ""))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, res)
     return 0
 
 
