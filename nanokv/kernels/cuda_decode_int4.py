@@ -72,7 +72,7 @@ def _kernel(G: int, H: int, bs: int, q_bf16: bool, st_bf16: bool, out_bf16: bool
         _BROKEN.append(str(e))
         log.warning("CUDA int4 decode unavailable (%s); using the Triton kernels", e)
         return None
-    BUILT[f"stages {stages}, tiles {tiles}, maxnreg {maxnreg}"] = kern
+    BUILT[", ".join(f"{k} {v}" for k, v in defs.items())] = kern
     return kern
 
 
