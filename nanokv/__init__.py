@@ -8,8 +8,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch and the model; import it lazily so `nanokv.cache` stays torch-free.
+    # LLM pulls in torch and the model; import it lazily so `nanokv.cache_service` stays torch-free.
     if name == "LLM":
-        from nanokv.engine.llm import LLM
+        from nanokv.gateway.llm import LLM
         return LLM
     raise AttributeError(name)

@@ -48,7 +48,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from nanokv.engine.llm import LLM
+    from nanokv.gateway.llm import LLM
     from nanokv.sampling import SamplingParams
 
     llm = LLM(**engine_kwargs(args))
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     try:
-        from nanokv.server.cli import add_serve_args
+        from nanokv.gateway.http.cli import add_serve_args
         add_serve_args(s)
     except ImportError:  # pragma: no cover - server extras missing
         pass
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # simulate/eval own their flags: hand them the raw arguments
     if argv and argv[0] == "simulate":
-        from nanokv.cache.simulate import main as sim_main
+        from nanokv.sim.simulate import main as sim_main
         return int(sim_main(argv[1:]) or 0)
     if argv and argv[0] == "eval":
         from nanokv.eval.cli import main as eval_main
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             from nanokv.bench.cli import run_bench
             return run_bench(args, engine_kwargs(args))
         if args.cmd == "serve":
-            from nanokv.server.cli import serve_main
+            from nanokv.gateway.http.cli import serve_main
             return int(serve_main(args) or 0)
     except NanoKVError as e:
         print(f"error: {e}", file=sys.stderr)

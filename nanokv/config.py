@@ -62,7 +62,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     # CPU torch backend: every token computed by the same float operations whatever shares its step
-    # (chunking, prefix hits, batch size, preemption): nanokv/kernels/cpu_invariant.py.
+    # (chunking, prefix hits, batch size, preemption): kernels/cpu_invariant.py.
     # None = on for a compressed cache on the CPU, where rounding otherwise changes greedy tokens
     batch_invariant: bool | None = None
     # host schedules step N+1 while the device runs step N (nanokv/engine/async_step.py);

@@ -24,7 +24,7 @@ def hf_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from nanokv.model.loader import embedded_model_path
+    from nanokv.compute_service.model.loader import embedded_model_path
 
     path = embedded_model_path()
     m = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
@@ -36,7 +36,7 @@ def hf_model():
 @pytest.fixture(scope="session")
 def llm():
     """One shared engine on the embedded model; tests must leave it with no live requests."""
-    from nanokv.engine.llm import LLM
+    from nanokv.gateway.llm import LLM
 
     return LLM(num_gpu_blocks=2048, block_size=16, max_num_batched_tokens=2048)
 

@@ -13,18 +13,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels on CPU, before any of them runs
 
-from nanokv.adaptive import AdaptiveController, AdaptiveSettings
-from nanokv.adaptive.precision import PrecisionActuator
-from nanokv.adaptive.reformat import reformat_layer
-from nanokv.adaptive.settings import PATIENCE_WINDOWS
+from nanokv.cache_service.kv.blockquant import quantize_filled
+from nanokv.cache_service.kv.cache import allocate_layer_cache
+from nanokv.cache_service.kv.rotation import rotation_matrix
+from nanokv.compute_service import kv_hooks as hooks
 from nanokv.config import parse_bitwidth
-from nanokv.engine.llm import LLM
+from nanokv.gateway.adaptive import AdaptiveController, AdaptiveSettings
+from nanokv.gateway.adaptive.precision import PrecisionActuator
+from nanokv.gateway.adaptive.reformat import reformat_layer
+from nanokv.gateway.adaptive.settings import PATIENCE_WINDOWS
+from nanokv.gateway.llm import LLM
+from nanokv.gateway.metrics import EngineMetrics
 from nanokv.kernels import reference
-from nanokv.kv import hooks
-from nanokv.kv.blockquant import quantize_filled
-from nanokv.kv.cache import allocate_layer_cache
-from nanokv.kv.rotation import rotation_matrix
-from nanokv.metrics import EngineMetrics
 from nanokv.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

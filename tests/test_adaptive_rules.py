@@ -8,12 +8,12 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from nanokv.adaptive import AdaptiveController, AdaptiveSettings
-from nanokv.adaptive.ghosts import GhostScores
-from nanokv.adaptive.rules import ConcurrencyRule, PolicyRule, PrecisionRule
-from nanokv.adaptive.settings import PATIENCE_WINDOWS
-from nanokv.adaptive.window import WindowStats
-from nanokv.cache.manager import KVCacheManager
+from nanokv.cache_service.manager import KVCacheManager
+from nanokv.gateway.adaptive import AdaptiveController, AdaptiveSettings
+from nanokv.gateway.adaptive.ghosts import GhostScores
+from nanokv.gateway.adaptive.rules import ConcurrencyRule, PolicyRule, PrecisionRule
+from nanokv.gateway.adaptive.settings import PATIENCE_WINDOWS
+from nanokv.gateway.adaptive.window import WindowStats
 
 S = AdaptiveSettings(window_steps=4, max_num_seqs=16)
 
@@ -148,7 +148,7 @@ def test_controller_acts_logs_and_counts_once_per_window(caplog):
     prec = FakePrecision({1: {4: 3.0, 8: 0.1}})
     ctl = AdaptiveController(S, scheduler=sched, precision=prec)
     assert ctl.counts == {"max_num_seqs": 0, "kv_bits": 0, "kv_bits_refused": 0}
-    with caplog.at_level(logging.INFO, logger="nanokv.adaptive"):
+    with caplog.at_level(logging.INFO, logger="nanokv.gateway.adaptive"):
         for _ in range(40):  # steady pressure: a preemption on every step
             sched.num_preemptions += 1
             ctl.on_step()

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanokv.attention.metadata import AttentionMetadata, forward_context
+from nanokv.cache_service.kv.cache import allocate_layer_cache
+from nanokv.compute_service.attention.metadata import AttentionMetadata, forward_context
+from nanokv.compute_service.model.layers.linear import MergedColumnParallelLinear, linear
 from nanokv.errors import ConfigError
 from nanokv.eval import invariance
 from nanokv.kernels import cpu_invariant, reference
-from nanokv.kv.cache import allocate_layer_cache
-from nanokv.model.layers.linear import MergedColumnParallelLinear, linear
 
 
 @pytest.fixture
@@ -108,7 +108,7 @@ def test_engine_int8_greedy_same_tokens_every_way(tmp_path: Path) -> None:
 
 
 def test_batch_invariant_is_cpu_torch_only_and_auto_follows_compression() -> None:
-    from nanokv.engine.llm import LLM
+    from nanokv.gateway.llm import LLM
     with pytest.raises(ConfigError) as e:
         LLM(attention_backend="triton", batch_invariant=True)
     assert "batch_invariant" in str(e.value)

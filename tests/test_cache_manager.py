@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nanokv.cache import KVCacheManager
-from nanokv.cache.hashing import block_hash, hash_full_blocks, root_hash
+from nanokv.cache_service import KVCacheManager
+from nanokv.cache_service.hashing import block_hash, hash_full_blocks, root_hash
 from nanokv.errors import NanoKVError
 
 BS = 4

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from nanokv.cache import KVCacheManager, make_policy
-from nanokv.cache.policies.depth_lru import DepthLRUPolicy, _class_of
-from nanokv.cache.replay import replay
-from nanokv.cache.traces import TraceRequest, rag
+from nanokv.cache_service import KVCacheManager, make_policy
+from nanokv.cache_service.policies.depth_lru import DepthLRUPolicy, _class_of
 from nanokv.errors import NanoKVError
+from nanokv.sim.replay import replay
+from nanokv.sim.traces import TraceRequest, rag
 
 
 def _trace(seq: str) -> list[TraceRequest]:
@@ -21,7 +21,7 @@ def _trace(seq: str) -> list[TraceRequest]:
 
 def flags(policy: str, capacity: int, seq: str, **kw: object) -> list[int]:
     """Hit flag per request of ``seq`` (one letter = one single-block request)."""
-    from nanokv.cache.replay import NextUseOracle, keys_of
+    from nanokv.sim.replay import NextUseOracle, keys_of
 
     trace = _trace(seq)
     keys = keys_of(trace)

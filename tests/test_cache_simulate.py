@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from nanokv.cache.replay import ideal, keys_of, replay
-from nanokv.cache.simulate import main, parse_capacities
-from nanokv.cache.traces import load_trace, read_mooncake
 from nanokv.errors import NanoKVError
+from nanokv.sim.replay import ideal, keys_of, replay
+from nanokv.sim.simulate import main, parse_capacities
+from nanokv.sim.traces import load_trace, read_mooncake
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"  # ../shared
 CAPS = {1: 439, 5: 2196, 10: 4392, 25: 10981, 50: 21962}

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
-from nanokv.cache import KVCacheManager
-from nanokv.cache.hashing import hash_full_blocks
-from nanokv.cache.policies import POLICY_NAMES
+from nanokv.cache_service import KVCacheManager
+from nanokv.cache_service.hashing import hash_full_blocks
+from nanokv.cache_service.policies import POLICY_NAMES
 
 # >= 1000 random sequences per policy; NANOKV_HYPOTHESIS_SCALE lowers it for a quick local run.
 EXAMPLES = int(1000 * float(os.environ.get("NANOKV_HYPOTHESIS_SCALE", "1")))

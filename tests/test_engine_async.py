@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from nanokv.engine.llm import LLM
 from nanokv.errors import ConfigError
+from nanokv.gateway.llm import LLM
 from nanokv.sampling import SamplingParams
 
 

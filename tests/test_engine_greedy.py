@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanokv.engine.llm import LLM
+from nanokv.gateway.llm import LLM
 from nanokv.sampling import SamplingParams
 from tests.conftest import hf_greedy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanokv.engine.llm import LLM
+from nanokv.gateway.llm import LLM
 from nanokv.sampling import SamplingParams
 
 POLICIES = ["lru", "lru_k", "clock", "arc", "s3fifo", "sieve", "depth_lru"]

@@ -3,8 +3,8 @@ prompt beside a decode through the engine's own scheduler, and leaves nothing be
 
 from __future__ import annotations
 
-from nanokv.engine.llm import LLM
-from nanokv.engine.warmup import warm_up
+from nanokv.gateway.llm import LLM
+from nanokv.gateway.warmup import warm_up
 from nanokv.sampling import SamplingParams
 
 GREEDY16 = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

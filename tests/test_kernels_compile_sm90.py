@@ -41,7 +41,7 @@ def test_decode_kernels_compile_for_sm90(tmp_path) -> None:
                                            ("G=4 NKV=4 BS=64 NT=2 Q_BF16=0 ST_BF16=0 OUT_BF16=0 NSTAGE=2 MAXNREG=128",
                                             128)])
 def test_cuda_int4_decode_compiles_for_sm90(tmp_path, defs: str, max_regs: int) -> None:
-    """The CUDA C++ int4 decode (nanokv/kernels/cuda/decode_int4.cu) has no interpreter; here nvcc
+    """The CUDA C++ int4 decode (kernels/cuda/decode_int4.cu) has no interpreter; here nvcc
     builds the source NVRTC gets for sm_90, and its resource report must show no spills, no stack
     frame and at most max_regs registers: 128 for one tile per loop step (16 one-warp programs per
     SM), 168 for two (12 per SM), or the cap asked for."""

@@ -116,7 +116,7 @@ def test_engine_int4_fill_in_the_decode_kernel_changes_nothing(monkeypatch) -> N
     """A bf16 Qwen3-0.6B-shaped model (random weights) under CUDA graphs: with the decode kernel
     filling blocks (quant_cuda4_fill) and with the fill kernel after attention, the same greedy
     tokens and the same int4 cache, bit for bit."""
-    from nanokv.engine.llm import LLM
+    from nanokv.gateway.llm import LLM
     from nanokv.sampling import SamplingParams
     prompts = [[(7 * i + 3 * j) % 5000 + 2 for i in range(20 + 9 * j)] for j in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

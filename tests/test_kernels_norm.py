@@ -1,5 +1,5 @@
 """RMSNorm (+ residual) and SiLU-and-mul Triton kernels (nanokv.kernels.triton_norm) against the torch
-functions of nanokv.model.layers.fusion (CPU: TRITON_INTERPRET=1), and the dispatch that picks them."""
+functions of nanokv.compute_service.model.layers.fusion (CPU: TRITON_INTERPRET=1), and the dispatch that picks them."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
 pytest.importorskip("triton")
 
+from nanokv.compute_service.model.layers import fusion  # noqa: E402
 from nanokv.kernels import triton_norm  # noqa: E402
-from nanokv.model.layers import fusion  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # the interpreter converts fp32 to bf16 by truncation, the GPU rounds to nearest as torch does

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanokv.model.config import ModelConfig
-from nanokv.model.layers.rotary import rope_inv_freq
+from nanokv.compute_service.model.config import ModelConfig
+from nanokv.compute_service.model.layers.rotary import rope_inv_freq
 
 LLAMA31_V4 = {  # Llama-3.1-8B-Instruct's config.json (transformers 4 dialect)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 4096,

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanokv.model.config import ModelConfig
-from nanokv.model.loader import load_model, random_state_dict
+from nanokv.compute_service.model.config import ModelConfig
+from nanokv.compute_service.model.loader import load_model, random_state_dict
 
 # llama.cpp tensor names, written out independently of nanokv's mapping
 _BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -131,8 +131,8 @@ def test_llama3_rope_freqs_tensor(tmp_path):
     must give the same model as the HF-style llama3 rope_scaling config."""
     from helpers_model import PagedRunner
 
-    from nanokv.model.layers.rotary import rope_inv_freq
-    from nanokv.model.loader import random_model
+    from nanokv.compute_service.model.layers.rotary import rope_inv_freq
+    from nanokv.compute_service.model.loader import random_model
 
     cfg = ModelConfig.preset("tiny-llama")  # llama3 rope scaling
     plain = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers_model import PagedRunner
 
-from nanokv.model.config import ModelConfig
-from nanokv.model.loader import load_model, random_state_dict, save_hf_folder
+from nanokv.compute_service.model.config import ModelConfig
+from nanokv.compute_service.model.loader import load_model, random_state_dict, save_hf_folder
 
 COMMON = dict(vocab_size=1003, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
               max_position_embeddings=512, rms_norm_eps=1e-6)
@@ -90,7 +90,7 @@ def test_greedy_16_tokens_match(pair):
 
 def test_no_metadata_path_matches_paged(pair):
     """Warm-up/profiling path (metadata None: plain causal SDPA) computes the same thing."""
-    from nanokv.attention.metadata import forward_context
+    from nanokv.compute_service.attention.metadata import forward_context
 
     _, _, ours, _, _ = pair
     ids = list(range(3, 30))

@@ -8,15 +8,15 @@ import os
 import pytest
 import torch
 
-from nanokv.errors import NanoKVError
-from nanokv.model.config import ModelConfig
-from nanokv.model.loader import (
+from nanokv.compute_service.model.config import ModelConfig
+from nanokv.compute_service.model.loader import (
     build_model,
     load_model,
     random_state_dict,
     resolve_model_path,
     save_hf_folder,
 )
+from nanokv.errors import NanoKVError
 
 
 def test_missing_path():
@@ -78,7 +78,7 @@ def test_missing_tensor_and_bad_shape(tmp_path):
 
 
 def test_folder_without_tokenizer(tmp_path):
-    from nanokv.model.loader import load_tokenizer
+    from nanokv.compute_service.model.loader import load_tokenizer
 
     save_hf_folder(ModelConfig.preset("tiny-llama"), {}, str(tmp_path))
     with pytest.raises(NanoKVError, match="tokenizer"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers_model import PagedRunner
 
-from nanokv.model.loader import embedded_model_path, load_model, load_tokenizer
+from nanokv.compute_service.model.loader import embedded_model_path, load_model, load_tokenizer
 
 pytestmark = pytest.mark.slow  # ~30 s: two GGUF dequantizations and a tokenizer conversion
 

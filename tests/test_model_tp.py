@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
+from nanokv.compute_service.model.config import ModelConfig
+from nanokv.compute_service.model.loader import random_model, random_state_dict
 from nanokv.errors import NanoKVError
-from nanokv.model.config import ModelConfig
-from nanokv.model.loader import random_model, random_state_dict
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -91,7 +91,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
     from helpers_model import PagedRunner
 
-    from nanokv.distributed import init_tensor_parallel
+    from nanokv.compute_service.distributed import init_tensor_parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from nanokv.adaptive import AdaptiveController, AdaptiveSettings
-from nanokv.adaptive.pool_rule import PoolRule
-from nanokv.adaptive.settings import PATIENCE_WINDOWS
-from nanokv.adaptive.window import WindowStats
-from nanokv.cache.manager import KVCacheManager
-from nanokv.cache.policies import ONLINE_POLICY_NAMES
+from nanokv.cache_service.manager import KVCacheManager
+from nanokv.cache_service.policies import ONLINE_POLICY_NAMES
 from nanokv.errors import NanoKVError
+from nanokv.gateway.adaptive import AdaptiveController, AdaptiveSettings
+from nanokv.gateway.adaptive.pool_rule import PoolRule
+from nanokv.gateway.adaptive.settings import PATIENCE_WINDOWS
+from nanokv.gateway.adaptive.window import WindowStats
 
 BS = 4
 
@@ -191,7 +191,7 @@ def test_controller_grows_then_shrinks_and_counts(mode: str, caplog: pytest.LogC
     pool = FakePool(cm, room=8)
     s = AdaptiveSettings(mode=mode, window_steps=2, pool_grow_fraction=0.5)
     ctl = AdaptiveController(s, cache=cm, scheduler=sched, pool=pool, policy_rule=False, concurrency_rule=False)
-    with caplog.at_level(logging.INFO, "nanokv.adaptive"):
+    with caplog.at_level(logging.INFO, "nanokv.gateway.adaptive"):
         drive(ctl, cm, sched, 3, used=None, waiting=2)  # full pool, queue: 8 -> 12 -> 16, then no reserve
         if mode == "act":
             assert cm.num_blocks == 16 and pool.calls == [12, 16]
@@ -228,7 +228,7 @@ def test_server_engine_thread_ticks_the_controller_while_idle() -> None:
     close (and a grown pool can shrink) while no request arrives."""
     import asyncio
 
-    from nanokv.server.async_engine import AsyncEngine
+    from nanokv.gateway.http.async_engine import AsyncEngine
 
     class IdleEngine:
         ticks = 0

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from nanokv.cache_service.kv import quant
+from nanokv.cache_service.kv.blockquant import quantize_filled
+from nanokv.cache_service.kv.cache import allocate_layer_cache
+from nanokv.cache_service.kv.staging import StageTable
 from nanokv.kernels import reference
-from nanokv.kv import quant
-from nanokv.kv.blockquant import quantize_filled
-from nanokv.kv.cache import allocate_layer_cache
-from nanokv.kv.staging import StageTable
 
 H, BS, D = 2, 16, 64
 
@@ -99,7 +99,7 @@ def test_deferred_stage_map_is_applied_before_reads_between_steps():
     """The runner defers the staging map's device updates to the next step's metadata copy; a read
     between steps (re-formatting a layer) must first apply them, or a block quantized by the last
     step would still be read from (and written to) staging."""
-    from nanokv.kv import blockquant
+    from nanokv.cache_service.kv import blockquant
     bs, D = 4, 8
     cache = allocate_layer_cache(4, 3, 1, bs, D, torch.float32, "cpu")
     st = cache.stage
@@ -142,9 +142,9 @@ def test_stage_map_updates_follow_the_host_state_in_any_order():
 def test_runner_hands_eager_steps_the_filled_blocks_last_slots():
     """An int4 step with prefills carries the last slot of each block it fills (the GPU fill kernel's
     compact input, md.extras["fill_slots"]); a decode-only step (the captured kind) does not."""
+    from nanokv.compute_service.model.loader import random_model
+    from nanokv.compute_service.runner.model_runner import ModelRunner
     from nanokv.config import EngineConfig
-    from nanokv.model.loader import random_model
-    from nanokv.runner.model_runner import ModelRunner
 
     model, mc = random_model("tiny-llama", torch.float32, torch.device("cpu"))
     r = ModelRunner(EngineConfig.from_kwargs(num_gpu_blocks=16, block_size=16, device="cpu", enable_compression=True,

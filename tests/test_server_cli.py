@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from nanokv.config import EngineConfig
-from nanokv.server.cli import _is_loopback, add_serve_args, engine_kwargs, serve_main
+from nanokv.gateway.http.cli import _is_loopback, add_serve_args, engine_kwargs, serve_main
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from nanokv.server import build_app
-from nanokv.server.testing import serve_in_thread, shared_engine
+from nanokv.gateway.http import build_app
+from nanokv.gateway.http.testing import serve_in_thread, shared_engine
 
 KEY = "load-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

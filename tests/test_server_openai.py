@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from nanokv.server import build_app
-from nanokv.server.testing import serve_in_thread, shared_engine
+from nanokv.gateway.http import build_app
+from nanokv.gateway.http.testing import serve_in_thread, shared_engine
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 # long enough to fill a couple of 16-token blocks, so a repeat can hit the prefix cache

@@ -17,8 +17,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from nanokv.server import build_app
-from nanokv.server.testing import serve_in_thread, shared_engine
+from nanokv.gateway.http import build_app
+from nanokv.gateway.http.testing import serve_in_thread, shared_engine
 
 OPS = Path(__file__).resolve().parents[1] / "nanokv" / "ops"
 PROMTOOL = shutil.which("promtool")

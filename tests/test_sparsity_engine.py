@@ -14,8 +14,8 @@ import torch
 
 import nanokv.config
 from nanokv.config import EngineConfig
-from nanokv.engine.engine import Engine, RequestOutput
 from nanokv.errors import ConfigError
+from nanokv.gateway.engine import Engine, RequestOutput
 from nanokv.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -59,7 +59,7 @@ def _watch_peak(eng: Engine) -> list[int]:
 
 @pytest.fixture(scope="module")
 def prompt() -> list[int]:
-    from nanokv.model.loader import load_tokenizer
+    from nanokv.compute_service.model.loader import load_tokenizer
 
     ids = load_tokenizer(None)(Path(nanokv.config.__file__).read_text(), add_special_tokens=False)["input_ids"]
     return list(ids[:330])  # 20 full blocks + 10 tokens

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import nanokv.config
+from nanokv.cache_service.kv.cache import allocate_layer_cache
+from nanokv.cache_service.kv.demote import DemotionStore
+from nanokv.compute_service.sparsity.accounting import KVBytes
+from nanokv.compute_service.sparsity.policies import SparsityParams
 from nanokv.errors import NanoKVError
 from nanokv.eval.cli import main, parser, sparsity_variants
 from nanokv.eval.sparse import SparseView
-from nanokv.kv.cache import allocate_layer_cache
-from nanokv.kv.demote import DemotionStore
-from nanokv.sparsity.accounting import KVBytes
-from nanokv.sparsity.policies import SparsityParams
 
 CORPUS = str(Path(nanokv.config.__file__))  # a text every checkout has
 

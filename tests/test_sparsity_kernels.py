@@ -13,13 +13,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
 
-from nanokv.attention.metadata import AttentionMetadata  # noqa: E402
+from nanokv.cache_service.kv import demote, quant  # noqa: E402
+from nanokv.cache_service.kv.blockquant import quantize_filled  # noqa: E402
+from nanokv.cache_service.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block  # noqa: E402
+from nanokv.compute_service.attention.metadata import AttentionMetadata  # noqa: E402
+from nanokv.compute_service.sparsity.probe import AttentionProbe  # noqa: E402
 from nanokv.errors import NanoKVError  # noqa: E402
 from nanokv.kernels import reference  # noqa: E402
-from nanokv.kv import demote, quant  # noqa: E402
-from nanokv.kv.blockquant import quantize_filled  # noqa: E402
-from nanokv.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block  # noqa: E402
-from nanokv.sparsity.probe import AttentionProbe  # noqa: E402
 
 BS, H, G, D = 8, 2, 2, 32
 
@@ -113,9 +113,9 @@ def test_triton_reads_holes_without_a_copy(bits):
 
 
 def test_runner_positions_and_slots_stay_true_with_holes():
+    from nanokv.compute_service.model.loader import random_model
+    from nanokv.compute_service.runner.model_runner import ModelRunner
     from nanokv.config import EngineConfig
-    from nanokv.model.loader import random_model
-    from nanokv.runner.model_runner import ModelRunner
 
     model, mc = random_model("tiny-llama", torch.float32, torch.device("cpu"))
     r = ModelRunner(EngineConfig.from_kwargs(num_gpu_blocks=16, block_size=16, device="cpu"), model, mc,

@@ -13,9 +13,9 @@ import psutil
 import pytest
 import torch
 
-from nanokv.engine.llm import LLM
+from nanokv.compute_service.runner.tp_protocol import TokenWindow, _decode, _encode
 from nanokv.errors import NanoKVError
-from nanokv.runner.tp_protocol import TokenWindow, _decode, _encode
+from nanokv.gateway.llm import LLM
 from nanokv.sampling import SamplingParams
 
 TINY = dict(model="random:tiny-qwen3", num_gpu_blocks=64, block_size=16)

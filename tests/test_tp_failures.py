@@ -15,10 +15,10 @@ import psutil
 import pytest
 import torch
 
-import nanokv.runner.tp_procs as tp_procs
-import nanokv.runner.tp_runner as tp_runner
-from nanokv.engine.engine import Engine
-from nanokv.runner.tp_runner import TensorParallelError
+import nanokv.compute_service.runner.tp_procs as tp_procs
+import nanokv.compute_service.runner.tp_runner as tp_runner
+from nanokv.compute_service.runner.tp_runner import TensorParallelError
+from nanokv.gateway.engine import Engine
 from nanokv.sampling import SamplingParams
 
 TINY = dict(model="random:tiny-qwen3", num_gpu_blocks=64, block_size=16, tensor_parallel_size=2)
@@ -112,8 +112,8 @@ def test_worker_raising_while_loading_reports_its_traceback(tmp_path, monkeypatc
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from nanokv.model.config import ModelConfig
-    from nanokv.model.loader import random_state_dict, save_hf_folder
+    from nanokv.compute_service.model.config import ModelConfig
+    from nanokv.compute_service.model.loader import random_state_dict, save_hf_folder
 
     cfg = ModelConfig.preset("tiny-qwen3")
     folder = save_hf_folder(cfg, random_state_dict(cfg), str(tmp_path / "tiny"))
@@ -133,7 +133,7 @@ def test_worker_raising_while_loading_reports_its_traceback(tmp_path, monkeypatc
 
 _ORPHAN_SCRIPT = """
 import sys, time, torch
-from nanokv.engine.engine import Engine
+from nanokv.gateway.engine import Engine
 torch.set_num_threads(1)
 eng = Engine(model="random:tiny-qwen3", num_gpu_blocks=64, block_size=16, tensor_parallel_size=2)
 print(" ".join(map(str, eng.runner.worker_pids())), flush=True)

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from nanokv.engine.llm import LLM
-from nanokv.runner.tp_comm import TensorParallelError
+from nanokv.compute_service.runner.tp_comm import TensorParallelError
+from nanokv.gateway.llm import LLM
 from nanokv.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")

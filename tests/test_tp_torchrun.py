@@ -19,7 +19,7 @@ KW = dict(model="random:tiny-qwen3", num_gpu_blocks=64, block_size=16)
 
 
 def _generate(**extra) -> list[list[int]]:
-    from nanokv.engine.llm import LLM
+    from nanokv.gateway.llm import LLM
     from nanokv.sampling import SamplingParams
 
     llm = LLM(**KW, **extra)
@@ -46,7 +46,7 @@ def test_torchrun_two_ranks_match_tp1(tmp_path):
 
 
 if __name__ == "__main__":
-    from nanokv.runner.tp_worker import run_worker_if_torchrun
+    from nanokv.compute_service.runner.tp_worker import run_worker_if_torchrun
 
     run_worker_if_torchrun()  # rank 1 serves rank 0's engine here, then exits
     tokens = _generate(tensor_parallel_size=int(os.environ["WORLD_SIZE"]))

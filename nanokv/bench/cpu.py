@@ -28,7 +28,7 @@ def make_workload(num_seqs: int, seed: int = 0, vocab: int = 49152) -> tuple[lis
 
 
 def run_nanokv(engine_kw: dict[str, Any], prompts, outs) -> tuple[float, list[list[int]]]:
-    from nanokv.engine.llm import LLM
+    from nanokv.gateway.llm import LLM
     from nanokv.sampling import SamplingParams
 
     kw = {"device": "cpu", "max_num_seqs": BATCH, "max_num_batched_tokens": 512, **engine_kw}
@@ -45,7 +45,7 @@ def run_nanokv(engine_kw: dict[str, Any], prompts, outs) -> tuple[float, list[li
 def run_hf(prompts, outs) -> tuple[float, list[list[int]]]:
     from transformers import AutoModelForCausalLM
 
-    from nanokv.model.loader import embedded_model_path
+    from nanokv.compute_service.model.loader import embedded_model_path
 
     path = embedded_model_path()
     import os

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="torch.profiler over each run's prefill phase")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args(argv)
-    from nanokv.engine.llm import LLM
+    from nanokv.gateway.llm import LLM
     from nanokv.sampling import SamplingParams
 
     events = _Events()

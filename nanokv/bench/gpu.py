@@ -89,7 +89,7 @@ def roofline_floor(mc, prompts, outs, bw: float, flops: float, kv_bytes_per_toke
 def run_hf(mc_name: str, prompts, outs, device) -> float:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig  # noqa: F401
 
-    from nanokv.model.config import ModelConfig
+    from nanokv.compute_service.model.config import ModelConfig
 
     mc = ModelConfig.preset(mc_name)
     from transformers import Qwen3Config
@@ -121,7 +121,7 @@ def bench_warm_up(llm: Any, prompts: list[list[int]], params: list[Any]) -> None
 
 def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = False, quick: bool = False,
                   num_seqs: int | None = None) -> dict[str, Any]:
-    from nanokv.engine.llm import LLM
+    from nanokv.gateway.llm import LLM
     from nanokv.sampling import SamplingParams
 
     prompts, outs = make_workload(workload, num_seqs or (32 if quick else None))

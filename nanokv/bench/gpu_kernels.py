@@ -26,12 +26,12 @@ if SMOKE:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from nanokv.attention.metadata import AttentionMetadata  # noqa: E402
+from nanokv.cache_service.kv.cache import LayerKVCache  # noqa: E402
+from nanokv.compute_service.attention.metadata import AttentionMetadata  # noqa: E402
 from nanokv.kernels import triton_decode  # noqa: E402
 from nanokv.kernels.triton_backend import TritonBackend, choose_splits, decode_options, sm_count  # noqa: E402
 from nanokv.kernels.triton_config import TritonConfig  # noqa: E402
 from nanokv.kernels.triton_selfcheck import Shapes, check_all, check_variants, make_batch  # noqa: E402
-from nanokv.kv.cache import LayerKVCache  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
 DT = torch.float16 if SMOKE else torch.bfloat16  # the interpreter mishandles bf16 dots

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="GPU model dtypes to compare (comma list)")
     args = ap.parse_args(argv)
 
-    from nanokv.engine.llm import LLM
+    from nanokv.gateway.llm import LLM
     from nanokv.sampling import SamplingParams
 
     rng = random.Random(0)

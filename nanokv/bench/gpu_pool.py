@@ -45,8 +45,8 @@ def top2_gap(logprobs: list[dict[str, Any]] | None, j: int) -> float | None:
 
 def block_bytes(preset: str, dtype: torch.dtype) -> int:
     """One 16-token block of full-precision K and V in every layer of a preset model."""
-    from nanokv.kv.cache import bytes_per_block
-    from nanokv.model.config import ModelConfig
+    from nanokv.cache_service.kv.cache import bytes_per_block
+    from nanokv.compute_service.model.config import ModelConfig
 
     mc = ModelConfig.preset(preset)
     return mc.num_hidden_layers * bytes_per_block(16, mc.num_key_value_heads, 16, mc.head_dim, dtype)
@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     n_prompts = args.num_prompts or (24 if cuda else 8)
     max_tokens = args.max_tokens or (48 if cuda else 8)
 
-    from nanokv.adaptive.settings import PATIENCE_WINDOWS
-    from nanokv.engine.llm import LLM
+    from nanokv.gateway.adaptive.settings import PATIENCE_WINDOWS
+    from nanokv.gateway.llm import LLM
     from nanokv.sampling import SamplingParams
 
     rng = random.Random(0)

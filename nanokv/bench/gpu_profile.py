@@ -40,7 +40,7 @@ def _events_ms(fn, n: int = 20) -> float:
 def check_fresh_prefill(device: torch.device, dtype: torch.dtype = torch.bfloat16, cudnn: bool = False) -> float:
     """Relative error of the fresh-prompt path (varlen flash; cudnn: fp16 through cuDNN) vs float64
     causal attention, inputs of Qwen3-0.6B head shapes, three packed prompts; NaN poisoned output."""
-    from nanokv.attention.metadata import AttentionMetadata
+    from nanokv.compute_service.attention.metadata import AttentionMetadata
     from nanokv.kernels.fresh_prefill import sdpa_fresh_prefill
 
     lens = [700, 129, 1500]
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-step", type=int, default=1, help="the prefill step run under the profiler")
     ap.add_argument("--num-seqs", type=int, default=None, help="fewer sequences than the workload's (a tail batch)")
     args = ap.parse_args(argv)
-    from nanokv.engine.llm import LLM
+    from nanokv.gateway.llm import LLM
     from nanokv.sampling import SamplingParams
 
     prompts, outs = make_workload(args.workload, args.num_seqs)

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated functions whose callees to list (pstats restriction regexes)")
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args(argv)
-    from nanokv.engine.llm import LLM
+    from nanokv.gateway.llm import LLM
     from nanokv.sampling import SamplingParams
 
     quant = dict(enable_compression=True, quantization_bitwidth=args.bits) if args.bits < 16 else {}

@@ -16,12 +16,12 @@ from typing import cast
 
 import torch
 
-from nanokv.attention.metadata import AttentionMetadata
 from nanokv.bench.gpu_kernels import SCALE, SH, timed
+from nanokv.cache_service.kv.cache import LayerKVCache
+from nanokv.compute_service.attention.metadata import AttentionMetadata
 from nanokv.kernels.triton_backend import TritonBackend
 from nanokv.kernels.triton_config import TritonConfig, apply_overrides, config_from_env
 from nanokv.kernels.triton_selfcheck import make_batch
-from nanokv.kv.cache import LayerKVCache
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
 def time_rope(bits: int) -> None:
     """The q/k norm + RoPE kernel (with the format's rotation below 16 bits) over a 16k-token prefill
     step and a 128-token decode step, at several tokens per program."""
+    from nanokv.cache_service.kv.rotation import rotation_matrix
     from nanokv.kernels import triton_rope
-    from nanokv.kv.rotation import rotation_matrix
     Hq, Hk, D = SH.H * SH.G, SH.H, SH.D
-    odt = torch.float16 if bits < 16 else SH.dtype  # the attention's dtype (nanokv.kv.hooks.qk_dtype)
+    odt = torch.float16 if bits < 16 else SH.dtype  # the attention's dtype (nanokv.compute_service.kv_hooks.qk_dtype)
     rot = rotation_matrix(D, odt).to(SH.dev) if bits < 16 else None
     for T in (64, 256) if SH.dev.type == "cpu" else (16384, 128):
         qk = torch.randn(T, Hq + Hk, D, device=SH.dev, dtype=SH.dtype)

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from torch.profiler import ProfilerActivity, profile
 
-    from nanokv.engine.llm import LLM
+    from nanokv.gateway.llm import LLM
     from nanokv.sampling import SamplingParams
 
     prompts, outs = make_workload(args.workload)

@@ -20,11 +20,11 @@ import sys
 import time
 from typing import Any
 
+from nanokv.compute_service.sparsity.policies import SparsityParams
 from nanokv.config import SPARSITY_POLICIES
 from nanokv.errors import NanoKVError
 from nanokv.eval import corpus, settings
 from nanokv.eval.passkey import MAX_NEW
-from nanokv.sparsity.policies import SparsityParams
 
 
 def parser() -> argparse.ArgumentParser:

@@ -22,8 +22,8 @@ import argparse
 import json
 from typing import Any
 
-from nanokv.engine.llm import LLM
 from nanokv.eval.corpus import read_corpus
+from nanokv.gateway.llm import LLM
 from nanokv.sampling import SamplingParams
 
 

@@ -12,16 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanokv.cache_service.kv.monitor import CompressionMonitor
+from nanokv.cache_service.kv.rotation import rotates
+from nanokv.compute_service.sparsity.accounting import KVBytes
 from nanokv.config import EngineConfig
 from nanokv.eval.settings import Setting
-from nanokv.kv.monitor import CompressionMonitor
-from nanokv.kv.rotation import rotates
-from nanokv.sparsity.accounting import KVBytes
 
 
 @dataclass
 class Bench:
-    engine: Any  # nanokv.engine.engine.Engine (full-precision cache: the reference)
+    engine: Any  # nanokv.gateway.engine.Engine (full-precision cache: the reference)
     runners: dict[str, Any]  # setting name -> ModelRunner
     monitors: dict[str, CompressionMonitor]
     settings: dict[str, Setting] = field(default_factory=dict)
@@ -45,8 +45,8 @@ class Bench:
 
 def build(settings: list[Setting], model: str | None, num_blocks: int, block_size: int,
           max_model_len: int, extra: dict[str, Any] | None = None) -> Bench:
-    from nanokv.engine.engine import Engine
-    from nanokv.runner.model_runner import ModelRunner
+    from nanokv.compute_service.runner.model_runner import ModelRunner
+    from nanokv.gateway.engine import Engine
 
     # batch_invariant off for every setting: the fp reference and each compressed cache must run the
     # same attention code (a simulated format scores exactly as the real one), and int4 then reads
@@ -72,11 +72,11 @@ def build(settings: list[Setting], model: str | None, num_blocks: int, block_siz
                 c.rotate_v = True
         monitors[s.name] = CompressionMonitor(every=4).attach(r.kv_caches)
         if s.sparsity is not None and s.sparsity.needs_scores:
-            from nanokv.sparsity.probe import AttentionProbe
+            from nanokv.compute_service.sparsity.probe import AttentionProbe
 
             r.attn_probe = AttentionProbe()
         if s.sparsity is not None and s.sparsity.demotes:
-            from nanokv.kv.demote import DemotionStore
+            from nanokv.cache_service.kv.demote import DemotionStore
 
             # one sequence at a time: a slot per block, so the store is never full (ConfigError
             # unless every layer is int8)

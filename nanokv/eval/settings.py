@@ -11,22 +11,22 @@ from typing import Any
 
 import torch
 
+from nanokv.cache_service.kv.cache import bytes_per_block
+from nanokv.cache_service.kv.fakequant import FakeQuant
+from nanokv.compute_service.sparsity.policies import SparsityParams
 from nanokv.config import parse_bitwidth
 from nanokv.errors import NanoKVError
-from nanokv.kv.cache import bytes_per_block
-from nanokv.kv.fakequant import FakeQuant
-from nanokv.sparsity.policies import SparsityParams
 
 
 @dataclass
 class Setting:
     name: str
     bitwidth: dict[str, Any] | None  # parsed quantization_bitwidth; None = full precision
-    rotate: bool | None = None  # None: the format default (nanokv.kv.rotation.DEFAULT_ROTATE_BITS)
+    rotate: bool | None = None  # None: the format default (nanokv.cache_service.kv.rotation.DEFAULT_ROTATE_BITS)
     fake_quant: FakeQuant | None = None  # measurement only: simulate a format on a full-precision cache
-    sparsity: SparsityParams | None = None  # block sparsity on top of the format (nanokv.sparsity)
+    sparsity: SparsityParams | None = None  # block sparsity on top of the format (nanokv.compute_service.sparsity)
     # simulation only: the 16-bit cache stores values rotated (v R) and rotates the output back, exactly
-    # as the int4 format does (nanokv.kv.hooks), so a FakeQuant sees the very values int4 quantizes
+    # as the int4 format does (nanokv.compute_service.kv_hooks), so a FakeQuant sees the very values int4 quantizes
     rotate_v: bool = False
 
     def with_sparsity(self, params: SparsityParams) -> Setting:

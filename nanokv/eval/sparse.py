@@ -4,15 +4,15 @@ All settings of an eval run share one block table from the engine's cache manage
 full-precision reference must keep every block). A sparse setting reads through a copy of that
 table in which its dropped blocks are -1 holes, so its runner really attends to the sparse cache
 and never sees a dropped block, while the reference still reads them all. A demoted block
-(hybrid) is copied as INT4 into a slot of the setting runner's demotion store (nanokv.kv.demote)
+(hybrid) is copied as INT4 into a slot of the setting runner's demotion store (nanokv.cache_service.kv.demote)
 and its entry in the copy becomes -2 - slot, exactly as the engine does; the INT8 block is then
 no longer the setting's (its copy of the table does not name it). `close()` gives the slots back.
 
 After every step (`after_step`, called with the tokens computed so far) the view measures the
-live bytes (nanokv.sparsity.accounting: entries covering computed tokens, not holes, each at the
+live bytes (nanokv.compute_service.sparsity.accounting: entries covering computed tokens, not holes, each at the
 bytes that hold it: a pool block at its format's bytes, a store slot at the store's; the step's
 peak, new blocks included), then folds the step's attention mass into the scores and applies the
-policy, exactly as the engine's nanokv.sparsity.engine_hook does. Dense settings get a view too
+policy, exactly as the engine's nanokv.compute_service.sparsity.engine_hook does. Dense settings get a view too
 (params None): it only measures.
 """
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanokv.kv import demote
-from nanokv.sparsity.accounting import KVBytes
-from nanokv.sparsity.policies import SparsityParams
-from nanokv.sparsity.state import SequenceSparsity
+from nanokv.cache_service.kv import demote
+from nanokv.compute_service.sparsity.accounting import KVBytes
+from nanokv.compute_service.sparsity.policies import SparsityParams
+from nanokv.compute_service.sparsity.state import SequenceSparsity
 
 
 class SparseView:

