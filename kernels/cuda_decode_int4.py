@@ -4,7 +4,7 @@ Why not Triton here: the transposed int4 kernel (triton_decode_swap4) spends its
 Triton's layouts impose (the per-tile scaled query replicated in the B-operand layout, a shared-memory
 round trip per tile) and runs ~500 instructions per 16-token tile. Written against the MMA fragments,
 every code word goes from one global load into operand registers, and the bias q . z comes out of
-the tensor cores from the zero row as loaded (docs/kernels.md, session 15).
+the tensor cores from the zero row as loaded (docs/kernels.md, "The int4 decode").
 
 It computes what triton_decode_swap4 computes (same folds, same staging, same split merge with the
 same scratch and counters) for the layouts the engine allocates: head dim 128, at most 8 query heads
@@ -93,7 +93,7 @@ class _Launcher:
     (`_compile_kernel`'s callable) makes a ctypes object per argument, a new array type and a cast
     per argument at every call (~27 arguments here): in a prefill step's decode rows, eager, that is
     host time per layer, which counts wherever the host sets the pace (a first run's prefill steps;
-    docs/kernels.md, session 20).
+    docs/kernels.md, "Host time").
     Here each argument has a fixed ctypes cell whose address the array holds; a call only stores the
     values (cuLaunchKernel copies them at the launch, so graph capture records them as well)."""
 

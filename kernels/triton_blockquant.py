@@ -35,7 +35,7 @@ def div_by_recip(d, s, y):
     rounded quotient (Markstein); each remainder d - q s is exact in an fma. Holds for normal
     operands and quotients (codes come from quotients near 0.5 .. 14.5; a zero d gives 0).
     div_rn itself takes a slow path in a warp where any lane's operands need it, a zero dividend
-    among them: in the fill kernel's blocks, every channel's minimum (Nsight Compute, session 20)."""
+    among them: in the fill kernel's blocks, every channel's minimum (Nsight Compute, H200)."""
     q = d * y
     q = tl.fma(tl.fma(-q, s, d), y, q)
     return tl.fma(tl.fma(-q, s, d), y, q)

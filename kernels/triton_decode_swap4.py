@@ -13,7 +13,7 @@ the compiler copies them to shared memory as they are and reads them straight in
 layout when the summed dimension is contiguous in memory: dims for keys, tokens for values (values
 stored dims-major per block, nanokv.cache_service.kv.cache). The value strides are arguments, so the kernel also
 reads token-major values (a transposing gather: 345 vs 298 us at the long-context decode batch on an
-H200, docs/kernels.md "Session 13").
+H200, docs/kernels.md "The int4 decode").
 
 Open blocks (full-precision staging, nanokv.cache_service.kv.staging) are scored in a second loop as in
 triton_decode_int4: in a decode step only a sequence's newest block is staged; the main loop masks

@@ -31,7 +31,7 @@ def test_linear_rows_do_not_depend_on_the_batch(invariant_mode, k: int, n: int) 
     g = torch.Generator().manual_seed(k + n)
     w, x = torch.randn(n, k, generator=g), torch.randn(300, k, generator=g)
     full = linear(x, w)
-    # (57-192 rows: where two MKL threads split the 1536-wide product's sums on session 12's CPU)
+    # (57-192 rows: where two MKL threads split the 1536-wide product's sums on an AVX-512 FP16 CPU)
     for m in [*range(1, 41), 57, 64, 100, 150, 192]:
         assert torch.equal(linear(x[7:7 + m], w), full[7:7 + m]), f"{m} rows"
 

@@ -81,7 +81,7 @@ def test_bytes_per_block_counts_codes_and_scales():
         assert sum(t.numel() * t.element_size() for t in tensors) == 2 * bytes_per_block(bits, H, bs, D,
                                                                                          torch.bfloat16)
     bf16 = bytes_per_block(16, H, bs, D, torch.bfloat16)
-    assert bytes_per_block(8, H, bs, D, torch.bfloat16) / bf16 <= 0.53  # issue 4: INT8 <= 53% of bf16
+    assert bytes_per_block(8, H, bs, D, torch.bfloat16) / bf16 <= 0.53  # target: INT8 <= 53% of bf16
     assert bytes_per_block(4, H, 32, D, torch.bfloat16) / bytes_per_block(16, H, 32, D, torch.bfloat16) <= 0.30
     assert bytes_per_block(4, H, bs, D, torch.bfloat16) / bf16 <= 0.33  # 16-token blocks: 4 + 2 bits / value
 

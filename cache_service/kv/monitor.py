@@ -83,7 +83,7 @@ class CompressionMonitor:
         """Count a call of `layer`; True for its first call and then one in `every`, staggered by
         layer: with all layers due at the same call, one step in `every` paid every layer's sample
         (~60 ms of host time in a 16k-token int4 prefill step on an H200, where the device waits on
-        the host; docs/kernels.md, session 20), while spread out each step pays a few layers'."""
+        the host; docs/kernels.md, "Host time"), while spread out each step pays a few layers'."""
         n = self._calls.get(layer, 0)
         self._calls[layer] = n + 1
         return n == 0 or (n + layer) % self.every == 0

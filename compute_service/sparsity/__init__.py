@@ -1,4 +1,4 @@
-"""Block sparsity and hybrid compression (issue 7): drop, or demote INT8 -> INT4, a fraction of each
+"""Block sparsity and hybrid compression: drop, or demote INT8 -> INT4, a fraction of each
 sequence's full KV blocks while it runs.
 
   policies.py     which blocks to keep: streaming / interval / attention / hybrid, one budget (pure)

@@ -37,7 +37,7 @@ __device__ __forceinline__ void fetch_tile(unsigned char* dst, const unsigned ch
     const unsigned char* vp = vc + blk * (64 * BS) + tin;  // 64 dim rows, TT B each at tin
     // each copy instruction covers whole 32-byte sectors: lane l copies 16-byte pieces l, l + 32, ...
     // (a lane copying 32 NT contiguous bytes left each sector half-read per instruction: 150.9 vs
-    // 142.5 us per call, H200, 32-token blocks, session 18)
+    // 142.5 us per call, H200, 32-token blocks, 2026-12-03)
     const unsigned char* kb = kc + blk * (BS * 64) + tin * 64;  // TT rows of 64 B, contiguous
     const int kd = 16 * lane, r = (int)((unsigned)lane / NT), c = (int)((unsigned)lane % NT);
     const int vd = V_OFF + r * TT + 16 * c;

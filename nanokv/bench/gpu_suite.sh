@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One device call that checks and times everything the GPU issues measure.
+# One device call that checks and times everything the GPU benchmarks measure.
 #   bash nanokv/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf] [pool] [ncu]
 #                                  [pairs] [rotab] [breakdown] [variants] [hostprof] [swap4] [int4next]
-# pairs: int8 then bf16 on the long-context workload, PAIRS times (issue 4's ratio, same machine);
+# pairs: int8 then bf16 on the long-context workload, PAIRS times (the int8 / bf16 ratio, same machine);
 # rotab: int8 with TritonConfig.qk_rotation_in_rope on, then off, PAIRS times; breakdown: run_breakdown
 # of int8 and bf16 with host ops (the longest idle gaps and what overlaps them); variants: the int8
 # long-context run once per VARIANTS entry ("name=ENV=VALUE", space-separated), e.g.
@@ -85,7 +85,7 @@ for ph in $phases; do
       run e2e_int8 $BENCH --workload longctx --enable-compression --quantization-bitwidth 8 --out "$OUT/e2e_int8.json" ;;
     int4next)  # the CUDA int4 kernel's GPU tests, its knobs at 32-token blocks, an Nsight Compute stall
       # profile of its loop (nanokv.bench.ncu_stalls), and int4/bf16 pairs at the default block size
-      # (auto: int4 32, bf16 16) and at 32 for both (sessions 17-18, docs/results/s18)
+      # (auto: int4 32, bf16 16) and at 32 for both
       run int4_tests python3 -m pytest -q tests/test_kernels_cuda.py
       PROBE="python3 -m nanokv.bench.decode_probe --bits 4 --batch 128 --ctx 4096 --engine-like --shuffle"
       run probe4_bs32 $PROBE --time --block-size 32 --variants \

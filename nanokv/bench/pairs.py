@@ -1,8 +1,9 @@
 """A compressed cache against bf16, side by side: `python -m nanokv.bench.pairs --bits 4 --pairs 3`.
 
-Issue 4's decode targets are ratios of two whole benchmark runs (`nanokv bench --workload longctx`
-with and without `--enable-compression --quantization-bitwidth B`), and one pair's ratio moves by
-about +-0.01 from pair to pair (docs/benchmarks.md, session 20). This runs the pairs back to back,
+The compressed caches' decode targets (int8 1.5x, int4 2x bf16) are ratios of two whole benchmark
+runs (`nanokv bench --workload longctx` with and without `--enable-compression
+--quantization-bitwidth B`), and one pair's ratio moves by about +-0.01 from pair to pair
+(docs/benchmarks.md). This runs the pairs back to back,
 each run in its own process as a user would, the order alternating (bf16 first in even pairs), and
 prints every pair's ratio, their range and the ratio of the means; JSON with --out. "bf16" is the
 uncompressed cache in the model's dtype (bf16 on a GPU, fp32 on the CPU workload).

@@ -27,7 +27,7 @@ def invariant_rows(m: int) -> int:
     """Rows a CPU matmul of m rows is padded to (batch_invariant) so that each row's result is the
     one it gets in a matmul of any number of rows. Measured (MKL sgemm, one thread, SmolLM2's
     shapes, 1 to 2076 rows): on one of this project's CPUs 4, 8 and 12 or more rows give the same
-    bits, on another (AVX-512 with FP16, session 12) 16 or more do, 2-15 another and 1 a third.
+    bits, on another (AVX-512 with FP16) 16 or more do, 2-15 another and 1 a third.
     tests/test_batch_invariant.py checks it on the machine it runs on."""
     return max(m, 16)
 
@@ -62,7 +62,7 @@ _THREADS_AGREE: dict[tuple, bool] = {}
 
 def invariant_sgemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with the bits of one thread. With two threads MKL splits the sum over `in` between
-    them for some shapes (session 12's CPU: the 1536-wide down projection at 57-192 rows), which
+    them for some shapes (the AVX-512 FP16 CPU: the 1536-wide down projection at 57-192 rows), which
     changes the bits; one thread keeps one summation order per row count, at about twice the time.
     So the first product of each shape runs both ways: where they agree bit for bit (every element
     of a real product summed in another order would not), that shape runs on all threads after."""
