@@ -30,6 +30,7 @@ class _Seq:
     hashes: list[bytes]  # known full-block hashes (from match_prefix, extended by cache_blocks)
     num_cached: int  # leading blocks already published (registered, or found cached elsewhere)
     first_hole: int  # logical index of the first dropped or external block (_NO_HOLE when none)
+    changed: int = 1 << 62  # lowest entry changed in place since changed_from() last asked (_NO_HOLE: none)
 
 
 _NO_HOLE = 1 << 62
@@ -95,6 +96,14 @@ class KVCacheManager:
     def block_table(self, seq_id: Hashable) -> list[int]:
         """The live block table (updated in place by grow/drop_blocks); treat it as read-only."""
         return self._seq(seq_id).table
+
+    def changed_from(self, seq_id: Hashable) -> int | None:
+        """The lowest table entry changed in place (drop_blocks, replace_with_external) since the
+        last call, or None; growth at the end is not counted. Lets a table's copy elsewhere (the
+        compute service's) be updated by the entries that changed."""
+        seq = self._seq(seq_id)
+        i, seq.changed = seq.changed, _NO_HOLE
+        return None if i == _NO_HOLE else i
 
     def has_seq(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -274,6 +283,7 @@ class KVCacheManager:
                 continue
             seq.table[i] = -1
             seq.first_hole = min(seq.first_hole, i)
+            seq.changed = min(seq.changed, i)
             if b >= 0:
                 self.pool.release(b)
             else:
@@ -310,6 +320,7 @@ class KVCacheManager:
             raise NanoKVError("logical_index", f"entry {logical_index} is {b}, not a pool block")
         seq.table[logical_index] = code
         seq.first_hole = min(seq.first_hole, logical_index)
+        seq.changed = min(seq.changed, logical_index)
         self.pool.release(b)
         return b
 

@@ -1,28 +1,32 @@
-"""Engine: the step-level API (add_request / step / abort) that LLM and the server drive."""
+"""Engine: the step-level API (add_request / step / abort) that LLM and the servers drive.
+
+It runs in the gateway: requests, tokenization, the scheduler, stop checks and detokenization.
+Each step is one plan call to the cache service (which blocks) and one step call to the compute
+service (which tokens), through a transport: the service objects themselves in this process
+(LLM() by default), or gRPC clients of `nanokv cache` / `nanokv compute` processes
+(EngineConfig.cache_address / compute_address). Both run the same service code. This module
+imports no torch: the in-process services are imported only when they are built here.
+"""
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from nanokv.cache_service.kv.monitor import CompressionMonitor
-from nanokv.cache_service.manager import KVCacheManager
-from nanokv.compute_service.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
-from nanokv.compute_service.runner.sampler import Sampler
 from nanokv.config import EngineConfig
 from nanokv.errors import RequestError
 from nanokv.gateway.async_step import AsyncStepper
 from nanokv.gateway.detokenizer import check_stop_strings, detokenize_step
-from nanokv.gateway.scheduler import Scheduler
+from nanokv.gateway.scheduler import Scheduler, SchedulerOutput
 from nanokv.gateway.sequence import RequestMetrics, Sequence
-from nanokv.gateway.warmup import warm_logits, warm_up
+from nanokv.gateway.warmup import warm_up
+from nanokv.messages import StepRequest
+from nanokv.model_files import load_tokenizer
 from nanokv.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -48,79 +52,103 @@ class RequestOutput:
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any):
-        from nanokv.compute_service.model.loader import load_model, load_tokenizer, random_model
-
         self.config = cfg = config if config is not None else EngineConfig.from_kwargs(**kwargs)
-        torch.manual_seed(cfg.seed)
-        self.device = resolve_device(cfg)
-        self.dtype = resolve_dtype(cfg, self.device)
-        tp = cfg.tensor_parallel_size  # this process is TP rank 0: it loads rank 0's shard
-        if cfg.model is not None and cfg.model.startswith("random:"):
-            self.model, self.model_config = random_model(cfg.model[len("random:"):], self.dtype, self.device,
-                                                         seed=cfg.seed, tp_size=tp)
-            self.tokenizer = None
-        else:
-            self.model, self.model_config = load_model(cfg.model, self.dtype, self.device, tp_size=tp)
-            self.tokenizer = load_tokenizer(cfg.model)
-        self.model_name = cfg.model or "SmolLM2-135M-Instruct"
-        mc = self.model_config
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.runner: Any  # ModelRunner, or TPModelRunner (a drop-in that forwards to rank 0's runner)
-        if tp > 1:
-            from nanokv.compute_service.runner.tp_runner import TPModelRunner  # starts the workers (ranks 1..tp-1)
+        self.local_cache: Any = None  # the in-process services (None when they run elsewhere)
+        self.local_compute: Any = None
+        if cfg.remote:
+            from nanokv.gateway.clients import CacheClient, ComputeClient
 
-            self.runner = TPModelRunner(cfg, self.model, mc, self.device, self.dtype)
+            self.cache: Any = CacheClient(cfg.cache_address, cfg.rpc_timeout_s)
+            self.compute: Any = ComputeClient(cfg.compute_address, cfg.rpc_timeout_s)
         else:
-            self.runner = ModelRunner(cfg, self.model, mc, self.device, self.dtype)
-            self.runner.fold_value_rotations()  # (this engine owns the model; tensor parallel keeps the GEMMs)
-        self.runner.capture_cudagraphs(self.max_model_len)
-        # running K/V quantization error per layer (sampled on eager steps), read by stats()
-        self.compression_monitor = CompressionMonitor().attach(self.runner.kv_caches)
-        self.cache_manager = KVCacheManager(
-            self.runner.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
-            # "adaptive": start from the default policy; the controller switches when it pays
-            eviction_policy="clock" if cfg.eviction_policy == "adaptive" else cfg.eviction_policy,
-            lru_k=cfg.lru_k, hash_algo=cfg.prefix_caching_hash_algo,
-        )
-        stage = getattr(self.runner, "stage", None)
-        if stage is not None:  # int4 staging may reclaim slots of open blocks whose sequence ended
-            pool = self.cache_manager.pool
-            stage.block_free = lambda b: pool.ref[b] == 0
-        self.scheduler = Scheduler(self.cache_manager, max_num_seqs=cfg.max_num_seqs,
+            from nanokv.cache_service.service import CacheService
+            from nanokv.compute_service.service import ComputeService
+
+            self.cache = self.local_cache = CacheService(cfg)
+            self.compute = self.local_compute = ComputeService(cfg, attach_pool=self.local_cache.attach)
+        info = self.model_info = self.compute.info()
+        self.model_name = info.name
+        self.max_model_len = info.max_position_embeddings
+        self.num_blocks = info.num_blocks
+        self.device_type = info.device
+        # the model's own config in-process (tools and tests read it); its essentials otherwise
+        self.model_config: Any = self.local_compute.model_config if self.local_compute is not None else info
+        self.tokenizer = self._load_tokenizer()
+        self.scheduler = Scheduler(self.cache, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    enable_chunked_prefill=cfg.enable_chunked_prefill)
-        from nanokv.compute_service.sparsity.engine_hook import (
-            attach as attach_sparsity,  # None unless compression_sparsity > 0
-        )
-        self.sparsity = attach_sparsity(cfg, self.cache_manager, self.runner)
-        self.sampler = Sampler(self.device)
-        eos = set(mc.eos_token_ids or [])
+        self.sparsity: Any = None
+        if self.local_compute is not None:
+            from nanokv.compute_service.sparsity.engine_hook import attach as attach_sparsity
+
+            self.sparsity = attach_sparsity(cfg, self.cache_manager, self.runner)  # None unless sparsity > 0
+        eos = set(info.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = eos
         self._seqs: dict[str, Sequence] = {}
+        self._finished_ids: list[int] = []  # ended sequences the compute service has yet to forget
         self._ids = itertools.count()
+        self._step_ids = itertools.count()
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0}
         self._batch_sizes: list[int] = []
-        # NANOKV_STEP_TIMING=1: per-phase wall time of each step (syncs the GPU; for profiling only)
-        self._timing: dict[str, float] | None = (
-            dict.fromkeys(("steps", "schedule_s", "forward_s", "sample_postprocess_s"), 0.0)
-            if os.environ.get("NANOKV_STEP_TIMING") else None)
         self._last_batch_size = 0
-        # see _freeze_gc; CUDA only: frozen objects are never collected, so a process that builds
-        # and drops many engines (the CPU test suite) would keep every dropped one's cycles alive
-        self._gc_freezes = 2 if self.device.type == "cuda" and not os.environ.get("NANOKV_NO_GC_FREEZE") else 0
+        self.rpc = {"steps": 0, "plan_calls": 0, "step_calls": 0, "plan_s": 0.0, "step_s": 0.0}
         self._async: AsyncStepper | None = None
-        if cfg.async_scheduling or (cfg.async_scheduling is None and self.device.type == "cuda" and tp == 1
+        tp = cfg.tensor_parallel_size
+        if cfg.async_scheduling or (cfg.async_scheduling is None and self.device_type == "cuda" and tp == 1
                                     and self.sparsity is None and not cfg.adaptive
                                     and cfg.eviction_policy != "adaptive"):
             self._async = AsyncStepper(self)
         warm_up(self)  # CUDA: compile what a chunked prompt needs now, not mid-request (nanokv.gateway.warmup)
-        warm_logits(self)  # CUDA: load the LM head's GEMM kernels for every sampling row count
-        self.controller: Any = None  # nanokv.gateway.adaptive.AdaptiveController: self-tuning, off unless asked for
+        self.controller: Any = None  # nanokv.gateway.adaptive.AdaptiveController: self-tuning, off unless asked
         if cfg.adaptive or cfg.eviction_policy == "adaptive":
             from nanokv.gateway.adaptive.engine_glue import build_controller
             self.controller = build_controller(self)
+
+    def _load_tokenizer(self) -> Any:
+        """The model's tokenizer: from its files in process; from the compute service otherwise (the
+        gateway needs no model files), loaded without torch."""
+        model = self.config.model
+        if model is not None and model.startswith("random:"):
+            return None
+        if not self.config.remote:
+            return load_tokenizer(model)
+        files = self.compute.tokenizer_files()
+        self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="nanokv-tokenizer-")
+        for name, data in files.items():
+            if os.path.basename(name) != name:
+                raise ValueError(f"tokenizer file name {name!r}")
+            with open(os.path.join(self._tokenizer_dir.name, name), "wb") as f:
+                f.write(data)
+        return load_tokenizer(self._tokenizer_dir.name, without_torch=True, kind="hf_tokenizer")
+
+    # ---- the in-process services' internals (tools, tests, sparsity, the adaptive controller) ------
+    @property
+    def runner(self) -> Any:
+        if self.local_compute is None:
+            raise AttributeError("runner: the compute service runs in another process")
+        return self.local_compute.runner
+
+    @property
+    def cache_manager(self) -> Any:
+        if self.local_cache is None:
+            raise AttributeError("cache_manager: the cache service runs in another process")
+        return self.local_cache.manager
+
+    @property
+    def model(self) -> Any:
+        return self.runner.model
+
+    @property
+    def dtype(self) -> Any:
+        return self.runner.dtype
+
+    @property
+    def device(self) -> Any:
+        if self.local_compute is not None:
+            return self.local_compute.device
+        return _Device(self.device_type)
 
     # ---- requests -----------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -167,11 +195,11 @@ class Engine:
         if n + max_tokens > L:
             raise RequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the "
                                              f"context of {L} tokens; allowed: at most {L - n}")
-        bs = self.config.block_size
+        bs = self.model_info.block_size
         need = (n + max_tokens + bs - 1) // bs
-        if need > self.cache_manager.num_blocks:
+        if need > self.num_kv_blocks:
             raise RequestError("max_tokens", f"prompt + max_tokens needs {need} KV blocks but the whole cache "
-                                             f"has {self.cache_manager.num_blocks}; lower max_tokens")
+                                             f"has {self.num_kv_blocks}; lower max_tokens")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError("cache_salt", "must be a string")
         seq = Sequence(next(self._ids), request_id, ids, params, max_tokens, cache_salt=cache_salt)
@@ -186,8 +214,13 @@ class Engine:
         if seq is None or seq.is_finished:
             return
         self.scheduler.abort(seq)
-        self.sampler.forget(seq.seq_id)
+        self._finished_ids.append(seq.seq_id)
         seq.finish_reason = "abort"
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks in the pool (in-process the adaptive pool rule may resize it)."""
+        return self.local_cache.manager.num_blocks if self.local_cache is not None else self.num_blocks
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or (self._async is not None and self._async.pending is not None)
@@ -203,67 +236,93 @@ class Engine:
         """Run one scheduler step. Returns an output per sampled token, or with `finished_only`
         (batch use: LLM.generate) only those of requests that finished, skipping the per-token
         output objects (about 4 us each, a millisecond a step at batch 256)."""
-        if self._gc_freezes:
-            self._freeze_gc()
         if self._async is not None:
-            return self._async.step(finished_only)
-        t0 = time.perf_counter()
-        out = self.scheduler.schedule()
+            outputs = self._async.step(finished_only)
+        else:
+            outputs = self._sync_step(finished_only)
+        if not self.has_unfinished_requests():
+            self.flush()  # idle: ended sequences' blocks go back now, not with the next request
+        return outputs
+
+    def _sync_step(self, finished_only: bool) -> list[RequestOutput]:
+        out = self.schedule()
         if out.is_empty:
             return []
         sched = out.scheduled
-        items, rows = self._step_items(out)
-        t1 = time.perf_counter()
-        logits = self.runner.execute(items, rows)
-        if self._timing is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # only when timing: attribute device time to the forward
-        t2 = time.perf_counter()
+        req = self.step_request(out)
+        res = self.run_step(req)
         self.scheduler.update(out)
         if self.sparsity is not None:  # block sparsity: drop / demote per policy (nanokv.compute_service.sparsity)
             self.sparsity.after_step(sched)
         self._count_step(out)
         outputs: list[RequestOutput] = []
-        if rows:
-            seqs = [sched[r].seq for r in rows]
-            assert logits is not None  # rows to sample always get logits
-            res = self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
-            for seq, tok, lp in zip(seqs, res.token_ids, res.logprobs):
-                o = self._on_token(seq, tok, lp, finished_only)
-                if o is not None:
-                    outputs.append(o)
+        lps = res.logprobs or [None] * len(res.token_ids)
+        for r, tok, lp in zip(req.sample_rows, res.token_ids, lps):
+            o = self._on_token(sched[r].seq, tok, lp, finished_only)
+            if o is not None:
+                outputs.append(o)
         if self.controller is not None:
             self.controller.on_step(out)
-        if self._timing is not None:
-            t3 = time.perf_counter()
-            tm = self._timing
-            tm["steps"] += 1
-            tm["schedule_s"] += t1 - t0
-            tm["forward_s"] += t2 - t1
-            tm["sample_postprocess_s"] += t3 - t2
         return outputs
 
-    def _freeze_gc(self) -> None:
-        """At the first two steps (the second one catches what the first step's torch.compile made):
-        move every object alive now (model, compiled graphs, tokenizer: millions after torch.compile)
-        out of the cyclic GC's reach, as vLLM does after start-up. A full collection would otherwise
-        walk them all again, stalling the host at random steps; they live as long as the engine."""
-        self._gc_freezes -= 1
-        gc.collect()
-        gc.freeze()
+    def schedule(self) -> SchedulerOutput:
+        """The scheduler's step: one plan call to the cache service, timed."""
+        t0 = time.perf_counter()
+        calls = self.scheduler.plan_calls
+        out = self.scheduler.schedule()
+        if self.scheduler.plan_calls != calls:
+            self.rpc["plan_calls"] += 1
+            self.rpc["plan_s"] += time.perf_counter() - t0
+        return out
 
-    def _step_items(self, out: Any) -> tuple[list[tuple], list[int]]:
-        """The runner's per-sequence items (token ids, computed, new, block table, is prefill),
-        prefills first, and the rows that sample."""
+    def run_step(self, req: StepRequest) -> Any:
+        t0 = time.perf_counter()
+        res = self.compute.step(req)
+        self.rpc["steps"] += 1
+        self.rpc["step_calls"] += 1
+        self.rpc["step_s"] += time.perf_counter() - t0
+        return res
+
+    def step_request(self, out: SchedulerOutput) -> StepRequest:
+        """The compute service's view of a scheduled step: rows prefills first, each row's input
+        tokens, the rows that sample, and what changed since the last step."""
         sched = out.scheduled
-        n_pre = len(out.prefills)
-        items = [(s.seq.token_ids, s.seq.num_computed_tokens, s.num_new_tokens, s.block_table, i < n_pre)
-                 for i, s in enumerate(sched)]
-        rows = [i for i, s in enumerate(sched) if s.samples]
+        req = StepRequest(next(self._step_ids), num_prefills=len(out.prefills), tables=out.tables,
+                          preempted=[s.seq_id for s in out.preempted])
         now = time.monotonic()
-        for s in sched:
-            if s.seq.metrics.first_scheduled_time is None:
-                s.seq.metrics.first_scheduled_time = now
-        return items, rows
+        tokens = req.tokens
+        for r, s in enumerate(sched):
+            seq = s.seq
+            start, n = seq.num_computed_tokens, s.num_new_tokens
+            req.seq_ids.append(seq.seq_id)
+            req.num_computed.append(start)
+            req.num_new.append(n)
+            if n == 1:
+                tokens.append(seq.token_ids[start])
+            else:
+                tokens.extend(seq.token_ids[start:start + n])
+            if start + n == seq.num_tokens:
+                req.sample_rows.append(r)
+            if not seq.params_sent:
+                req.new_seqs.append((seq.seq_id, seq.params))
+                seq.params_sent = True
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+        req.finished, self._finished_ids = self._finished_ids, []
+        return req
+
+    def flush(self) -> None:
+        """Tell the services now what they would otherwise learn with the next step: the blocks of
+        ended sequences go back to the cache, their state leaves the compute service."""
+        if self.scheduler.has_news():
+            t0 = time.perf_counter()
+            self.scheduler.flush()
+            self.rpc["plan_calls"] += 1
+            self.rpc["plan_s"] += time.perf_counter() - t0
+        if self._finished_ids and (self._async is None or self._async.pending is None):
+            self.run_step(StepRequest(next(self._step_ids), finished=self._finished_ids))
+            self.rpc["steps"] -= 1  # not a scheduling step
+            self._finished_ids = []
 
     def _count_step(self, out: Any) -> None:
         self._counters["computed_tokens"] += out.num_tokens
@@ -276,6 +335,8 @@ class Engine:
         """Nothing to run: the controller still counts a step, so its windows keep closing while the
         engine is idle (the pool rule shrinks a grown KV pool back after idle windows). The server's
         engine thread calls this each time it wakes without work (every stats interval)."""
+        if not self.scheduler.has_unfinished():
+            self.flush()
         if self.controller is not None and not self.scheduler.has_unfinished():
             self.controller.on_step(None)
 
@@ -288,6 +349,7 @@ class Engine:
             seq.set_last_token(tok)
         else:
             seq.append_token(tok)
+        self.scheduler.note_token(seq, tok)
         self._counters["generation_tokens"] += 1
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
@@ -311,7 +373,7 @@ class Engine:
             seq.finish_reason = reason
             seq.metrics.finish_time = now
             self.scheduler.finish(seq)
-            self.sampler.forget(seq.seq_id)
+            self._finished_ids.append(seq.seq_id)
             self._seqs.pop(seq.request_id, None)
         elif finished_only:
             return None
@@ -331,11 +393,12 @@ class Engine:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Release what outlives a step: the tensor-parallel worker processes (no-op at tp 1).
-        Idempotent; TP workers are also stopped at interpreter exit."""
-        stop = getattr(getattr(self, "runner", None), "shutdown", None)
-        if stop is not None:
-            stop()
+        """Release what outlives a step: in-process services (tensor-parallel workers, the KV
+        segment) or the gRPC channels. Idempotent."""
+        for svc in (getattr(self, "compute", None), getattr(self, "cache", None)):
+            stop = getattr(svc, "shutdown", None) or getattr(svc, "close", None)
+            if stop is not None:
+                stop()
 
     def __del__(self) -> None:
         try:
@@ -346,30 +409,41 @@ class Engine:
     # ---- observability ------------------------------------------------------------------------
     def reset_counters(self) -> None:
         """Every counter stats() reports back to zero (start-up only: nanokv.gateway.warmup)."""
-        self.cache_manager.stats.clear()
+        self.flush()
+        self.cache.reset_prefix_cache(clear_stats=True)
+        self.compute.reset_stats()
         self.scheduler.num_preemptions = 0
         self._counters = dict.fromkeys(self._counters, 0)
         self._batch_sizes.clear()
         self._last_batch_size = 0
-        self.compression_monitor.reset()
+        self.rpc = dict.fromkeys(self.rpc, 0) | {"plan_s": 0.0, "step_s": 0.0}
 
     def stats(self) -> dict[str, Any]:
-        cs = self.cache_manager.stats
+        cs = self.cache.stats()
+        comp = self.compute.stats()
         batch_sizes, self._batch_sizes = self._batch_sizes, []
         return {
-            "kv_cache_usage": self.cache_manager.usage(),
-            "kv_blocks_total": self.cache_manager.num_blocks,  # changes when the adaptive pool rule resizes
+            "kv_cache_usage": cs["kv_cache_usage"],
+            "kv_blocks_total": cs["kv_blocks_total"],  # changes when the adaptive pool rule resizes
             "num_running": self.num_running(),
             "num_waiting": self.num_waiting(),
-            "prefix_queries_tokens": cs.prefix_queries_tokens,
-            "prefix_hits_tokens": cs.prefix_hits_tokens,
-            "evictions_by_policy": dict(cs.evictions_by_policy),
-            "eviction_policy": self.cache_manager.policy_name,  # the live one (the controller may switch)
-            "recomputed_tokens": cs.recomputed_tokens,
+            "prefix_queries_tokens": cs["prefix_queries_tokens"],
+            "prefix_hits_tokens": cs["prefix_hits_tokens"],
+            "evictions_by_policy": cs["evictions_by_policy"],
+            "eviction_policy": cs["eviction_policy"],  # the live one (the controller may switch)
+            "recomputed_tokens": cs["recomputed_tokens"],
             "preemptions": self.scheduler.num_preemptions,
             "last_batch_size": self._last_batch_size,
             "batch_sizes": batch_sizes,
-            "compression_error": self.compression_monitor.snapshot(),
+            "compression_error": comp["compression_error"],
             "adaptations": dict(self.controller.counts) if self.controller is not None else {},
+            "rpc": dict(self.rpc),
             **self._counters,
         }
+
+
+class _Device:
+    """torch.device's `type` for code that asks the engine where it runs (no torch in the gateway)."""
+
+    def __init__(self, type_: str):
+        self.type = type_

@@ -5,24 +5,34 @@ Every step is rescheduled from scratch under two budgets, `max_num_seqs` sequenc
 chunks, oldest first), then waiting ones are admitted with their prefix-cache hit. When blocks
 run out, the newest running sequence is preempted by recompute: its blocks are released (they
 stay cached, so a later prefix hit recovers most of the work) and it returns to the front of the
-waiting queue. The scheduler decides *which* tokens run and *where* their KV lives; the runner
-turns that into tensors.
+waiting queue.
+
+The scheduler owns the queues, the budgets and each sequence's progress; the blocks belong to the
+cache service. A step's block work goes to it as one transaction (`cache.plan`, a PlanRequest):
+which running sequences must grow to how many tokens, in order, and which waiting ones may be
+admitted; the reply says what was preempted and admitted, with each admission's prefix hit, and
+carries the block-table changes for the compute service. What the cache must learn between steps
+(new prompts, sampled tokens, computed blocks to publish, ended sequences) rides on the next plan.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from nanokv.cache_service.manager import KVCacheManager
 from nanokv.gateway.sequence import SeqStatus, Sequence
+from nanokv.messages import NewSeq, PlanReply, PlanRequest, TableDelta
+
+
+class CachePlanner(Protocol):
+    def plan(self, request: PlanRequest) -> PlanReply: ...
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # query tokens this step: positions [num_computed, num_computed + n)
-    block_table: list[int]
 
     @property
     def samples(self) -> bool:
@@ -35,6 +45,7 @@ class SchedulerOutput:
     prefills: list[ScheduledSeq] = field(default_factory=list)  # query length may be 1 (last prompt token)
     decodes: list[ScheduledSeq] = field(default_factory=list)  # exactly one query token each
     preempted: list[Sequence] = field(default_factory=list)
+    tables: list[TableDelta] = field(default_factory=list)  # block-table changes, for the compute service
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
@@ -50,7 +61,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, cache: CachePlanner, *, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True):
         self.cache = cache
         self.max_num_seqs = max_num_seqs  # may be lowered at run time by the adaptive controller
@@ -59,40 +70,52 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.news = PlanRequest()  # what the cache service learns with the next plan
+        self.plan_calls = 0
 
     # ---- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.news.new_seqs.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.cache_salt))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-            self.cache.free(seq.seq_id)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        seq.status = SeqStatus.FINISHED
+    def note_token(self, seq: Sequence, token_id: int) -> None:
+        """A sampled token joined `seq` (the cache hashes full blocks of generated tokens too)."""
+        self.news.appended.append((seq.seq_id, token_id))
 
     def finish(self, seq: Sequence) -> None:
-        # async scheduling learns of a stop one step late, when the sequence may have been preempted
+        """Finished or aborted: its blocks go back with the next plan. (Async scheduling learns of a
+        stop one step late, when the sequence may have been preempted.)"""
         if seq in self.running:
             self.running.remove(seq)
-            self.cache.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.status != SeqStatus.FINISHED:
+            self.news.finished.append(seq.seq_id)
         seq.status = SeqStatus.FINISHED
+
+    abort = finish
+
+    def has_news(self) -> bool:
+        n = self.news
+        return bool(n.new_seqs or n.appended or n.commits or n.finished)
+
+    def flush(self) -> None:
+        """Send what the cache service must learn now (ended sequences' blocks back), outside a step."""
+        if self.has_news():
+            req, self.news = self.news, PlanRequest()
+            self.plan_calls += 1
+            self.cache.plan(req)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         seq.computed_before_preemption = max(seq.computed_before_preemption, seq.num_computed_tokens)
-        self.cache.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.cache.record_preemption()
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
@@ -100,72 +123,70 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
+        req, self.news = self.news, PlanRequest()
+        req.token_budget = budget
+        req.max_num_seqs = self.max_num_seqs
+        req.chunked_prefill = self.enable_chunked_prefill
+        req.running = [s.seq_id for s in self.running]
 
-        # 1. running sequences, oldest first; preempt the newest when blocks run out
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        # 1. running sequences, oldest first, each with its share of the token budget
+        picked: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if budget <= 0:
+                break
             n = min(seq.num_uncomputed, budget)
             if n == 0:  # async scheduling: its last token is still being sampled, and it is its last
-                i += 1
                 continue
             if n < seq.num_uncomputed and not self.enable_chunked_prefill:
-                i += 1
                 continue
-            target = seq.num_computed_tokens + n
-            while not self.cache.grow(seq.seq_id, target):
-                victim = self.running[-1]
-                if victim.seq_id in scheduled_ids:  # never preempt what is already in this batch
-                    victim = seq
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            if seq.status != SeqStatus.RUNNING:
-                continue  # seq itself was preempted; self.running shrank, i stays
-            self._emit(out, seq, n)
-            scheduled_ids.add(seq.seq_id)
+            picked.append((seq, n))
+            req.grows.append((seq.seq_id, seq.num_computed_tokens + n, n))
             budget -= n
-            i += 1
+        # 2. waiting candidates: each admission takes at least one token and one sequence slot
+        room = min(budget, self.max_num_seqs - len(self.running))
+        for seq in list(self.waiting)[:max(room, 0)]:
+            req.waiting.append((seq.seq_id, seq.num_tokens, seq.computed_before_preemption))
+        if not req.grows and not req.waiting:
+            self.news = req  # nothing to run: the news waits for the next plan
+            req.running = []
+            return out
 
-        # 2. admit waiting sequences (not in a step that had to preempt: memory is tight)
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            prefix = self.cache.match_prefix(seq.token_ids, seq.cache_salt)
-            n = seq.num_tokens - prefix.num_tokens
-            if n > budget:
-                if not self.enable_chunked_prefill:
-                    break
-                n = budget
-            table = self.cache.allocate(seq.seq_id, prefix.num_tokens + n, prefix)
-            if table is None:
-                break
-            self.waiting.popleft()
-            seq.num_computed_tokens = prefix.num_tokens
+        self.plan_calls += 1
+        reply = self.cache.plan(req)
+
+        by_id = {s.seq_id: s for s in self.running}
+        for seq_id in reply.preempted:
+            self._preempt(by_id[seq_id], out)
+        gone = set(reply.preempted)
+        for seq, n in picked:
+            if seq.seq_id not in gone:
+                self._emit(out, seq, n)
+        waiting = {s.seq_id: s for s in self.waiting}
+        for seq_id, hit, n in reply.admitted:
+            seq = waiting[seq_id]
+            self.waiting.remove(seq)
+            seq.num_computed_tokens = hit
             if not seq.ever_scheduled:
-                seq.num_cached_tokens = prefix.num_tokens
+                seq.num_cached_tokens = hit
                 seq.ever_scheduled = True
-            if seq.computed_before_preemption:
-                redo = max(0, seq.computed_before_preemption - prefix.num_tokens)
-                self.cache.record_recompute(redo)
-                seq.computed_before_preemption = 0
+            seq.computed_before_preemption = 0
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self._emit(out, seq, n)
-            scheduled_ids.add(seq.seq_id)
-            budget -= n
+        out.tables = reply.tables
         return out
 
     def _emit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
-        item = ScheduledSeq(seq, n, self.cache.block_table(seq.seq_id))
+        item = ScheduledSeq(seq, n)
         is_decode = n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
         (out.decodes if is_decode else out.prefills).append(item)
 
     def update(self, out: SchedulerOutput) -> None:
-        """After the forward pass: advance computed counts and publish full blocks to the cache."""
+        """After the forward pass: advance computed counts; the cache publishes the full blocks
+        with the next plan."""
         for item in out.scheduled:
             seq = item.seq
             if seq.status != SeqStatus.RUNNING:
                 continue  # async scheduling: stopped (blocks already freed) while this step ran
             seq.num_computed_tokens += item.num_new_tokens
-            self.cache.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
+            self.news.commits.append((seq.seq_id, seq.num_computed_tokens))

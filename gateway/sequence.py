@@ -38,6 +38,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     ever_scheduled: bool = False
+    params_sent: bool = False  # the compute service has this sequence's sampling params
     num_preemptions: int = 0
     computed_before_preemption: int = 0  # for the recomputation counter
     finish_reason: str | None = None

@@ -14,20 +14,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from nanokv.sampling import SamplingParams
 
 
 def warm_up(engine: Any, force: bool = False) -> None:
     """force: also off a GPU (tests: the warm-up must leave the engine as it found it)."""
     cfg = engine.config
-    if (engine.device.type != "cuda" and not force) or not cfg.enable_chunked_prefill:
+    if (engine.device_type != "cuda" and not force) or not cfg.enable_chunked_prefill:
         return
     bs, vocab = cfg.block_size, engine.model_config.vocab_size
     lens = (bs + 1, 3 * bs + 5)  # prompt tokens; each request then decodes max_tokens = 3
     blocks = sum(-(-(n + 3) // bs) for n in lens)
-    if engine.max_model_len < lens[1] + 3 or engine.cache_manager.num_blocks < blocks or cfg.max_num_seqs < 2:
+    if engine.max_model_len < lens[1] + 3 or engine.num_kv_blocks < blocks or cfg.max_num_seqs < 2:
         return  # a context or pool too small for the two requests (tests' toy engines): nothing to warm
     sched = engine.scheduler
     budget = sched.max_num_batched_tokens
@@ -43,24 +41,4 @@ def warm_up(engine: Any, force: bool = False) -> None:
             engine.step(finished_only=True)
     finally:
         sched.max_num_batched_tokens = budget
-    engine.cache_manager.reset_prefix_cache()
-    engine.reset_counters()
-
-
-def warm_logits(engine: Any) -> None:
-    """The LM head and the greedy pick for every row count a step can sample (1 .. max_num_seqs).
-    The head's GEMM runs eagerly on the step's sampling rows, a new count in almost every prefill
-    step and as decodes finish; the first use of each of cuBLAS's kernels for those shapes loads
-    it, host time inside a step (H200, long-context run: the first run's 25 prefill steps spent
-    0.4 s in aten::mm on the host against 0.09 s in a second run; docs/kernels.md, session 20).
-    One rank only: with tensor parallelism the head gathers across ranks."""
-    if engine.device.type != "cuda" or engine.config.tensor_parallel_size != 1:
-        return
-    model = engine.runner.model
-    dtype = next(model.parameters()).dtype
-    hidden = torch.zeros(engine.config.max_num_seqs, engine.model_config.hidden_size, dtype=dtype,
-                         device=engine.device)
-    with torch.inference_mode():
-        for m in range(1, hidden.shape[0] + 1):
-            model.compute_logits(hidden[:m], False).argmax(dim=-1)
-    torch.cuda.synchronize(engine.device)
+    engine.reset_counters()  # (the prefix cache too)

@@ -1,4 +1,8 @@
-"""`nanokv` command line: generate | serve | bench | simulate | eval."""
+"""`nanokv` command line.
+
+  generate | serve | bench | simulate | eval      (serve, generate: services in this process)
+  cache | compute | gateway | up                  the services as separate processes (docs/services.md)
+"""
 
 from __future__ import annotations
 
@@ -49,9 +53,24 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from nanokv.gateway.llm import LLM
+
+    kw = engine_kwargs(args)
+    if not args.split:
+        return _generate(args, LLM(**kw))
+    from nanokv.config import EngineConfig
+    from nanokv.launch import start_services
+
+    with start_services(EngineConfig.from_kwargs(**kw).to_dict()) as svc:
+        llm = LLM(**kw, cache_address=svc.cache_address, compute_address=svc.compute_address)
+        try:
+            return _generate(args, llm)
+        finally:
+            llm.engine.shutdown()
+
+
+def _generate(args: argparse.Namespace, llm: Any) -> int:
     from nanokv.sampling import SamplingParams
 
-    llm = LLM(**engine_kwargs(args))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     prompts = args.prompt
     if args.raw:
@@ -83,7 +102,27 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.add_argument("--json", action="store_true")
+    g.add_argument("--split", action="store_true",
+                   help="through the services in separate processes: cache and compute are started for it")
     add_engine_args(g)
+
+    from nanokv.flags import add_config_args
+    from nanokv.gateway.http.cli import add_serve_args
+
+    c = sub.add_parser("cache", help="the cache service (gRPC): blocks, prefix hashes, eviction, KV storage")
+    c.add_argument("--listen", default="127.0.0.1:50061", help="unix:/path.sock or HOST:PORT (default loopback)")
+    add_config_args(c)
+    m = sub.add_parser("compute", help="the compute service (gRPC): the model, forward pass, sampling")
+    m.add_argument("--listen", default="127.0.0.1:50062", help="unix:/path.sock or HOST:PORT (default loopback)")
+    m.add_argument("--cache", required=True, help="the cache service's address")
+    add_config_args(m)
+    gw = sub.add_parser("gateway", help="the gateway: HTTP API and scheduler, on running cache/compute services")
+    gw.add_argument("--cache", required=True, help="the cache service's address")
+    gw.add_argument("--compute", required=True, help="the compute service's address")
+    add_serve_args(gw)
+    up = sub.add_parser("up", help="start cache, compute and gateway locally (unix sockets) and serve HTTP")
+    up.add_argument("--run-dir", default=None, help="where the sockets and service logs go (default: a temp dir)")
+    add_serve_args(up)
 
     b = sub.add_parser("bench", help="throughput benchmarks (prints numbers, writes JSON)")
     from nanokv.bench.cli import add_bench_args
@@ -91,11 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(b)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    try:
-        from nanokv.gateway.http.cli import add_serve_args
-        add_serve_args(s)
-    except ImportError:  # pragma: no cover - server extras missing
-        pass
+    add_serve_args(s)
 
     sim = sub.add_parser("simulate", help="replay a trace through the cache manager", add_help=False)
     sim.add_argument("rest", nargs=argparse.REMAINDER)
@@ -120,10 +155,42 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "serve":
             from nanokv.gateway.http.cli import serve_main
             return int(serve_main(args) or 0)
+        if args.cmd in ("cache", "compute", "gateway", "up"):
+            return _service_main(args)
     except NanoKVError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 1
+
+
+def _service_main(args: argparse.Namespace) -> int:
+    import logging
+
+    from nanokv.config import EngineConfig
+    from nanokv.flags import engine_kwargs as config_kwargs
+    from nanokv.gateway.http.cli import serve_main
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kw = config_kwargs(args)
+    if args.cmd == "cache":
+        from nanokv.cache_service.server import serve as serve_cache
+        serve_cache(EngineConfig.from_kwargs(**kw), args.listen)
+        return 0
+    if args.cmd == "compute":
+        from nanokv.compute_service.server import serve as serve_compute
+        serve_compute(EngineConfig.from_kwargs(**kw), args.listen, args.cache)
+        return 0
+    if args.cmd == "gateway":
+        args.cache_address, args.compute_address = args.cache, args.compute
+        return int(serve_main(args) or 0)
+    from nanokv.launch import start_services  # up
+
+    config = EngineConfig.from_kwargs(**kw).to_dict()
+    with start_services(config, run_dir=args.run_dir) as svc:
+        print(f"cache {svc.cache_address}, compute {svc.compute_address}; gateway on http://{args.host}:{args.port}",
+              file=sys.stderr)
+        args.cache_address, args.compute_address = svc.cache_address, svc.compute_address
+        return int(serve_main(args) or 0)
 
 
 if __name__ == "__main__":

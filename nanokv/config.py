@@ -69,6 +69,11 @@ class EngineConfig:
     # None = on where it pays: a CUDA device, one process, no sparsity, no adaptive controller
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
+    # services (docs/services.md): None = in this process; else the address of a running
+    # `nanokv cache` / `nanokv compute` ("unix:/path.sock" or "127.0.0.1:PORT"); both or neither
+    cache_address: str | None = None
+    compute_address: str | None = None
+    rpc_timeout_s: float = 60.0  # deadline of every internal RPC (a step included)
     # self-tuning (off until it proves itself)
     adaptive: bool = False
     adaptive_mode: str = "act"  # "act" or "recommend"
@@ -158,12 +163,38 @@ class EngineConfig:
                      "enforce_eager", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
+        self._validate_services()
         self.quantization_bitwidth = parse_bitwidth(self.quantization_bitwidth)
         if self.block_size == 0:
             spec = self.quantization_bitwidth
             int4 = self.enable_compression and 4 in (spec["default"], *spec["layers"].values())
             self.block_size = 32 if int4 else 16
         self._validate_adaptive()
+
+    def _validate_services(self) -> None:
+        for name in ("cache_address", "compute_address"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise ConfigError(name, f"got {v!r}; a gRPC address such as unix:/tmp/nanokv/cache.sock or "
+                                        "127.0.0.1:50061, or null (in this process)")
+        if (self.cache_address is None) != (self.compute_address is None):
+            missing = "compute_address" if self.compute_address is None else "cache_address"
+            raise ConfigError(missing, "cache_address and compute_address go together: set both (services in "
+                                       "other processes) or neither (in this process)")
+        t = self.rpc_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 86400:
+            raise ConfigError("rpc_timeout_s", f"got {t!r}; must be a number of seconds in (0, 86400]")
+        if self.remote:
+            for name, bad in (("compression_sparsity", bool(self.compression_sparsity)),
+                              ("adaptive", self.adaptive or self.eviction_policy == "adaptive")):
+                if bad:
+                    raise ConfigError(name, "works only with the services in one process (cache_address and "
+                                            "compute_address null): it reaches into all three services")
+
+    @property
+    def remote(self) -> bool:
+        """The gateway talks to cache and compute services in other processes, over gRPC."""
+        return self.cache_address is not None
 
     def _validate_adaptive(self) -> None:
         def number(name: str, lo: float, hi: float, lo_open: bool, hi_open: bool) -> None:

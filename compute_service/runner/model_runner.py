@@ -9,21 +9,24 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from nanokv.cache_service.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block
+from nanokv.cache_service.kv.cache import LayerKVCache, bytes_per_block
 from nanokv.cache_service.kv.resize import resize_layer_cache
 from nanokv.cache_service.kv.rotation import rotation_matrix
 from nanokv.cache_service.kv.staging import StageTable, staging_slots
+from nanokv.cache_service.storage import carve_layer_caches, map_handle, pool_nbytes
 from nanokv.compute_service.attention.backend import make_backend
 from nanokv.compute_service.attention.metadata import AttentionMetadata, forward_context
 from nanokv.compute_service.model.layers.fusion import set_fusion
 from nanokv.compute_service.runner.cuda_graph import DecodeGraphs
 from nanokv.compute_service.runner.h2d import PinnedUploader
 from nanokv.config import DEFAULT_CPU_KV_BYTES, ConfigError, EngineConfig
+from nanokv.messages import PoolHandle, PoolLayout
 
 if TYPE_CHECKING:
     from nanokv.compute_service.model.llama import LlamaForCausalLM
@@ -46,7 +49,10 @@ def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model: LlamaForCausalLM, model_config, device: torch.device,
-                 dtype: torch.dtype, num_kv_heads_local: int | None = None):
+                 dtype: torch.dtype, num_kv_heads_local: int | None = None,
+                 attach_pool: Callable[[PoolLayout], PoolHandle] | None = None):
+        """attach_pool(layout) -> handle: the cache service allocates the KV pool this runner uses
+        (nanokv.compute_service.service); None: a pool of its own (tools, tensor-parallel ranks)."""
         self.cfg = cfg
         self.model: Any = model  # a nanokv model: forward(ids, positions) and compute_logits(hidden)
         self.mc = model_config
@@ -73,11 +79,18 @@ class ModelRunner:
         self.stage: StageTable | None = None
         if 4 in self.layer_bits:
             self.stage = StageTable(self.num_blocks, self._stage_slots(), self.block_size, device)
-        self.kv_caches: list[LayerKVCache] = [
-            allocate_layer_cache(b, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim,
-                                 dtype, device, stage=self.stage)
-            for b in self.layer_bits
-        ]
+        self.pool_layout = PoolLayout(
+            self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim, list(self.layer_bits),
+            str(dtype).removeprefix("torch."), self.stage.num_slots if self.stage is not None else 0, str(device))
+        if attach_pool is None:
+            self.pool_handle = PoolHandle("local", pool_nbytes(self.pool_layout), 0,
+                                          buffer=torch.zeros(pool_nbytes(self.pool_layout), dtype=torch.uint8,
+                                                             device=device))
+        else:
+            self.pool_handle = attach_pool(self.pool_layout)
+        # every layer's K/V (codes, scales, int4 staging): views of the one segment the cache service owns
+        self.kv_caches: list[LayerKVCache] = carve_layer_caches(self.pool_layout, map_handle(self.pool_handle),
+                                                                self.stage)
         self.graphs: DecodeGraphs | None = None
         self._graph_model_len = 0  # max_model_len the graphs were captured for (re-capture after a resize)
         self.attn_probe: AttentionProbe | None = None  # sparsity: put into each step's metadata

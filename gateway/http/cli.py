@@ -8,29 +8,17 @@ not passed at all: defaults live in EngineConfig only.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import ipaddress
 import logging
 import os
 import sys
-import types
-import typing
-from typing import Any
 
 from nanokv.config import EngineConfig
 from nanokv.errors import NanoKVError
+from nanokv.flags import add_config_args, engine_kwargs
 from nanokv.gateway.http.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING
 
 API_KEY_ENV = "NANOKV_API_KEY"
-
-
-def _flag_type(annotation: Any) -> type | None:
-    """bool -> None (a --x/--no-x switch); int/float/str as is; anything else (dicts, Any) -> str."""
-    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    args = tuple(a for a in args if a is not type(None))
-    if args == (bool,):
-        return None
-    return args[0] if len(args) == 1 and args[0] in (int, float, str) else str
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -48,25 +36,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                      help="larger request bodies get 413")
     srv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
-    eng = parser.add_argument_group("engine (EngineConfig keys)")
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
-        if f.name == "extra":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else None
-        kind = _flag_type(hints[f.name])
-        help_text = f"default: {default!r}"
-        if kind is None:
-            eng.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                             default=argparse.SUPPRESS, help=help_text)
-        else:
-            eng.add_argument(flag, dest=f.name, type=kind, default=argparse.SUPPRESS, help=help_text)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"extra"}
-    return {k: v for k, v in vars(args).items() if k in names}
+    add_config_args(parser)
 
 
 def _api_keys(args: argparse.Namespace) -> list[str]:

@@ -8,7 +8,10 @@ named segments and assign chained ids with a trie, so sharing is exact by constr
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -88,6 +91,38 @@ class _ChainIds:
         return got
 
 
+class _Stream:
+    """One growing token stream (a conversation, an agent loop) over a shared ``_ChainIds``: the ids of
+    its full blocks are kept, so each extension hashes only the new tail (O(new blocks), not O(history))."""
+
+    def __init__(self, chain: _ChainIds, segments: Sequence[Segment] = ()) -> None:
+        self.chain = chain
+        self.full: list[int] = []
+        self.pieces: list[tuple[str, int, int]] = []
+        self.fill = 0
+        self.parent = -1
+        self.total = 0
+        for name, length in segments:
+            self.extend(name, length)
+
+    def extend(self, name: str, length: int) -> None:
+        bs, pos = self.chain.block_size, 0
+        while pos < length:
+            take = min(bs - self.fill, length - pos)
+            self.pieces.append((name, pos, pos + take))
+            pos += take
+            self.fill += take
+            if self.fill == bs:
+                self.parent = self.chain._id(self.parent, self.pieces)
+                self.full.append(self.parent)
+                self.pieces, self.fill = [], 0
+        self.total += length
+
+    def ids(self) -> list[int]:
+        """The ids of the stream as one request's input (the partial last block included)."""
+        return self.full + [self.chain._id(self.parent, self.pieces)] if self.pieces else list(self.full)
+
+
 def _build(streams: list[tuple[float, list[Segment], int]], block_size: int) -> list[TraceRequest]:
     chain = _ChainIds(block_size)
     out = []
@@ -163,11 +198,167 @@ def phase_change(block_size: int = 512, *, phase_requests: int = 1500, groups: i
     return _build(streams, block_size)
 
 
+# ---- workloads calibrated to published statistics (docs/cache-policies.md, "Workloads") -----------
+def _lognormal(rng: random.Random, median: float, sigma: float, lo: int = 1, hi: int = 1 << 30) -> int:
+    return max(lo, min(hi, int(median * math.exp(rng.gauss(0.0, sigma)))))
+
+
+def _geometric(rng: random.Random, mean: float, cap: int) -> int:
+    """1, 2, 3, ... with P(k) = (1 - q) q^(k-1), mean ``mean`` (before the cap)."""
+    q = 1.0 - 1.0 / mean
+    k = 1
+    while k < cap and rng.random() < q:
+        k += 1
+    return k
+
+
+def _zipf_picker(rng: random.Random, n: int, s: float) -> Callable[[], int]:
+    cum = list(itertools.accumulate(1.0 / (r + 1) ** s for r in range(n)))
+    return lambda: min(bisect.bisect_left(cum, rng.random() * cum[-1]), n - 1)
+
+
+def conversation(block_size: int = 512, *, minutes: float = 60.0, request_rate: float = 3.34,
+                 mean_turns: float = 3.5, chats_per_user: float = 2.0, user_gap_s: float = 300.0,
+                 apps: int = 32, system_median: int = 1000, personal_share: float = 0.5,
+                 personal_median: int = 1500, doc_share: float = 0.25, doc_median: int = 6000,
+                 user_median: int = 60, answer_median: int = 250, think_median_s: float = 120.0,
+                 think_sigma: float = 1.8, decode_tps: float = 30.0, warmup_s: float = 3600.0,
+                 seed: int = 0) -> list[TraceRequest]:
+    """Multi-turn chat. Users arrive; each opens a few conversations one after another; every turn
+    re-sends the whole conversation - the app's system prompt, the user's own prefix (custom
+    instructions, memory, project files), an optional attached document, all earlier user messages
+    and answers - after the user's think time.
+
+    Defaults (sources in docs/cache-policies.md, "Workloads"): 3.34 requests/s for an hour (Mooncake
+    FAST'25 conversation trace: 12,031 requests in 1 h); turns per conversation geometric with mean 3.5
+    (ShareGPT: 330,239 turns / 94,145 conversations; 71% multi-turn, CachedAttention reports 73%);
+    user message log-normal, median 60 tokens (LMSYS-Chat-1M mean 69.5); answer log-normal, median
+    250 tokens, mean 344 (Mooncake conversation output mean 343); think time log-normal, median 120 s,
+    sigma 1.8 (81% of turns within 10 minutes: Alibaba to-C trace, "80% of reuses within 10
+    minutes"), plus the answer's decode time at ``decode_tps``. Assumed, not measured: 32 apps
+    (Zipf popularity) with ~1k-token system prompts; half the users carry a personal prefix (~1.5k
+    tokens) into each of their conversations (most hits are within one user, single-turn reuse is
+    as large as multi-turn reuse: Alibaba to-C); a quarter of the conversations start with a document
+    (~6k tokens); a user opens 2 conversations on average, ~5 minutes apart."""
+    rng = random.Random(seed)
+    chain = _ChainIds(block_size)
+    app = _zipf_picker(rng, apps, 1.0)
+    sys_len = [_lognormal(rng, system_median, 0.7, 64) for _ in range(apps)]
+    horizon = minutes * 60.0
+    users = request_rate / (mean_turns * chats_per_user)  # new users per second
+    events: list[tuple[float, list[int], int, int]] = []
+    t, u, c = -warmup_s, 0, 0  # users active before the window: it opens in steady state, mid-conversation
+    while True:
+        t += rng.expovariate(users)
+        if t >= horizon:
+            break
+        a = app()
+        prefix: list[Segment] = [(f"sys{a}", sys_len[a])]
+        if rng.random() < personal_share:
+            prefix.append((f"me{u}", _lognormal(rng, personal_median, 1.0, 16, 32_000)))
+        ts = t
+        for _ in range(_geometric(rng, chats_per_user, 32)):
+            stream = _Stream(chain, prefix)
+            if rng.random() < doc_share:
+                stream.extend(f"doc{c}", _lognormal(rng, doc_median, 1.0, 256, 100_000))
+            for k in range(_geometric(rng, mean_turns, 64)):
+                if ts >= horizon:
+                    break
+                stream.extend(f"u{c}.{k}", _lognormal(rng, user_median, 1.3, 1, 16_000))
+                ans = _lognormal(rng, answer_median, 0.8, 1, 4096)
+                if ts >= 0:
+                    events.append((ts, stream.ids(), stream.total, ans))
+                stream.extend(f"a{c}.{k}", ans)
+                ts += ans / decode_tps + min(_lognormal_s(rng, think_median_s, think_sigma), 3600.0)
+            ts += min(_lognormal_s(rng, user_gap_s, 1.0), 3600.0)
+            c += 1
+        u += 1
+    events.sort(key=lambda e: e[0])
+    return [TraceRequest(ts * 1000.0, n, out, ids) for ts, ids, n, out in events]
+
+
+def _lognormal_s(rng: random.Random, median: float, sigma: float) -> float:
+    return median * math.exp(rng.gauss(0.0, sigma))
+
+
+def tool_agent(block_size: int = 512, *, minutes: float = 30.0, request_rate: float = 6.56, mean_steps: float = 4.0,
+               agents: int = 6, tools_median: int = 3000, task_median: int = 300, action_median: int = 150,
+               result_median: int = 400, gap_median_s: float = 1.6, gap_sigma: float = 2.6,
+               decode_tps: float = 50.0, seed: int = 0) -> list[TraceRequest]:
+    """Tool-calling agents: an agent's system prompt (tool schemas, shared by every task of that agent,
+    Zipf popularity) + the task, then a loop: the model emits an action, the tool's result is appended
+    and the whole context is sent again after the tool's latency.
+
+    Defaults: 6.56 requests/s (Mooncake FAST'25 tool&agent trace: 23,608 requests in 1 h); action
+    log-normal, median 150 tokens (Mooncake tool&agent output mean 182); tool latency log-normal,
+    median 1.6 s, sigma 2.6 (p75 9 s, p90 44 s, mean 46 s: a production agent trace's inter-turn gaps,
+    p50 1.6 s / p75 8.6 s / p90 44 s / mean 37 s); steps per task geometric, mean 4."""
+    rng = random.Random(seed)
+    chain = _ChainIds(block_size)
+    agent = _zipf_picker(rng, agents, 1.0)
+    tools = [_lognormal(rng, tools_median, 0.5, 256) for _ in range(agents)]
+    horizon = minutes * 60.0
+    tasks = request_rate / mean_steps
+    events: list[tuple[float, list[int], int, int]] = []
+    t, c = 0.0, 0
+    while True:
+        t += rng.expovariate(tasks)
+        if t >= horizon:
+            break
+        a = agent()
+        stream = _Stream(chain, [(f"tools{a}", tools[a]), (f"task{c}", _lognormal(rng, task_median, 1.0))])
+        ts = t
+        for k in range(_geometric(rng, mean_steps, 64)):
+            if ts >= horizon:
+                break
+            act = _lognormal(rng, action_median, 0.8, 1, 4096)
+            events.append((ts, stream.ids(), stream.total, act))
+            stream.extend(f"act{c}.{k}", act)
+            stream.extend(f"res{c}.{k}", _lognormal(rng, result_median, 1.2, 1, 32_000))
+            ts += act / decode_tps + _lognormal_s(rng, gap_median_s, gap_sigma)
+        c += 1
+    events.sort(key=lambda e: e[0])
+    return [TraceRequest(ts * 1000.0, n, out, ids) for ts, ids, n, out in events]
+
+
+def concat(parts: Sequence[list[TraceRequest]]) -> list[TraceRequest]:
+    """Phases one after another: ids of each part are shifted past the previous parts' (no sharing
+    between phases) and timestamps follow on."""
+    out: list[TraceRequest] = []
+    base_id, base_ts = 0, 0.0
+    for part in parts:
+        top, last = -1, 0.0
+        for r in part:
+            out.append(TraceRequest(base_ts + r.timestamp, r.input_length, r.output_length,
+                                    [h + base_id for h in r.hash_ids]))
+            top = max(top, max(r.hash_ids, default=-1))
+            last = r.timestamp
+        base_id += top + 1
+        base_ts += last + 1.0
+    return out
+
+
+def mixed_phases(block_size: int = 512, *, minutes: float = 15.0, seed: int = 0) -> list[TraceRequest]:
+    """A service whose traffic changes: chat, then tool agents, then RAG, then chat again (each phase
+    its own content). The best static policy differs between phases."""
+    rng = random.Random(seed)
+    seeds = [rng.randrange(1 << 30) for _ in range(4)]
+    return concat([
+        conversation(block_size, minutes=minutes, seed=seeds[0]),
+        tool_agent(block_size, minutes=minutes / 2, seed=seeds[1]),
+        rag(block_size, requests=int(minutes * 60 * 2), seed=seeds[2]),
+        conversation(block_size, minutes=minutes, seed=seeds[3]),
+    ])
+
+
 SYNTHETIC: dict[str, Callable[..., list[TraceRequest]]] = {
+    "conversation": conversation,
+    "tool_agent": tool_agent,
     "shared_prompt": shared_prompt,
-    "multi_turn": multi_turn,
     "rag": rag,
+    "multi_turn": multi_turn,
     "phase_change": phase_change,
+    "mixed_phases": mixed_phases,
 }
 
 

@@ -1,0 +1,137 @@
+"""Planner: one scheduling step's block work as one transaction on the cache manager.
+
+The gateway's scheduler decides the order and the budgets; this applies them to the blocks in a
+single call (nanokv.messages.PlanRequest), so a step costs one round trip to the cache service
+however many sequences it touches. The decisions are those the scheduler made when it called the
+cache manager directly: running sequences grow oldest first and the newest is preempted when
+blocks run out; waiting ones are admitted in queue order with their prefix-cache hit, while the
+token budget, the sequence limit and the blocks last, and never in a step that preempted.
+
+The planner keeps what the cache needs to know of each sequence: its token ids (for prefix
+hashing) and cache salt, and how much of its block table the compute service has already seen,
+so that replies carry table deltas, not tables. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanokv.cache_service.manager import KVCacheManager
+from nanokv.errors import NanoKVError
+from nanokv.messages import PlanReply, PlanRequest, TableDelta
+
+
+@dataclass
+class _SeqState:
+    token_ids: list[int]
+    cache_salt: str | None
+    sent: int = 0  # table entries the compute service holds (0 after a free: it drops its copy)
+
+
+class Planner:
+    def __init__(self, manager: KVCacheManager):
+        self.manager = manager
+        self._seqs: dict[int, _SeqState] = {}
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self._seqs)
+
+    def _state(self, seq_id: int, what: str) -> _SeqState:
+        st = self._seqs.get(seq_id)
+        if st is None:
+            raise NanoKVError(what, f"unknown sequence id {seq_id}")
+        return st
+
+    def plan(self, req: PlanRequest) -> PlanReply:
+        cm = self.manager
+        # ---- news since the last plan
+        for ns in req.new_seqs:
+            if ns.seq_id in self._seqs:
+                raise NanoKVError("new_seqs", f"sequence id {ns.seq_id} is already registered")
+            self._seqs[ns.seq_id] = _SeqState(list(ns.token_ids), ns.cache_salt)
+        for seq_id, tok in req.appended:
+            self._state(seq_id, "appended").token_ids.append(tok)
+        for seq_id, num_computed in req.commits:
+            st = self._state(seq_id, "commits")
+            if cm.has_seq(seq_id):
+                cm.cache_blocks(seq_id, st.token_ids, num_computed, st.cache_salt)
+        for seq_id in req.finished:
+            if self._seqs.pop(seq_id, None) is not None:
+                cm.free(seq_id)
+        reply = PlanReply()
+        if req.is_news_only:
+            return reply
+
+        # ---- running sequences, in the scheduler's order; preempt the newest when blocks run out
+        running = list(req.running)
+        for seq_id in running:
+            self._state(seq_id, "running")
+        preempted: set[int] = set()
+        scheduled: list[int] = []
+        used = 0
+        for seq_id, target, n in req.grows:
+            if seq_id in preempted:
+                continue
+            while not cm.grow(seq_id, target):
+                victim = running[-1]
+                if victim in scheduled:  # never preempt what is already in this batch
+                    victim = seq_id
+                self._preempt(victim, running, preempted, reply)
+                if victim == seq_id:
+                    break
+            if seq_id in preempted:
+                continue
+            scheduled.append(seq_id)
+            used += n
+
+        # ---- admissions (not in a step that had to preempt: memory is tight)
+        budget = req.token_budget - used
+        if not preempted:
+            for seq_id, num_tokens, computed_before in req.waiting:
+                if budget <= 0 or len(running) >= req.max_num_seqs:
+                    break
+                st = self._state(seq_id, "waiting")
+                tokens = st.token_ids[:num_tokens]
+                prefix = cm.match_prefix(tokens, st.cache_salt)
+                n = num_tokens - prefix.num_tokens
+                if n > budget:
+                    if not req.chunked_prefill:
+                        break
+                    n = budget
+                if cm.allocate(seq_id, prefix.num_tokens + n, prefix) is None:
+                    break
+                if computed_before:
+                    cm.record_recompute(max(0, computed_before - prefix.num_tokens))
+                running.append(seq_id)
+                scheduled.append(seq_id)
+                reply.admitted.append((seq_id, prefix.num_tokens, n))
+                budget -= n
+
+        # ---- table deltas for every sequence that runs
+        for seq_id in scheduled:
+            st = self._seqs[seq_id]
+            table = cm.block_table(seq_id)
+            start = st.sent
+            changed = cm.changed_from(seq_id)
+            if changed is not None:
+                start = min(start, changed)
+            if start < len(table) or len(table) < st.sent:
+                start = min(start, len(table))
+                reply.tables.append(TableDelta(seq_id, start, table[start:]))
+            st.sent = len(table)
+        return reply
+
+    def _preempt(self, seq_id: int, running: list[int], preempted: set[int], reply: PlanReply) -> None:
+        running.remove(seq_id)
+        self.manager.free(seq_id)
+        self.manager.record_preemption()
+        self._seqs[seq_id].sent = 0
+        preempted.add(seq_id)
+        reply.preempted.append(seq_id)
+
+    def forget_all(self) -> None:
+        """Every sequence ends (its gateway went away): free all blocks they hold."""
+        for seq_id in list(self._seqs):
+            self._seqs.pop(seq_id)
+            self.manager.free(seq_id)

@@ -1,0 +1,68 @@
+"""`nanokv cache`: the cache service as a gRPC server (nanokv.internal.v1.Cache + grpc.health.v1).
+
+The servicer only translates: every call goes to the same CacheService object LLM() uses in
+process. The pool is allocated in shared memory (the compute service maps it), and is removed
+when the server stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+from nanokv.cache_service.service import CacheService, NotAttached
+from nanokv.config import EngineConfig
+from nanokv.protos import codec
+from nanokv.protos import internal_pb2 as pb
+from nanokv.protos import internal_pb2_grpc as pb_grpc
+from nanokv.rpc import make_server, rpc_errors, set_serving
+
+log = logging.getLogger("nanokv.cache_service")
+SERVICE_NAME = "nanokv.internal.v1.Cache"
+
+
+class CacheServicer(pb_grpc.CacheServicer):
+    def __init__(self, svc: CacheService):
+        self.svc = svc
+
+    def Attach(self, request: pb.AttachRequest, context: Any) -> pb.PoolHandle:
+        with rpc_errors(context):
+            layout = codec.layout_from_pb(request.layout)
+            handle = self.svc.attach(layout)
+            log.info("pool attached: %d blocks, %d bytes, epoch %d (%s)", layout.num_blocks, handle.nbytes,
+                     handle.epoch, handle.path or handle.kind)
+            return codec.handle_to_pb(handle)
+
+    def Plan(self, request: pb.PlanRequest, context: Any) -> pb.PlanReply:
+        with rpc_errors(context, failed_precondition=(NotAttached,)):
+            return codec.plan_reply_to_pb(self.svc.plan(codec.plan_request_from_pb(request)))
+
+    def Stats(self, request: pb.Empty, context: Any) -> pb.CacheStats:
+        with rpc_errors(context, failed_precondition=(NotAttached,)):
+            return codec.cache_stats_to_pb(self.svc.stats())
+
+    def ResetPrefixCache(self, request: pb.ResetRequest, context: Any) -> pb.Empty:
+        with rpc_errors(context, failed_precondition=(NotAttached,)):
+            self.svc.reset_prefix_cache(clear_stats=request.clear_stats)
+            return pb.Empty()
+
+
+def serve(config: EngineConfig, listen: str, stop: threading.Event | None = None) -> None:
+    svc = CacheService(config, shared=True)
+    server, hs = make_server(listen)
+    pb_grpc.add_CacheServicer_to_server(CacheServicer(svc), server)
+    server.start()
+    set_serving(hs, [SERVICE_NAME], True)
+    log.info("cache service on %s (policy %s)", listen, config.eviction_policy)
+    stop = stop or threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(sig, lambda *_: stop.set())
+    try:
+        stop.wait()
+    finally:
+        set_serving(hs, [SERVICE_NAME], False)
+        server.stop(grace=2.0).wait()
+        svc.close()

@@ -1,0 +1,117 @@
+"""CacheService: block allocation, prefix hashing, eviction and the KV storage, behind one API.
+
+The same object serves the in-process transport (LLM(): the gateway calls it directly) and the
+gRPC server (nanokv.cache_service.server), so both run this code. Lifecycle:
+
+  attach(layout)  the compute service (once per incarnation) asks for the pool: the storage is
+                  allocated, a cache manager of layout.num_blocks blocks is made, and a handle
+                  comes back (epoch + 1 on every attach; a new attach drops the old pool)
+  plan(request)   every step: one transaction on the blocks (nanokv.cache_service.planner)
+  stats()         counters for /metrics
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from nanokv.cache_service.manager import KVCacheManager
+from nanokv.cache_service.planner import Planner
+from nanokv.config import EngineConfig
+from nanokv.errors import NanoKVError
+from nanokv.messages import PlanReply, PlanRequest, PoolHandle, PoolLayout
+
+
+class NotAttached(NanoKVError):
+    def __init__(self) -> None:
+        super().__init__("cache", "no compute service has attached a KV pool yet")
+
+
+class CacheService:
+    def __init__(self, config: EngineConfig, *, shared: bool = False):
+        """shared: allocate the pool in shared memory (a compute service in another process maps it)."""
+        self.config = config
+        self.shared = shared
+        self.manager: KVCacheManager | None = None
+        self.planner: Planner | None = None
+        self.storage: Any = None  # nanokv.cache_service.storage.PoolStorage (imports torch: loaded on attach)
+        self.epoch = 0
+        self.lock = threading.Lock()  # gRPC handlers run on a thread pool; a plan is one transaction
+        self.plan_calls = 0
+
+    # ---- the pool ---------------------------------------------------------------------------------
+    def attach(self, layout: PoolLayout) -> PoolHandle:
+        from nanokv.cache_service.storage import PoolStorage
+
+        cfg = self.config
+        with self.lock:
+            self._drop_pool()
+            self.epoch += 1
+            self.storage = PoolStorage(layout, self.shared, self.epoch)
+            self.manager = KVCacheManager(
+                layout.num_blocks, layout.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+                # "adaptive": start from the default policy; the controller switches when it pays
+                eviction_policy="clock" if cfg.eviction_policy == "adaptive" else cfg.eviction_policy,
+                lru_k=cfg.lru_k, hash_algo=cfg.prefix_caching_hash_algo,
+            )
+            self.planner = Planner(self.manager)
+            return self.storage.handle()
+
+    def _drop_pool(self) -> None:
+        if self.storage is not None:
+            self.storage.close()
+        self.storage = self.manager = self.planner = None
+
+    def close(self) -> None:
+        with self.lock:
+            self._drop_pool()
+
+    @property
+    def attached(self) -> bool:
+        return self.manager is not None
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def plan(self, request: PlanRequest) -> PlanReply:
+        with self.lock:
+            if self.planner is None:
+                raise NotAttached()
+            self.plan_calls += 1
+            return self.planner.plan(request)
+
+    # ---- administration -----------------------------------------------------------------------
+    def reset_prefix_cache(self, clear_stats: bool = False) -> bool:
+        with self.lock:
+            if self.manager is None:
+                raise NotAttached()
+            ok = self.manager.reset_prefix_cache()
+            if clear_stats:
+                self.manager.stats.clear()
+            return ok
+
+    def release_all(self) -> None:
+        """The gateway went away: every sequence it held ends."""
+        with self.lock:
+            if self.planner is not None:
+                self.planner.forget_all()
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            cm = self.manager
+            if cm is None:
+                raise NotAttached()
+            cs = cm.stats
+            return {
+                "kv_cache_usage": cm.usage(),
+                "kv_blocks_total": cm.num_blocks,
+                "kv_blocks_free": cm.num_free_blocks(),
+                "kv_blocks_cached": cm.num_cached_blocks(),
+                "prefix_queries_tokens": cs.prefix_queries_tokens,
+                "prefix_hits_tokens": cs.prefix_hits_tokens,
+                "evictions_by_policy": dict(cs.evictions_by_policy),
+                "eviction_policy": cm.policy_name,
+                "recomputed_tokens": cs.recomputed_tokens,
+                "cache_preemptions": cs.preemptions,
+                "num_seqs": self.planner.num_seqs if self.planner is not None else 0,
+                "epoch": self.epoch,
+                "plan_calls": self.plan_calls,
+            }

@@ -1,0 +1,99 @@
+"""`nanokv compute`: the compute service as a gRPC server (nanokv.internal.v1.Compute + health).
+
+At start it loads the model and attaches to the cache service's KV pool (Cache.Attach: the
+layout goes out, a shared-memory handle comes back and is mapped once); health turns SERVING
+when the first step could run. Steps are taken strictly in step_id order: a step that arrives
+early (a pipelining gateway sends step N+1 before it reads step N's tokens) waits for its turn,
+then launches as soon as step N has launched, and its reply waits only for its own tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+from nanokv.compute_service.service import ComputeService
+from nanokv.config import EngineConfig
+from nanokv.messages import PoolHandle, PoolLayout
+from nanokv.protos import codec
+from nanokv.protos import internal_pb2 as pb
+from nanokv.protos import internal_pb2_grpc as pb_grpc
+from nanokv.rpc import call, channel, make_server, rpc_errors, set_serving, wait_serving
+
+log = logging.getLogger("nanokv.compute_service")
+SERVICE_NAME = "nanokv.internal.v1.Compute"
+
+
+class ComputeServicer(pb_grpc.ComputeServicer):
+    def __init__(self, step_timeout_s: float):
+        self._svc: ComputeService | None = None  # set once the model is loaded and the pool attached
+        self.turn = threading.Condition()
+        self.step_timeout_s = step_timeout_s
+
+    @property
+    def svc(self) -> ComputeService:
+        if self._svc is None:
+            raise LookupError("the compute service is still starting (loading the model)")
+        return self._svc
+
+    def Info(self, request: pb.Empty, context: Any) -> pb.ModelInfo:
+        with rpc_errors(context):
+            return codec.info_to_pb(self.svc.info())
+
+    def GetTokenizer(self, request: pb.Empty, context: Any) -> pb.TokenizerFiles:
+        with rpc_errors(context):
+            return pb.TokenizerFiles(files=self.svc.tokenizer_files())
+
+    def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResult:
+        with rpc_errors(context):
+            req = codec.step_request_from_pb(request)
+            with self.turn:
+                if not self.turn.wait_for(lambda: self.svc._next_step >= req.step_id, self.step_timeout_s):
+                    raise TimeoutError(f"step {req.step_id}: step {self.svc._next_step} never came")
+                launched = self.svc.launch(req)
+                self.turn.notify_all()
+            return codec.step_result_to_pb(self.svc.collect(launched))
+
+    def Stats(self, request: pb.Empty, context: Any) -> pb.ComputeStats:
+        with rpc_errors(context):
+            return codec.compute_stats_to_pb(self.svc.stats())
+
+    def ResetStats(self, request: pb.Empty, context: Any) -> pb.Empty:
+        with rpc_errors(context):
+            self.svc.reset_stats()
+            return pb.Empty()
+
+
+def attach_via(cache_address: str, timeout_s: float):  # noqa: ANN201 - a closure for ComputeService
+    """ComputeService's attach_pool over gRPC: the cache service allocates, we map its handle."""
+    def attach(layout: PoolLayout) -> PoolHandle:
+        wait_serving(cache_address, timeout_s)
+        with channel(cache_address) as ch:
+            stub = pb_grpc.CacheStub(ch)
+            reply = call(stub.Attach, pb.AttachRequest(layout=codec.layout_to_pb(layout)), timeout_s, "attach")
+        return codec.handle_from_pb(reply)
+    return attach
+
+
+def serve(config: EngineConfig, listen: str, cache_address: str, stop: threading.Event | None = None) -> None:
+    server, hs = make_server(listen)
+    servicer = ComputeServicer(config.rpc_timeout_s)
+    pb_grpc.add_ComputeServicer_to_server(servicer, server)
+    set_serving(hs, [SERVICE_NAME], False)
+    server.start()  # health answers NOT_SERVING while the model loads
+    svc = servicer._svc = ComputeService(config, attach_pool=attach_via(cache_address, config.rpc_timeout_s))
+    set_serving(hs, [SERVICE_NAME], True)
+    log.info("compute service on %s: %s, %d KV blocks (cache service %s)", listen, svc.model_name,
+             svc.runner.num_blocks, cache_address)
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    try:
+        stop.wait()
+    finally:
+        set_serving(hs, [SERVICE_NAME], False)
+        server.stop(grace=2.0).wait()
+        svc.shutdown()

@@ -1,0 +1,245 @@
+"""ComputeService: the model's weights, the forward pass and sampling, on the cache service's pool.
+
+At start it loads the model, sizes the KV pool, asks the cache service for it (attach_pool:
+a direct call in-process, the Attach RPC across processes) and maps it; then, every step, it
+takes a StepRequest (nanokv.messages) and returns the sampled tokens. It keeps, per sequence,
+what a step sends only as deltas: the block table and the sampling params (and the sampler's
+seeded generators).
+
+launch/collect split a step in two for the pipelined (async) gateway: launch runs the forward
+pass and sampling and starts the copy of the sampled ids to the host; collect waits for it. The
+sampled ids also stay on the device, where the next step's PLACEHOLDER inputs are fed from.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nanokv.cache_service.kv.monitor import CompressionMonitor
+from nanokv.compute_service.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
+from nanokv.compute_service.runner.sampler import Sampler
+from nanokv.compute_service.runner.tp_protocol import TokenWindow
+from nanokv.config import EngineConfig
+from nanokv.errors import NanoKVError
+from nanokv.messages import PLACEHOLDER, ModelInfo, PoolHandle, PoolLayout, StepRequest, StepResult
+from nanokv.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Launched:
+    """A step whose sampled ids the host may not have yet."""
+    step_id: int
+    result: StepResult | None  # ready (synchronous sampling: logprobs wanted, or nothing sampled)
+    host: torch.Tensor | None = None  # [n] int64, valid once `event` completes
+    event: Any = None  # torch.cuda.Event on CUDA
+
+
+class ComputeService:
+    def __init__(self, config: EngineConfig, attach_pool: Callable[[PoolLayout], PoolHandle] | None = None):
+        from nanokv.compute_service.model.loader import load_model, random_model
+
+        self.config = cfg = config
+        torch.manual_seed(cfg.seed)
+        self.device = resolve_device(cfg)
+        self.dtype = resolve_dtype(cfg, self.device)
+        tp = cfg.tensor_parallel_size  # this process is TP rank 0: it loads rank 0's shard
+        if cfg.model is not None and cfg.model.startswith("random:"):
+            self.model, self.model_config = random_model(cfg.model[len("random:"):], self.dtype, self.device,
+                                                         seed=cfg.seed, tp_size=tp)
+        else:
+            self.model, self.model_config = load_model(cfg.model, self.dtype, self.device, tp_size=tp)
+        self.model_name = cfg.model or "SmolLM2-135M-Instruct"
+        mc = self.model_config
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.runner: Any  # ModelRunner, or TPModelRunner (a drop-in that forwards to rank 0's runner)
+        if tp > 1:
+            from nanokv.compute_service.runner.tp_runner import TPModelRunner  # starts ranks 1..tp-1
+
+            self.runner = TPModelRunner(cfg, self.model, mc, self.device, self.dtype)
+        else:
+            self.runner = ModelRunner(cfg, self.model, mc, self.device, self.dtype, attach_pool=attach_pool)
+            self.runner.fold_value_rotations()  # (this service owns the model; tensor parallel keeps the GEMMs)
+        self.runner.capture_cudagraphs(self.max_model_len)
+        # running K/V quantization error per layer (sampled on eager steps), read by stats()
+        self.compression_monitor = CompressionMonitor().attach(self.runner.kv_caches)
+        self.sampler = Sampler(self.device)
+        self._tables: dict[int, list[int]] = {}
+        self._params: dict[int, SamplingParams] = {}
+        self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # previous step's samples on the device
+        self._pinned: list[torch.Tensor] = []  # two alternating pinned buffers (step N and N+1)
+        self._flip = 0
+        self._next_step = 0
+        self.forward_ns = 0
+        self.steps = 0
+        stage = getattr(self.runner, "stage", None)
+        if stage is not None:  # int4 staging may reclaim slots of open blocks no sequence holds any more
+            stage.block_free = self._block_free
+        self._gc_freezes = 2 if self.device.type == "cuda" else 0
+        _warm_logits(self)
+
+    # ---- what the gateway asks once ----------------------------------------------------------------
+    def info(self) -> ModelInfo:
+        mc = self.model_config
+        return ModelInfo(self.model_name, mc.vocab_size, list(mc.eos_token_ids or []), self.max_model_len,
+                         self.runner.num_blocks, self.runner.block_size, self.device.type,
+                         str(self.dtype).removeprefix("torch."), model=self.config.model)
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer as the files save_pretrained writes (empty for random-weight models)."""
+        import tempfile
+
+        from nanokv.model_files import load_tokenizer
+
+        if self.config.model is not None and self.config.model.startswith("random:"):
+            return {}
+        tok = load_tokenizer(self.config.model)
+        with tempfile.TemporaryDirectory() as d:
+            tok.save_pretrained(d)
+            return {name: open(os.path.join(d, name), "rb").read() for name in sorted(os.listdir(d))
+                    if os.path.isfile(os.path.join(d, name))}
+
+    def stats(self) -> dict[str, Any]:
+        return {"compression_error": self.compression_monitor.snapshot(), "compute_steps": self.steps,
+                "forward_s": self.forward_ns / 1e9}
+
+    def reset_stats(self) -> None:
+        self.compression_monitor.reset()
+        self.steps = 0
+        self.forward_ns = 0
+
+    def _block_free(self, block: int) -> bool:
+        return all(block not in t for t in self._tables.values())
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def _apply(self, req: StepRequest) -> None:
+        for seq_id, params in req.new_seqs:
+            self._params[seq_id] = params
+        for seq_id in req.finished:
+            self._tables.pop(seq_id, None)
+            self._params.pop(seq_id, None)
+            self.sampler.forget(seq_id)
+        for seq_id in req.preempted:
+            self._tables.pop(seq_id, None)
+        for d in req.tables:
+            t = self._tables.setdefault(d.seq_id, [])
+            del t[d.start:]
+            t.extend(d.blocks)
+
+    def _freeze_gc(self) -> None:
+        """At the first two steps (the second one catches what the first step's torch.compile made):
+        move every object alive now (model, compiled graphs: millions after torch.compile) out of the
+        cyclic GC's reach, as vLLM does after start-up; a full collection would otherwise walk them
+        all again, stalling the host at random steps. CUDA only: frozen objects are never collected."""
+        self._gc_freezes -= 1
+        gc.collect()
+        gc.freeze()
+
+    @torch.inference_mode()
+    def launch(self, req: StepRequest) -> Launched:
+        if self._gc_freezes:
+            self._freeze_gc()
+        if req.step_id != self._next_step:
+            raise NanoKVError("step_id", f"got step {req.step_id}, expected {self._next_step}")
+        self._next_step += 1
+        self._apply(req)
+        if not req.seq_ids:
+            return Launched(req.step_id, StepResult(req.step_id))
+        t0 = time.perf_counter_ns()
+        items = []
+        src: list[int] = []
+        dst: list[int] = []
+        off = 0
+        for r, (seq_id, start, n) in enumerate(zip(req.seq_ids, req.num_computed, req.num_new)):
+            toks = req.tokens[off:off + n]
+            table = self._tables.get(seq_id)
+            if table is None:
+                raise NanoKVError("seq_ids", f"sequence {seq_id} has no block table here")
+            if toks and toks[-1] == PLACEHOLDER:
+                row = self._last[1].get(seq_id) if self._last is not None else None
+                if row is None:
+                    raise NanoKVError("tokens", f"sequence {seq_id}: a placeholder without a previous sample")
+                src.append(row)
+                dst.append(off + n - 1)
+            items.append((TokenWindow(start, toks, start + n), start, n, table, r < req.num_prefills))
+            off += n
+        feed = (self._last[0], src, dst) if src and self._last is not None else None
+        rows = req.sample_rows
+        logits = self.runner.execute(items, rows, feed=feed)
+        self.steps += 1
+        seq_ids = [req.seq_ids[r] for r in rows]
+        params = [self._params[s] for s in seq_ids]
+        self._last = None
+        if not rows:
+            self.forward_ns += time.perf_counter_ns() - t0
+            return Launched(req.step_id, StepResult(req.step_id, forward_ns=time.perf_counter_ns() - t0))
+        if logits is None:
+            raise RuntimeError("rows to sample got no logits")
+        if any(p.logprobs is not None for p in params):
+            res = self.sampler(logits, params, seq_ids)
+            ns = time.perf_counter_ns() - t0
+            self.forward_ns += ns
+            return Launched(req.step_id, StepResult(req.step_id, res.token_ids, res.logprobs, ns))
+        tokens = self.sampler.sample(logits, params, seq_ids)
+        self._last = (tokens, {s: r for r, s in enumerate(seq_ids)})
+        host, event = self._to_host(tokens)
+        ns = time.perf_counter_ns() - t0
+        self.forward_ns += ns
+        return Launched(req.step_id, None, host, event)
+
+    def collect(self, launched: Launched) -> StepResult:
+        if launched.result is not None:
+            return launched.result
+        if launched.event is not None:
+            launched.event.synchronize()
+        assert launched.host is not None  # a launch without a result always has its host copy
+        return StepResult(launched.step_id, launched.host.tolist())
+
+    def step(self, req: StepRequest) -> StepResult:
+        return self.collect(self.launch(req))
+
+    def _to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if not tokens.is_cuda:
+            return tokens, None
+        n = tokens.shape[0]
+        if not self._pinned or self._pinned[0].shape[0] < n:
+            size = max(n, self.config.max_num_seqs)
+            self._pinned = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._flip ^= 1
+        host = self._pinned[self._flip][:n]
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def shutdown(self) -> None:
+        """Release what outlives a step: the tensor-parallel worker processes (no-op at tp 1)."""
+        stop = getattr(getattr(self, "runner", None), "shutdown", None)
+        if stop is not None:
+            stop()
+
+
+def _warm_logits(svc: ComputeService) -> None:
+    """The LM head and the greedy pick for every row count a step can sample (1 .. max_num_seqs).
+    The head's GEMM runs eagerly on the step's sampling rows, a new count in almost every prefill
+    step and as decodes finish; the first use of each of cuBLAS's kernels for those shapes loads it,
+    host time inside a step (docs/kernels.md). One rank only: with tensor parallelism the head
+    gathers across ranks."""
+    if svc.device.type != "cuda" or svc.config.tensor_parallel_size != 1:
+        return
+    model = svc.runner.model
+    dtype = next(model.parameters()).dtype
+    hidden = torch.zeros(svc.config.max_num_seqs, svc.model_config.hidden_size, dtype=dtype, device=svc.device)
+    with torch.inference_mode():
+        for m in range(1, hidden.shape[0] + 1):
+            model.compute_logits(hidden[:m], False).argmax(dim=-1)
+    torch.cuda.synchronize(svc.device)

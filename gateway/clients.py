@@ -1,0 +1,77 @@
+"""The gRPC transport: clients of the cache and compute services with the in-process API.
+
+CacheClient and ComputeClient answer the same calls as CacheService and ComputeService, so the
+engine cannot tell them apart; every call has a deadline (EngineConfig.rpc_timeout_s). A step's
+launch sends the request and returns the call's future; collect waits for it, which is what lets
+a pipelining gateway plan step N+1 while the compute service runs step N.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from nanokv.messages import ModelInfo, PlanReply, PlanRequest, StepRequest, StepResult
+from nanokv.protos import codec
+from nanokv.protos import internal_pb2 as pb
+from nanokv.protos import internal_pb2_grpc as pb_grpc
+from nanokv.rpc import call, channel, remote_error, wait_serving
+
+
+class CacheClient:
+    def __init__(self, address: str, timeout_s: float):
+        self.address = address
+        self.timeout = timeout_s
+        wait_serving(address, timeout_s)
+        self.channel = channel(address)
+        self.stub = pb_grpc.CacheStub(self.channel)
+
+    def plan(self, request: PlanRequest) -> PlanReply:
+        return codec.plan_reply_from_pb(call(self.stub.Plan, codec.plan_request_to_pb(request), self.timeout, "plan"))
+
+    def stats(self) -> dict[str, Any]:
+        return codec.cache_stats_from_pb(call(self.stub.Stats, pb.Empty(), self.timeout, "stats"))
+
+    def reset_prefix_cache(self, clear_stats: bool = False) -> None:
+        call(self.stub.ResetPrefixCache, pb.ResetRequest(clear_stats=clear_stats), self.timeout, "reset")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class ComputeClient:
+    def __init__(self, address: str, timeout_s: float):
+        self.address = address
+        self.timeout = timeout_s
+        wait_serving(address, timeout_s)
+        self.channel = channel(address)
+        self.stub = pb_grpc.ComputeStub(self.channel)
+
+    def info(self) -> ModelInfo:
+        return codec.info_from_pb(call(self.stub.Info, pb.Empty(), self.timeout, "info"))
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        return dict(call(self.stub.GetTokenizer, pb.Empty(), self.timeout, "tokenizer").files)
+
+    def launch(self, request: StepRequest) -> grpc.Future:
+        return self.stub.Step.future(codec.step_request_to_pb(request), timeout=self.timeout)
+
+    def collect(self, launched: grpc.Future) -> StepResult:
+        try:
+            return codec.step_result_from_pb(launched.result())
+        except grpc.RpcError as e:
+            raise remote_error(e, "step") from None
+
+    def step(self, request: StepRequest) -> StepResult:
+        return codec.step_result_from_pb(call(self.stub.Step, codec.step_request_to_pb(request), self.timeout,
+                                              "step"))
+
+    def stats(self) -> dict[str, Any]:
+        return codec.compute_stats_from_pb(call(self.stub.Stats, pb.Empty(), self.timeout, "stats"))
+
+    def reset_stats(self) -> None:
+        call(self.stub.ResetStats, pb.Empty(), self.timeout, "reset_stats")
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,1 +1,0 @@
-"""Attention kernels: Triton implementations and torch references with the same contract."""

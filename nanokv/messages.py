@@ -1,0 +1,135 @@
+"""The messages between the services, as plain dataclasses (no torch, no grpc).
+
+One step crosses two seams:
+
+  gateway --PlanRequest--> cache service --PlanReply--> gateway       (which blocks, one call)
+  gateway --StepRequest--> compute service --StepResult--> gateway    (which tokens, one call)
+
+The in-process transport hands these objects to the services directly; the gRPC transport turns
+them into the protobuf messages of protos/internal.proto (nanokv.protos.codec) and back, so both
+run the same service code. Everything here is a delta against state the receiver keeps: a
+sequence's prompt travels once (PlanRequest.new_seqs), its sampling params once
+(StepRequest.new_seqs), its block table as the entries that changed (TableDelta).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanokv.sampling import SamplingParams
+
+PLACEHOLDER = -1  # an input token the compute service takes from its previous step's samples
+
+
+@dataclass
+class NewSeq:
+    seq_id: int
+    token_ids: list[int]
+    cache_salt: str | None = None
+
+
+@dataclass
+class TableDelta:
+    """The receiver's table for `seq_id` becomes table[:start] + blocks."""
+    seq_id: int
+    start: int
+    blocks: list[int]
+
+
+@dataclass
+class PlanRequest:
+    """One scheduling step's block work, applied by the cache service as one transaction.
+
+    First the news since the last plan: new sequences, tokens sampled, blocks computed (published
+    to the prefix cache), sequences ended. Then the step: `grows` are the running sequences the
+    gateway's scheduler picked, in its order, with the token count each must hold; when blocks run
+    out the newest running sequence is preempted (its blocks freed, cached ones kept). If nothing
+    was preempted, `waiting` candidates are admitted in order with their prefix-cache hit while the
+    token budget, `max_num_seqs` and the blocks last."""
+    new_seqs: list[NewSeq] = field(default_factory=list)
+    appended: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, token id)
+    commits: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, tokens computed so far)
+    finished: list[int] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)  # every running sequence, oldest first
+    grows: list[tuple[int, int, int]] = field(default_factory=list)  # (seq_id, tokens to hold, new tokens)
+    # (seq_id, num_tokens, tokens computed before a preemption: counted as recomputed when redone)
+    waiting: list[tuple[int, int, int]] = field(default_factory=list)
+    token_budget: int = 0
+    max_num_seqs: int = 0
+    chunked_prefill: bool = True
+
+    @property
+    def is_news_only(self) -> bool:
+        return not self.grows and not self.waiting
+
+
+@dataclass
+class PlanReply:
+    preempted: list[int] = field(default_factory=list)  # in preemption order
+    admitted: list[tuple[int, int, int]] = field(default_factory=list)  # (seq_id, prefix-hit tokens, new tokens)
+    tables: list[TableDelta] = field(default_factory=list)  # for every sequence that runs this step
+
+
+@dataclass
+class StepRequest:
+    """One forward pass. Rows are the scheduled sequences, prefills first; `tokens` holds each
+    row's `num_new` input tokens back to back (PLACEHOLDER: the token the previous step sampled
+    for that sequence, still on the device)."""
+    step_id: int
+    seq_ids: list[int] = field(default_factory=list)
+    num_computed: list[int] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    num_prefills: int = 0
+    tokens: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    tables: list[TableDelta] = field(default_factory=list)
+    new_seqs: list[tuple[int, SamplingParams]] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)  # forget tables and sampler state
+    preempted: list[int] = field(default_factory=list)  # forget tables (blocks went back to the cache)
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    token_ids: list[int] = field(default_factory=list)  # one per sample row
+    logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+    forward_ns: int = 0
+
+
+@dataclass
+class PoolLayout:
+    """What the compute service asks the cache service to allocate: every layer's KV tensors
+    (codes, scales, int4 staging) carved from one flat byte segment in a fixed order."""
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    layer_bits: list[int]
+    dtype: str  # torch dtype name of full-precision KV ("float32", "bfloat16", ...)
+    stage_slots: int = 0  # int4 staging slots (0 without int4 layers)
+    device: str = "cpu"
+
+
+@dataclass
+class PoolHandle:
+    """How the compute service maps the pool: `kind` "local" (same process: `buffer` is the
+    tensor) or "shm" (a shared-memory file at `path` of `nbytes`). `epoch` numbers allocations."""
+    kind: str
+    nbytes: int
+    epoch: int
+    path: str = ""
+    buffer: object = None
+
+
+@dataclass
+class ModelInfo:
+    """What the gateway needs to know of the model (the compute service's answer to Info)."""
+    name: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_position_embeddings: int
+    num_blocks: int
+    block_size: int
+    device: str
+    dtype: str
+    model: str | None = None  # the path the compute service loaded (the gateway's tokenizer reads it too)

@@ -1,0 +1,213 @@
+"""nanokv.messages dataclasses <-> the protobuf messages of internal.proto (no torch).
+
+Integer arrays are packed little-endian int64 (array('q')): one bytes field instead of a Python
+object per element. Every decoder checks lengths and ranges it relies on and raises
+ValueError naming the field, which the servers turn into INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from nanokv.messages import (
+    ModelInfo,
+    NewSeq,
+    PlanReply,
+    PlanRequest,
+    PoolHandle,
+    PoolLayout,
+    StepRequest,
+    StepResult,
+    TableDelta,
+)
+from nanokv.protos import internal_pb2 as pb
+from nanokv.sampling import SamplingParams
+
+_SWAP = sys.byteorder != "little"
+
+
+def pack(values: Iterable[int]) -> bytes:
+    a = array("q", values)
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack(data: bytes, field: str, group: int = 1) -> list[int]:
+    if len(data) % (8 * group):
+        raise ValueError(f"{field}: {len(data)} bytes is not a whole number of {group} int64 values")
+    a = array("q")
+    a.frombytes(data)
+    if _SWAP:
+        a.byteswap()
+    return a.tolist()
+
+
+def pack_tuples(rows: Sequence[tuple[int, ...]]) -> bytes:
+    return pack(v for row in rows for v in row)
+
+
+def unpack_tuples(data: bytes, field: str, width: int) -> list[tuple[int, ...]]:
+    flat = unpack(data, field, width)
+    return [tuple(flat[i:i + width]) for i in range(0, len(flat), width)]
+
+
+# ---- cache service ------------------------------------------------------------------------------
+def layout_to_pb(x: PoolLayout) -> pb.PoolLayout:
+    return pb.PoolLayout(num_blocks=x.num_blocks, block_size=x.block_size, num_kv_heads=x.num_kv_heads,
+                         head_dim=x.head_dim, layer_bits=x.layer_bits, dtype=x.dtype, stage_slots=x.stage_slots,
+                         device=x.device)
+
+
+def layout_from_pb(m: pb.PoolLayout) -> PoolLayout:
+    return PoolLayout(m.num_blocks, m.block_size, m.num_kv_heads, m.head_dim, list(m.layer_bits), m.dtype,
+                      m.stage_slots, m.device)
+
+
+def handle_to_pb(h: PoolHandle) -> pb.PoolHandle:
+    return pb.PoolHandle(kind=h.kind, nbytes=h.nbytes, epoch=h.epoch, path=h.path)
+
+
+def handle_from_pb(m: pb.PoolHandle) -> PoolHandle:
+    return PoolHandle(m.kind, m.nbytes, m.epoch, path=m.path)
+
+
+def plan_request_to_pb(r: PlanRequest) -> pb.PlanRequest:
+    return pb.PlanRequest(
+        new_seqs=[pb.NewSeq(seq_id=s.seq_id, token_ids=pack(s.token_ids), cache_salt=s.cache_salt)
+                  for s in r.new_seqs],
+        appended=pack_tuples(r.appended), commits=pack_tuples(r.commits), finished=pack(r.finished),
+        running=pack(r.running), grows=pack_tuples(r.grows), waiting=pack_tuples(r.waiting),
+        token_budget=r.token_budget, max_num_seqs=r.max_num_seqs, chunked_prefill=r.chunked_prefill)
+
+
+def plan_request_from_pb(m: pb.PlanRequest) -> PlanRequest:
+    return PlanRequest(
+        new_seqs=[NewSeq(s.seq_id, unpack(s.token_ids, "new_seqs.token_ids"),
+                         s.cache_salt if s.HasField("cache_salt") else None) for s in m.new_seqs],
+        appended=unpack_tuples(m.appended, "appended", 2),  # type: ignore[arg-type]
+        commits=unpack_tuples(m.commits, "commits", 2),  # type: ignore[arg-type]
+        finished=unpack(m.finished, "finished"), running=unpack(m.running, "running"),
+        grows=unpack_tuples(m.grows, "grows", 3),  # type: ignore[arg-type]
+        waiting=unpack_tuples(m.waiting, "waiting", 3),  # type: ignore[arg-type]
+        token_budget=m.token_budget, max_num_seqs=m.max_num_seqs, chunked_prefill=m.chunked_prefill)
+
+
+def _deltas_to_pb(deltas: Sequence[TableDelta]) -> list[pb.TableDelta]:
+    return [pb.TableDelta(seq_id=d.seq_id, start=d.start, blocks=pack(d.blocks)) for d in deltas]
+
+
+def _deltas_from_pb(deltas: Iterable[pb.TableDelta]) -> list[TableDelta]:
+    return [TableDelta(d.seq_id, d.start, unpack(d.blocks, "tables.blocks")) for d in deltas]
+
+
+def plan_reply_to_pb(r: PlanReply) -> pb.PlanReply:
+    return pb.PlanReply(preempted=pack(r.preempted), admitted=pack_tuples(r.admitted), tables=_deltas_to_pb(r.tables))
+
+
+def plan_reply_from_pb(m: pb.PlanReply) -> PlanReply:
+    return PlanReply(unpack(m.preempted, "preempted"),
+                     unpack_tuples(m.admitted, "admitted", 3),  # type: ignore[arg-type]
+                     _deltas_from_pb(m.tables))
+
+
+def cache_stats_to_pb(s: dict[str, Any]) -> pb.CacheStats:
+    return pb.CacheStats(**s)
+
+
+def cache_stats_from_pb(m: pb.CacheStats) -> dict[str, Any]:
+    out = {f.name: getattr(m, f.name) for f in pb.CacheStats.DESCRIPTOR.fields}
+    out["evictions_by_policy"] = dict(m.evictions_by_policy)
+    return out
+
+
+# ---- compute service ----------------------------------------------------------------------------
+def info_to_pb(i: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(name=i.name, vocab_size=i.vocab_size, eos_token_ids=i.eos_token_ids,
+                        max_position_embeddings=i.max_position_embeddings, num_blocks=i.num_blocks,
+                        block_size=i.block_size, device=i.device, dtype=i.dtype, model=i.model)
+
+
+def info_from_pb(m: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(m.name, m.vocab_size, list(m.eos_token_ids), m.max_position_embeddings, m.num_blocks,
+                     m.block_size, m.device, m.dtype, m.model if m.HasField("model") else None)
+
+
+def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed,
+        max_tokens=p.max_tokens, stop=p.stop, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs, include_stop_str_in_output=p.include_stop_str_in_output)
+
+
+def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
+    """Validated like any SamplingParams (RequestError names the field)."""
+    def opt(name: str) -> Any:
+        return getattr(m, name) if m.HasField(name) else None
+
+    return SamplingParams(
+        temperature=m.temperature, top_k=m.top_k, top_p=m.top_p, min_p=m.min_p, seed=opt("seed"),
+        max_tokens=opt("max_tokens"), stop=list(m.stop), stop_token_ids=list(m.stop_token_ids),
+        ignore_eos=m.ignore_eos, logprobs=opt("logprobs"), include_stop_str_in_output=m.include_stop_str_in_output)
+
+
+def step_request_to_pb(r: StepRequest) -> pb.StepRequest:
+    return pb.StepRequest(
+        step_id=r.step_id, seq_ids=pack(r.seq_ids), num_computed=pack(r.num_computed), num_new=pack(r.num_new),
+        num_prefills=r.num_prefills, tokens=pack(r.tokens), sample_rows=pack(r.sample_rows),
+        tables=_deltas_to_pb(r.tables),
+        new_seqs=[pb.SeqParams(seq_id=s, params=params_to_pb(p)) for s, p in r.new_seqs],
+        finished=pack(r.finished), preempted=pack(r.preempted))
+
+
+def step_request_from_pb(m: pb.StepRequest) -> StepRequest:
+    r = StepRequest(
+        m.step_id, unpack(m.seq_ids, "seq_ids"), unpack(m.num_computed, "num_computed"),
+        unpack(m.num_new, "num_new"), m.num_prefills, unpack(m.tokens, "tokens"),
+        unpack(m.sample_rows, "sample_rows"), _deltas_from_pb(m.tables),
+        [(s.seq_id, params_from_pb(s.params)) for s in m.new_seqs],
+        unpack(m.finished, "finished"), unpack(m.preempted, "preempted"))
+    B = len(r.seq_ids)
+    if len(r.num_computed) != B or len(r.num_new) != B:
+        raise ValueError(f"num_computed, num_new: one value per row of seq_ids ({B})")
+    if any(n < 1 for n in r.num_new) or any(c < 0 for c in r.num_computed):
+        raise ValueError("num_new: every row runs at least one token; num_computed: >= 0")
+    if sum(r.num_new) != len(r.tokens):
+        raise ValueError(f"tokens: {len(r.tokens)} given, num_new adds up to {sum(r.num_new)}")
+    if not 0 <= r.num_prefills <= B or any(not 0 <= x < B for x in r.sample_rows):
+        raise ValueError(f"num_prefills, sample_rows: row indices in [0, {B})")
+    return r
+
+
+def step_result_to_pb(r: StepResult) -> pb.StepResult:
+    m = pb.StepResult(step_id=r.step_id, token_ids=pack(r.token_ids), forward_ns=r.forward_ns)
+    if r.logprobs is not None:
+        m.has_logprobs = True
+        for lp in r.logprobs:
+            m.logprob_rows.append(lp is not None)
+            if lp is None:
+                m.logprobs.add()
+            else:
+                m.logprobs.add(logprob=lp[0], top_ids=list(lp[1]), top_logprobs=list(lp[1].values()))
+    return m
+
+
+def step_result_from_pb(m: pb.StepResult) -> StepResult:
+    lps: list[tuple[float, dict[int, float]] | None] | None = None
+    if m.has_logprobs:
+        lps = [(x.logprob, dict(zip(x.top_ids, x.top_logprobs))) if asked else None
+               for x, asked in zip(m.logprobs, m.logprob_rows)]
+    return StepResult(m.step_id, unpack(m.token_ids, "token_ids"), lps, m.forward_ns)
+
+
+def compute_stats_to_pb(s: dict[str, Any]) -> pb.ComputeStats:
+    return pb.ComputeStats(compression_error={int(k): float(v) for k, v in s["compression_error"].items()},
+                           compute_steps=s["compute_steps"], forward_s=s["forward_s"])
+
+
+def compute_stats_from_pb(m: pb.ComputeStats) -> dict[str, Any]:
+    return {"compression_error": dict(sorted(m.compression_error.items())), "compute_steps": m.compute_steps,
+            "forward_s": m.forward_s}

@@ -1,0 +1,284 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolLayout(_message.Message):
+    __slots__ = ("num_blocks", "block_size", "num_kv_heads", "head_dim", "layer_bits", "dtype", "stage_slots", "device")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BITS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    layer_bits: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    stage_slots: int
+    device: str
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_bits: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., stage_slots: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("layout",)
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    layout: PoolLayout
+    def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ...) -> None: ...
+
+class PoolHandle(_message.Message):
+    __slots__ = ("kind", "nbytes", "epoch", "path")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    nbytes: int
+    epoch: int
+    path: str
+    def __init__(self, kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., epoch: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class NewSeq(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "cache_salt")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: bytes
+    cache_salt: str
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ("new_seqs", "appended", "commits", "finished", "running", "grows", "waiting", "token_budget", "max_num_seqs", "chunked_prefill")
+    NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
+    APPENDED_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    GROWS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKED_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    new_seqs: _containers.RepeatedCompositeFieldContainer[NewSeq]
+    appended: bytes
+    commits: bytes
+    finished: bytes
+    running: bytes
+    grows: bytes
+    waiting: bytes
+    token_budget: int
+    max_num_seqs: int
+    chunked_prefill: bool
+    def __init__(self, new_seqs: _Optional[_Iterable[_Union[NewSeq, _Mapping]]] = ..., appended: _Optional[bytes] = ..., commits: _Optional[bytes] = ..., finished: _Optional[bytes] = ..., running: _Optional[bytes] = ..., grows: _Optional[bytes] = ..., waiting: _Optional[bytes] = ..., token_budget: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ...) -> None: ...
+
+class TableDelta(_message.Message):
+    __slots__ = ("seq_id", "start", "blocks")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    start: int
+    blocks: bytes
+    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., blocks: _Optional[bytes] = ...) -> None: ...
+
+class PlanReply(_message.Message):
+    __slots__ = ("preempted", "admitted", "tables")
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    preempted: bytes
+    admitted: bytes
+    tables: _containers.RepeatedCompositeFieldContainer[TableDelta]
+    def __init__(self, preempted: _Optional[bytes] = ..., admitted: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ...) -> None: ...
+
+class CacheStats(_message.Message):
+    __slots__ = ("kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "prefix_queries_tokens", "prefix_hits_tokens", "evictions_by_policy", "eviction_policy", "recomputed_tokens", "cache_preemptions", "num_seqs", "epoch", "plan_calls")
+    class EvictionsByPolicyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIES_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HITS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_BY_POLICY_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PLAN_CALLS_FIELD_NUMBER: _ClassVar[int]
+    kv_cache_usage: float
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    evictions_by_policy: _containers.ScalarMap[str, int]
+    eviction_policy: str
+    recomputed_tokens: int
+    cache_preemptions: int
+    num_seqs: int
+    epoch: int
+    plan_calls: int
+    def __init__(self, kv_cache_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_queries_tokens: _Optional[int] = ..., prefix_hits_tokens: _Optional[int] = ..., evictions_by_policy: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ..., recomputed_tokens: _Optional[int] = ..., cache_preemptions: _Optional[int] = ..., num_seqs: _Optional[int] = ..., epoch: _Optional[int] = ..., plan_calls: _Optional[int] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ("clear_stats",)
+    CLEAR_STATS_FIELD_NUMBER: _ClassVar[int]
+    clear_stats: bool
+    def __init__(self, clear_stats: _Optional[bool] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "vocab_size", "eos_token_ids", "max_position_embeddings", "num_blocks", "block_size", "device", "dtype", "model")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_position_embeddings: int
+    num_blocks: int
+    block_size: int
+    device: str
+    dtype: str
+    model: str
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class TokenizerFiles(_message.Message):
+    __slots__ = ("files",)
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.ScalarMap[str, bytes]
+    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: int
+    include_stop_str_in_output: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
+
+class SeqParams(_message.Message):
+    __slots__ = ("seq_id", "params")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    params: SamplingParams
+    def __init__(self, seq_id: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("step_id", "seq_ids", "num_computed", "num_new", "num_prefills", "tokens", "sample_rows", "tables", "new_seqs", "finished", "preempted")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    seq_ids: bytes
+    num_computed: bytes
+    num_new: bytes
+    num_prefills: int
+    tokens: bytes
+    sample_rows: bytes
+    tables: _containers.RepeatedCompositeFieldContainer[TableDelta]
+    new_seqs: _containers.RepeatedCompositeFieldContainer[SeqParams]
+    finished: bytes
+    preempted: bytes
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., num_computed: _Optional[bytes] = ..., num_new: _Optional[bytes] = ..., num_prefills: _Optional[int] = ..., tokens: _Optional[bytes] = ..., sample_rows: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[SeqParams, _Mapping]]] = ..., finished: _Optional[bytes] = ..., preempted: _Optional[bytes] = ...) -> None: ...
+
+class Logprobs(_message.Message):
+    __slots__ = ("logprob", "top_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "token_ids", "has_logprobs", "logprobs", "logprob_rows", "forward_ns")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    token_ids: bytes
+    has_logprobs: bool
+    logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
+    logprob_rows: _containers.RepeatedScalarFieldContainer[bool]
+    forward_ns: int
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., logprob_rows: _Optional[_Iterable[bool]] = ..., forward_ns: _Optional[int] = ...) -> None: ...
+
+class ComputeStats(_message.Message):
+    __slots__ = ("compression_error", "compute_steps", "forward_s")
+    class CompressionErrorEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    COMPRESSION_ERROR_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    compression_error: _containers.ScalarMap[int, float]
+    compute_steps: int
+    forward_s: float
+    def __init__(self, compression_error: _Optional[_Mapping[int, float]] = ..., compute_steps: _Optional[int] = ..., forward_s: _Optional[float] = ...) -> None: ...
