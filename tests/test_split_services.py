@@ -15,9 +15,9 @@ from tests.conftest import hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
-# 40 blocks of 16 tokens cannot hold six ~40-token prompts + 24 tokens each twice over: with the
+# 12 blocks of 16 tokens cannot hold six ~40-token prompts + 24 tokens each: with the
 # prompts sent twice (prefix hits on the second round) the pool preempts and evicts
-TINY = dict(num_gpu_blocks=24, block_size=16, max_num_batched_tokens=64, max_num_seqs=8)
+TINY = dict(num_gpu_blocks=12, block_size=16, max_num_batched_tokens=64, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_split_equals_in_process_and_hf_under_a_tiny_pool(prompts, reference):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_split_quantized_kv_equals_in_process(prompts, bits):
-    kw = dict(TINY, enable_compression=True, quantization_bitwidth=bits, block_size=32, num_gpu_blocks=16)
+    kw = dict(TINY, enable_compression=True, quantization_bitwidth=bits, block_size=32, num_gpu_blocks=8)
     local_outs, ls, split_outs, ss = _both(kw, prompts)
     assert [o.token_ids for o in split_outs] == [o.token_ids for o in local_outs]
     assert ss["prefix_hits_tokens"] == ls["prefix_hits_tokens"] > 0

@@ -21,6 +21,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "s3fifo": ("s3fifo", "S3FIFOPolicy"),
     "sieve": ("sieve", "SievePolicy"),
     "depth_lru": ("depth_lru", "DepthLRUPolicy"),
+    "leaf_lru": ("leaf_lru", "LeafLRUPolicy"),
     "belady": ("belady", "BeladyPolicy"),
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)

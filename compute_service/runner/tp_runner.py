@@ -52,7 +52,9 @@ _RANK0_ONLY_METHODS = frozenset({"bytes_per_block_all_layers", "build_metadata"}
 
 class TPModelRunner:
     def __init__(self, cfg: EngineConfig, model: Any, model_config, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, attach_pool: Any = None):
+        """attach_pool: rank 0's KV pool from the cache service (ModelRunner); the other ranks'
+        shards allocate their own."""
         self.world = world = cfg.tensor_parallel_size
         self._workers: WorkerProcesses | None = None  # spawn mode; torchrun owns its processes
         self._ctrl: Any = None
@@ -78,7 +80,8 @@ class TPModelRunner:
             broadcast_object(cfg)
             init_tensor_parallel(0, world, make_data_group(device))
             _, kv_heads = model_config.heads_per_rank(world, 0)
-            self.local = ModelRunner(cfg, model, model_config, device, dtype, num_kv_heads_local=kv_heads)
+            self.local = ModelRunner(cfg, model, model_config, device, dtype, num_kv_heads_local=kv_heads,
+                                     attach_pool=attach_pool)
             # rank 0 sized the cache; every rank allocates that many blocks (each over its own kv
             # heads; rank 0 holds the most, so its count fits the others when heads split unevenly)
             broadcast_int(self.local.num_blocks)

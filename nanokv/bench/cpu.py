@@ -27,19 +27,36 @@ def make_workload(num_seqs: int, seed: int = 0, vocab: int = 49152) -> tuple[lis
     return prompts, outs
 
 
-def run_nanokv(engine_kw: dict[str, Any], prompts, outs) -> tuple[float, list[list[int]]]:
+def run_nanokv(engine_kw: dict[str, Any], prompts, outs, split: bool = False
+               ) -> tuple[float, list[list[int]], dict[str, Any]]:
+    """The workload through LLM(): services in this process, or (split) cache and compute started
+    as separate processes and reached over gRPC on unix sockets. Returns seconds, tokens, and the
+    gateway's RPC counters for the timed part."""
+    from nanokv.config import EngineConfig
     from nanokv.gateway.llm import LLM
+    from nanokv.launch import start_services
     from nanokv.sampling import SamplingParams
 
     kw = {"device": "cpu", "max_num_seqs": BATCH, "max_num_batched_tokens": 512, **engine_kw}
-    llm = LLM(**kw)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    llm.engine.cache_manager.reset_prefix_cache()
-    t = time.perf_counter()
-    res = llm.generate(prompts, params, use_tqdm=True)
-    dt = time.perf_counter() - t
-    return dt, [r.token_ids for r in res]
+    svc = start_services(EngineConfig.from_kwargs(**kw).to_dict()) if split else None
+    try:
+        addr = {"cache_address": svc.cache_address, "compute_address": svc.compute_address} if svc else {}
+        llm = LLM(**kw, **addr)
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
+        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+        llm.engine.reset_counters()  # (and the prefix cache)
+        t = time.perf_counter()
+        res = llm.generate(prompts, params, use_tqdm=True)
+        dt = time.perf_counter() - t
+        rpc = llm.engine.stats()["rpc"]
+        llm.engine.shutdown()
+    finally:
+        if svc is not None:
+            svc.stop()
+    steps = max(rpc["steps"], 1)
+    per_step = {"steps": rpc["steps"], "rpcs_per_step": (rpc["plan_calls"] + rpc["step_calls"]) / steps,
+                "plan_ms_per_step": 1e3 * rpc["plan_s"] / steps, "step_call_ms_per_step": 1e3 * rpc["step_s"] / steps}
+    return dt, [r.token_ids for r in res], per_step
 
 
 def run_hf(prompts, outs) -> tuple[float, list[list[int]]]:
@@ -79,13 +96,22 @@ def run_cpu_bench(engine_kw: dict[str, Any], compare: bool = True, quick: bool =
     n = num_seqs or (4 if quick else 64)
     prompts, outs = make_workload(n)
     total = sum(outs)
-    t_nano, toks_nano = run_nanokv(engine_kw, prompts, outs)
+    t_nano, toks_nano, rpc_local = run_nanokv(engine_kw, prompts, outs)
+    t_split, toks_split, rpc_split = run_nanokv(engine_kw, prompts, outs, split=True)
     result: dict[str, Any] = {
         "workload": "cpu", "num_seqs": n, "output_tokens": total,
         "prompt_tokens": sum(len(p) for p in prompts), "torch_threads": torch.get_num_threads(),
-        "nanokv": {"seconds": t_nano, "output_tokens_per_s": total / t_nano},
+        "nanokv": {"seconds": t_nano, "output_tokens_per_s": total / t_nano, **rpc_local},
+        "nanokv_split": {"seconds": t_split, "output_tokens_per_s": total / t_split, **rpc_split,
+                         "identical_outputs": sum(a == b for a, b in zip(toks_nano, toks_split))},
     }
-    print(f"nanokv: {total} output tokens in {t_nano:.2f} s = {total / t_nano:.1f} tok/s")
+    print(f"nanokv (services in one process): {total} output tokens in {t_nano:.2f} s = {total / t_nano:.1f} tok/s")
+    print(f"nanokv (three processes, gRPC):   {total} output tokens in {t_split:.2f} s = {total / t_split:.1f} tok/s"
+          f" ({t_nano / t_split:.1%} of one process; greedy outputs identical: "
+          f"{result['nanokv_split']['identical_outputs']}/{n})")
+    for name, r in (("one process", rpc_local), ("gRPC", rpc_split)):
+        print(f"  {name}: {r['steps']} steps, {r['rpcs_per_step']:.2f} service calls per step, plan "
+              f"{r['plan_ms_per_step']:.2f} ms + step call {r['step_call_ms_per_step']:.2f} ms per step")
     if compare:
         t_hf, toks_hf = run_hf(prompts, outs)
         same = sum(a == b for a, b in zip(toks_nano, toks_hf))

@@ -219,10 +219,10 @@ def _zipf_picker(rng: random.Random, n: int, s: float) -> Callable[[], int]:
 
 def conversation(block_size: int = 512, *, minutes: float = 60.0, request_rate: float = 3.34,
                  mean_turns: float = 3.5, chats_per_user: float = 2.0, user_gap_s: float = 300.0,
-                 apps: int = 32, system_median: int = 1000, personal_share: float = 0.5,
-                 personal_median: int = 1500, doc_share: float = 0.25, doc_median: int = 6000,
-                 user_median: int = 60, answer_median: int = 250, think_median_s: float = 120.0,
-                 think_sigma: float = 1.8, decode_tps: float = 30.0, warmup_s: float = 3600.0,
+                 apps: int = 16, system_median: int = 300, personal_share: float = 0.3,
+                 personal_median: int = 300, doc_share: float = 0.0, doc_median: int = 3000,
+                 user_median: int = 40, answer_median: int = 150, think_median_s: float = 120.0,
+                 think_sigma: float = 1.8, decode_tps: float = 30.0, warmup_s: float = 4 * 3600.0,
                  seed: int = 0) -> list[TraceRequest]:
     """Multi-turn chat. Users arrive; each opens a few conversations one after another; every turn
     re-sends the whole conversation - the app's system prompt, the user's own prefix (custom
@@ -264,8 +264,8 @@ def conversation(block_size: int = 512, *, minutes: float = 60.0, request_rate: 
             for k in range(_geometric(rng, mean_turns, 64)):
                 if ts >= horizon:
                     break
-                stream.extend(f"u{c}.{k}", _lognormal(rng, user_median, 1.3, 1, 16_000))
-                ans = _lognormal(rng, answer_median, 0.8, 1, 4096)
+                stream.extend(f"u{c}.{k}", _lognormal(rng, user_median, 1.05, 1, 16_000))
+                ans = _lognormal(rng, answer_median, 0.85, 1, 4096)
                 if ts >= 0:
                     events.append((ts, stream.ids(), stream.total, ans))
                 stream.extend(f"a{c}.{k}", ans)
@@ -275,6 +275,18 @@ def conversation(block_size: int = 512, *, minutes: float = 60.0, request_rate: 
         u += 1
     events.sort(key=lambda e: e[0])
     return [TraceRequest(ts * 1000.0, n, out, ids) for ts, ids, n, out in events]
+
+
+def long_conversation(block_size: int = 512, **kw: float) -> list[TraceRequest]:
+    """Long-context chat (documents, long system prompts): ``conversation`` with a quarter of the
+    conversations opening on a document (median 6k tokens, heavy tail), 32 apps with ~1k-token system
+    prompts, half the users carrying a ~1.5k-token personal prefix, and answers of median 250 tokens
+    (mean 344, the Mooncake conversation output mean). Requests average ~6k tokens, toward the Kimi
+    traces' long contexts."""
+    args: dict[str, float] = dict(apps=32, system_median=1000, personal_share=0.5, personal_median=1500,
+                                  doc_share=0.25, doc_median=6000, user_median=60, answer_median=250)
+    args.update(kw)
+    return conversation(block_size, **args)  # type: ignore[arg-type]
 
 
 def _lognormal_s(rng: random.Random, median: float, sigma: float) -> float:
@@ -353,6 +365,7 @@ def mixed_phases(block_size: int = 512, *, minutes: float = 15.0, seed: int = 0)
 
 SYNTHETIC: dict[str, Callable[..., list[TraceRequest]]] = {
     "conversation": conversation,
+    "long_conversation": long_conversation,
     "tool_agent": tool_agent,
     "shared_prompt": shared_prompt,
     "rag": rag,
