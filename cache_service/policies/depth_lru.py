@@ -1,4 +1,14 @@
-"""depth_lru: LRU that learns which positions of a prefix are worth keeping.
+"""depth_lru: LRU that learns which positions of a prefix are worth keeping. RETIRED: use leaf_lru.
+
+Retired (issue #38, docs/cache-policies.md "Why depth_lru lost"): it was tuned on the Mooncake
+synthetic trace and loses to LRU on multi-turn chat (0.66x on a held-out real trace at 5%; 0.95x
+on the ``conversation`` workload at 1%). Two flaws: it compares every class with the *best* class
+(the hot shared prompts), so a new conversation turn, which comes back only after the user's think
+time, is judged cold and evicted before stale reused blocks; and it measures reuse through a ghost
+list that starts at eviction, so a class once judged cold is evicted sooner, observed for less
+time and judged colder still. ``leaf_lru`` keeps its one sound idea (the last block of a released
+prompt is usually dead) and drops both. Kept, with a PolicyCaveatWarning, so that configurations
+naming it still load.
 
 Why: in LLM prefix workloads a block's value depends on where it sat in the sequence that released
 it. On the Mooncake trace the deepest block of a request is reused 5% of the time versus ~45-85% for

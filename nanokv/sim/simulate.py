@@ -16,17 +16,21 @@ import sys
 import time
 from collections.abc import Sequence
 
-from nanokv.cache_service.policies import POLICY_NAMES
+from nanokv.cache_service.policies import POLICY_NAMES, policy_caveat
 from nanokv.errors import NanoKVError
 from nanokv.sim.replay import ReplayResult, ideal, keys_of, replay
 from nanokv.sim.report import format_table, plot, write_json
 from nanokv.sim.traces import TraceRequest, load_trace
 
-DEFAULT_POLICIES = ("lru", "lru_k", "clock", "arc", "s3fifo", "sieve", "depth_lru", "belady")
+DEFAULT_POLICIES = ("lru", "lru_k", "clock", "arc", "s3fifo", "sieve", "depth_lru", "leaf_lru", "belady")
 DEFAULT_CAPACITIES = "1%,5%,10%,25%,50%"
 # Rough relative cost, to start the slow jobs first and keep both cores busy to the end.
-_COST = {"adaptive": 12, "belady": 4, "lru_k": 3, "depth_lru": 2, "s3fifo": 2, "arc": 2}
+_COST = {"adaptive": 12, "belady": 4, "lru_k": 3, "depth_lru": 2, "leaf_lru": 2, "s3fifo": 2, "arc": 2}
 ADAPTIVE = "adaptive"  # not a policy: the adaptive controller switching policies (nanokv/adaptive)
+# What "adaptive" replays: the controller starting on leaf_lru with these ghosts (docs/cache-policies.md,
+# "Adaptive"). The engine does the same with eviction_policy="adaptive" once its config defaults match.
+ADAPTIVE_INITIAL = "leaf_lru"
+ADAPTIVE_CANDIDATES = ("leaf_lru", "lru_k", "arc", "s3fifo")
 
 
 def parse_capacities(spec: str, unique_blocks: int) -> list[int]:
@@ -65,22 +69,27 @@ def parse_policies(spec: str) -> list[str]:
 _W: dict[str, object] = {}  # per-worker trace, set once by the pool initializer
 
 
-def _init(requests: list[TraceRequest], block_size: int, lru_k: int) -> None:
-    _W.update(requests=requests, keys=keys_of(requests), block_size=block_size, lru_k=lru_k)
+def _init(requests: list[TraceRequest], block_size: int, lru_k: int,
+          adaptive: tuple[str, tuple[str, ...]] = (ADAPTIVE_INITIAL, ADAPTIVE_CANDIDATES)) -> None:
+    _W.update(requests=requests, keys=keys_of(requests), block_size=block_size, lru_k=lru_k, adaptive=adaptive)
 
 
 def _job(job: tuple[str, int]) -> ReplayResult:
     policy, capacity = job
     if policy == ADAPTIVE:  # the engine's controller, replayed (torch-free)
         from nanokv.gateway.adaptive.replay import replay_adaptive
+        from nanokv.gateway.adaptive.settings import AdaptiveSettings
+        initial, candidates = _W["adaptive"]  # type: ignore[misc]
         return replay_adaptive(_W["requests"], capacity, _W["block_size"], lru_k=_W["lru_k"],  # type: ignore[arg-type]
-                               keys=_W["keys"])[0]  # type: ignore[arg-type]
+                               keys=_W["keys"], initial_policy=initial,  # type: ignore[arg-type]
+                               settings=AdaptiveSettings(policy_candidates=candidates))[0]
     return replay(_W["requests"], policy, capacity, _W["block_size"], lru_k=_W["lru_k"],  # type: ignore[arg-type]
                   keys=_W["keys"])  # type: ignore[arg-type]
 
 
 def run(requests: list[TraceRequest], policies: Sequence[str], capacities: Sequence[int], block_size: int,
-        lru_k: int = 2, workers: int | None = None, progress: bool = True) -> list[ReplayResult]:
+        lru_k: int = 2, workers: int | None = None, progress: bool = True,
+        adaptive: tuple[str, tuple[str, ...]] = (ADAPTIVE_INITIAL, ADAPTIVE_CANDIDATES)) -> list[ReplayResult]:
     jobs = sorted(((p, c) for p in policies for c in capacities), key=lambda j: -_COST.get(j[0], 1))
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
     bar = None
@@ -90,14 +99,14 @@ def run(requests: list[TraceRequest], policies: Sequence[str], capacities: Seque
         bar = tqdm(total=len(jobs), desc="simulate", unit="job", file=sys.stderr)
     results: list[ReplayResult] = []
     if workers == 1:
-        _init(requests, block_size, lru_k)
+        _init(requests, block_size, lru_k, adaptive)
         for j in jobs:
             results.append(_job(j))
             if bar:
                 bar.update()
     else:
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        with ctx.Pool(workers, initializer=_init, initargs=(requests, block_size, lru_k)) as pool:
+        with ctx.Pool(workers, initializer=_init, initargs=(requests, block_size, lru_k, adaptive)) as pool:
             for r in pool.imap_unordered(_job, jobs):
                 results.append(r)
                 if bar:
@@ -111,12 +120,16 @@ def run(requests: list[TraceRequest], policies: Sequence[str], capacities: Seque
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="nanokv simulate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", required=True, help="Mooncake JSONL file or synthetic:NAME "
-                    "(shared_prompt, multi_turn, rag, phase_change)")
+                    "(conversation, long_conversation, tool_agent, shared_prompt, rag, multi_turn, phase_change, "
+                    "mixed_phases)")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     ap.add_argument("--capacity", default=DEFAULT_CAPACITIES, help="comma list of N%% of unique blocks or N")
     ap.add_argument("--block-size-tokens", type=int, default=512)
     ap.add_argument("--lru-k", type=int, default=2, choices=(2, 3))
     ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: CPU count)")
+    ap.add_argument("--adaptive-initial", default=ADAPTIVE_INITIAL, help="policy the adaptive run starts on")
+    ap.add_argument("--adaptive-candidates", default=",".join(ADAPTIVE_CANDIDATES),
+                    help="policies the adaptive run keeps a ghost cache for")
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--no-progress", action="store_true")
@@ -131,8 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         policies = parse_policies(args.policies)
         capacities = parse_capacities(args.capacity, unique)
         best = ideal(requests, args.block_size_tokens)
+        candidates = tuple(parse_policies(args.adaptive_candidates))
+        initial = parse_policies(args.adaptive_initial)[0]
         results = run(requests, policies, capacities, args.block_size_tokens, args.lru_k, args.jobs,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, adaptive=(initial, candidates))
         elapsed = time.perf_counter() - t0
     except NanoKVError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -141,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"({args.block_size_tokens} tokens/block)")
     print(format_table(results, policies, capacities, unique, best))
     print(f"{len(results)} replays in {elapsed:.1f} s")
+    for p in policies:
+        caveat = policy_caveat(p)
+        if caveat:
+            print(f"caveat: {p} is {caveat}")
     meta = {"trace": args.trace, "requests": len(requests), "block_refs": total, "unique_blocks": unique,
             "block_size_tokens": args.block_size_tokens, "capacities": capacities, "policies": policies,
             "ideal_block_hit_ratio": best[0], "ideal_token_hit_ratio": best[1], "seconds": elapsed}
