@@ -165,7 +165,7 @@ def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = Fals
         "achieved_over_floor": floor["floor_seconds"] / dt,
         "gc_seconds": gc_time[1], "gc_full_collections": gc_time[2], "allocator": alloc,
     }
-    if eng._timing is not None:
+    if getattr(eng, "_timing", None) is not None:
         out["step_timing"] = dict(eng._timing)
         print(f"  step timing: {eng._timing}")
     print(f"[{workload}] {len(prompts)} seqs, {total} output tokens in {dt:.2f} s = {total / dt:,.0f} tok/s")
