@@ -6,13 +6,18 @@ and every policy sees exactly the calls the engine makes.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from nanokv.cache_service import KVCacheManager, make_policy
+from nanokv.cache_service.policies import CAVEATS, ONLINE_POLICY_NAMES, PolicyCaveatWarning
+from nanokv.cache_service.policies import _warned as warned_policies
 from nanokv.cache_service.policies.depth_lru import DepthLRUPolicy, _class_of
+from nanokv.cache_service.policies.leaf_lru import BEFORE_LAST, INTERIOR, LAST, LeafLRUPolicy
 from nanokv.errors import NanoKVError
-from nanokv.sim.replay import replay
-from nanokv.sim.traces import TraceRequest, rag
+from nanokv.sim.replay import keys_of, replay
+from nanokv.sim.traces import TraceRequest, conversation, rag
 
 
 def _trace(seq: str) -> list[TraceRequest]:
@@ -134,3 +139,84 @@ def test_registry_rejects_unknown_policy() -> None:
     with pytest.raises(NanoKVError) as e:
         make_policy("mru", 4)
     assert e.value.field == "eviction_policy"
+
+
+# ---- leaf_lru ------------------------------------------------------------------------------------
+def _release(pol: LeafLRUPolicy, blocks: list[tuple[int, str]]) -> None:
+    """One sequence freed tail first, as KVCacheManager.free does: (block, key) root first in ``blocks``."""
+    for tail, (b, key) in enumerate(reversed(blocks)):
+        pol.on_evictable(b, key, len(blocks) - 1 - tail, tail)
+
+
+def test_leaf_lru_learns_that_last_blocks_are_dead_and_evicts_them_first() -> None:
+    pol = LeafLRUPolicy(1000, horizon=64, min_trials=8)
+    b = 0
+    for turn in range(60):  # a chat: each turn re-sends the full blocks of the last one, never its last block
+        blocks = [(b + i, f"c{i}") for i in range(3)] + [(b + 3, f"tail{turn}")]
+        if turn:
+            for i in range(3):
+                pol.on_hit(b - 4 + i)  # (the real pool pins hit blocks; the policy only hears the hit)
+        _release(pol, blocks)
+        b += 4
+    assert pol.dead[LAST] and not pol.dead[INTERIOR]
+    p_last, p_int = pol.reuse_probability(LAST), pol.reuse_probability(INTERIOR)
+    assert p_last == 0.0 and p_int is not None and p_int > 0.9
+    _release(pol, [(9000, "fresh-root"), (9001, "fresh-tail")])
+    cold = set(pol._cold)
+    assert 9001 in cold and 9000 not in cold
+    victims = [pol.victim() for _ in range(len(cold))]  # the dead leaves go first, oldest first ...
+    assert set(victims) == cold and victims[-1] == 9001
+    assert 9000 in pol._lru  # ... and the fresh root outlives every one of them
+
+
+def test_leaf_lru_is_exactly_lru_when_last_blocks_come_back() -> None:
+    # every prompt is sent twice (a retry): last blocks are reused as often as the rest, nothing is dead
+    base = conversation(512, minutes=10, seed=3)
+    trace = [r for r in base for _ in range(2)]
+    keys = keys_of(trace)
+    for cap in (40, 200):
+        lru, ours = replay(trace, "lru", cap, keys=keys), replay(trace, "leaf_lru", cap, keys=keys)
+        assert (ours.block_hits, ours.evictions) == (lru.block_hits, lru.evictions), cap
+
+
+def test_leaf_lru_counts_a_reuse_whether_or_not_the_block_was_still_cached() -> None:
+    # The evidence is "requested again within `horizon` releases": a hit if the block is cached, the
+    # same hash computed again (a new block) if it was evicted. So evicting a class's blocks early
+    # cannot make the class look worse - the flaw that made depth_lru spiral.
+    for evicted in (False, True):
+        pol = LeafLRUPolicy(100, horizon=10, min_trials=1)
+        _release(pol, [(1, "root"), (2, "last")])
+        if evicted:
+            assert pol.victim() == 2  # not yet judged: plain LRU order (released tail first)
+            assert pol.victim() == 1
+            _release(pol, [(3, "root"), (4, "other")])  # "root" recomputed within the horizon
+        else:
+            pol.on_hit(1)
+        assert pol._trials[BEFORE_LAST] == 1 and pol._reuses[BEFORE_LAST] == 1, evicted
+        for i in range(12):  # "last" never comes back: it fails once the horizon has passed
+            pol.on_evictable(100 + i, f"x{i}", 0, -1)  # (unknown position: interior)
+        assert "last" not in pol._open and pol._reuses[LAST] == 0 and pol._trials[LAST] == 1 + evicted  # (+ "other")
+
+
+def test_leaf_lru_hit_rescues_a_cold_block_and_forget_drops_it() -> None:
+    pol = LeafLRUPolicy(100, horizon=4, min_trials=1)
+    pol.dead[LAST] = True  # (as if learned)
+    _release(pol, [(1, "a"), (2, "b")])
+    assert list(pol._cold) == [2]
+    pol.on_hit(2)
+    assert not pol._cold and list(pol._lru) == [1, 2]
+    pol.on_remove(1, forget=True)
+    assert pol.victim() == 2 and len(pol) == 0
+    assert pol.snapshot() == []
+
+
+def test_every_policy_but_lru_and_leaf_lru_carries_a_caveat() -> None:
+    assert set(ONLINE_POLICY_NAMES) - set(CAVEATS) == {"lru", "leaf_lru"}
+    warned_policies.discard("sieve")
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        make_policy("sieve", 8)
+        make_policy("sieve", 8)  # once per process
+        make_policy("leaf_lru", 8)
+    assert [type(w.message) for w in got] == [PolicyCaveatWarning]
+    assert "sieve" in str(got[0].message) and "leaf_lru" in str(got[0].message)

@@ -226,20 +226,20 @@ def conversation(block_size: int = 512, *, minutes: float = 60.0, request_rate: 
                  seed: int = 0) -> list[TraceRequest]:
     """Multi-turn chat. Users arrive; each opens a few conversations one after another; every turn
     re-sends the whole conversation - the app's system prompt, the user's own prefix (custom
-    instructions, memory, project files), an optional attached document, all earlier user messages
-    and answers - after the user's think time.
+    instructions, memory), an optional attached document, all earlier user messages and answers -
+    after the user's think time. The window opens in steady state (users active ``warmup_s`` before
+    it), as a slice of a real service would.
 
-    Defaults (sources in docs/cache-policies.md, "Workloads"): 3.34 requests/s for an hour (Mooncake
-    FAST'25 conversation trace: 12,031 requests in 1 h); turns per conversation geometric with mean 3.5
-    (ShareGPT: 330,239 turns / 94,145 conversations; 71% multi-turn, CachedAttention reports 73%);
-    user message log-normal, median 60 tokens (LMSYS-Chat-1M mean 69.5); answer log-normal, median
-    250 tokens, mean 344 (Mooncake conversation output mean 343); think time log-normal, median 120 s,
-    sigma 1.8 (81% of turns within 10 minutes: Alibaba to-C trace, "80% of reuses within 10
-    minutes"), plus the answer's decode time at ``decode_tps``. Assumed, not measured: 32 apps
-    (Zipf popularity) with ~1k-token system prompts; half the users carry a personal prefix (~1.5k
-    tokens) into each of their conversations (most hits are within one user, single-turn reuse is
-    as large as multi-turn reuse: Alibaba to-C); a quarter of the conversations start with a document
-    (~6k tokens); a user opens 2 conversations on average, ~5 minutes apart."""
+    Calibration (docs/cache-policies.md, "Workloads", has the sources and the generated statistics):
+    3.34 requests/s for an hour (Mooncake FAST'25 conversation trace: 12,031 requests in 1 h); turns
+    per conversation geometric, mean 3.5 (ShareGPT: 330,239 turns / 94,145 conversations; 71%
+    multi-turn, CachedAttention reports 73%); user message and answer log-normal with the LMSYS-Chat-1M
+    means (69.5 and 214.5 tokens); think time log-normal, median 120 s, sigma 1.8, so 81% of the
+    turns come within 10 minutes (Alibaba to-C trace: 80% of reuses within 10 minutes), plus the
+    answer's decode time at ``decode_tps``. Assumed: 16 apps (Zipf popularity) with ~300-token system
+    prompts; 30% of users carry a ~300-token personal prefix into each of their conversations (most
+    hits are within one user: Alibaba to-C); a user opens 2 conversations on average, ~5 minutes
+    apart; ``doc_share`` of the conversations open on a document (``long_conversation``)."""
     rng = random.Random(seed)
     chain = _ChainIds(block_size)
     app = _zipf_picker(rng, apps, 1.0)
