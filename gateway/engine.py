@@ -216,6 +216,7 @@ class Engine:
         self.scheduler.abort(seq)
         self._finished_ids.append(seq.seq_id)
         seq.finish_reason = "abort"
+        self.flush()  # its blocks go back now (one plan call), not with the next step
 
     @property
     def num_kv_blocks(self) -> int:
