@@ -130,6 +130,25 @@ def replay(
                         time.perf_counter() - t0)
 
 
+def replay_prompts(prompts: Sequence[Sequence[int]], policy: str, num_blocks: int, block_size: int,
+                   **policy_kwargs: object) -> tuple[float, KVCacheManager]:
+    """Token-level replay: the calls the engine's cache service makes for requests that run one at a
+    time and generate one token each (``max_num_seqs=1``, ``max_tokens=1``): match_prefix(prompt) ->
+    allocate(len(prompt)) -> cache_blocks(prompt) -> free. Unlike ``replay`` (the trace model, where a
+    partial last block counts as a cacheable block), only full blocks are cached and at least one
+    token is always left to compute, as in the engine. Returns the token hit ratio the engine reports
+    (``prefix_hits_tokens / prefix_queries_tokens``) and the manager."""
+    cm = KVCacheManager(num_blocks, block_size, eviction_policy=policy, policy_kwargs=dict(policy_kwargs))
+    for i, prompt in enumerate(prompts):
+        m = cm.match_prefix(prompt)
+        if cm.allocate(i, len(prompt), m) is None:
+            raise RuntimeError(f"prompt {i}: {len(prompt)} tokens do not fit in {num_blocks} blocks")
+        cm.cache_blocks(i, prompt, len(prompt))
+        cm.free(i)
+    st = cm.stats
+    return (st.prefix_hits_tokens / st.prefix_queries_tokens if st.prefix_queries_tokens else 0.0), cm
+
+
 def ideal(requests: Sequence[TraceRequest], block_size: int = 512) -> tuple[float, float]:
     """Infinite cache: (block hit ratio, token hit ratio) of leading runs of previously seen ids."""
     seen: set[int] = set()

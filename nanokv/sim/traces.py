@@ -363,6 +363,41 @@ def mixed_phases(block_size: int = 512, *, minutes: float = 15.0, seed: int = 0)
     ])
 
 
+def chat_prompts(conversations: int = 12, *, vocab: int = 30_000, apps: int = 2, system_len: int = 24,
+                 user_len: int = 6, answer_len: int = 10, suffix_len: int = 8, mean_turns: float = 3.0,
+                 active: int = 4, seed: int = 0) -> list[list[int]]:
+    """Token-level multi-turn chat for the engine (tests, docs: "Simulator vs engine"): prompts as token
+    ids, in arrival order. ``active`` conversations interleave; each turn re-sends the conversation so
+    far (shared system prompt, earlier user messages and answers) plus this turn's message and a
+    request-specific suffix of ``suffix_len`` tokens that the next turn does not carry (the way a
+    per-request tail - a date line, retrieved memory, a generation prompt - makes a prompt's last full
+    block dead). Answers are fixed tokens, not the model's: the stream is the same whatever it says."""
+    rng = random.Random(seed)
+    counter = itertools.count(1000)
+
+    def fresh(n: int) -> list[int]:
+        return [next(counter) % (vocab - 1000) + 1000 for _ in range(max(1, n))]
+
+    systems = [fresh(system_len) for _ in range(apps)]
+    live: list[tuple[list[int], int]] = []  # (history, turns left)
+    started = 0
+    out: list[list[int]] = []
+    while started < conversations or live:
+        if started < conversations and (len(live) < active or rng.random() < 0.2):
+            live.append((list(systems[rng.randrange(apps)]), _geometric(rng, mean_turns, 16)))
+            started += 1
+        k = rng.randrange(len(live))
+        history, left = live[k]
+        history = history + fresh(rng.randint(user_len // 2, user_len * 2))
+        out.append(history + fresh(suffix_len) if suffix_len else list(history))
+        history = history + fresh(rng.randint(answer_len // 2, answer_len * 2))
+        if left > 1:
+            live[k] = (history, left - 1)
+        else:
+            live.pop(k)
+    return out
+
+
 SYNTHETIC: dict[str, Callable[..., list[TraceRequest]]] = {
     "conversation": conversation,
     "long_conversation": long_conversation,
