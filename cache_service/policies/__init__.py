@@ -33,7 +33,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 # with docs/cache-policies.md; tests/test_cache_policies_suite.py checks the claims that matter.
 CAVEATS: dict[str, str] = {
     "clock": "below LRU on shared prompts at 1% (0.95x), on the Mooncake trace at 10% (0.96x) and on "
-             "long-context chat at 5-10% (0.99x)",
+             "long-context chat at 10% (0.99x)",
     "lru_k": "below LRU on multi-turn chat (0.90x at 5%) and long-context chat (0.84x at 10%): one reference "
              "is not enough to protect a conversation's newest turn",
     "arc": "below LRU on multi-turn chat in the legacy multi_turn workload (0.97x at 10%), long-context chat "
@@ -41,7 +41,7 @@ CAVEATS: dict[str, str] = {
     "s3fifo": "below LRU on multi-turn chat (0.93x at 5%) and long-context chat (0.87x at 5-10%): the small "
               "FIFO evicts a new turn before the user comes back",
     "sieve": "far below LRU on multi-turn chat (0.66x at 5%) and long-context chat (0.62x at 10%): its hand "
-             "evicts a conversation's older blocks and orphans the newer ones",
+             "evicts a new turn's blocks, never hit yet, before the user comes back",
     "depth_lru": "retired: below LRU on multi-turn chat at 1% (0.95x here, 0.66x on a held-out real trace); "
                  "use leaf_lru",
 }

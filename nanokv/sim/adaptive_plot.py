@@ -4,7 +4,9 @@
 
 For each capacity: prints the block hit ratio of every static online policy and of the adaptive
 run and its decisions, and draws one column of three panels - the hit ratio per window, the
-cumulative hit ratio relative to clock (the default), and the policy the adaptive run had active.
+cumulative hit ratio relative to LRU, and the policy the adaptive run had active. The adaptive run
+is the one ``nanokv simulate --policies adaptive`` replays (starts on leaf_lru, ghosts
+``simulate.ADAPTIVE_CANDIDATES``).
 Torch-free; matplotlib only here.
 """
 
@@ -20,6 +22,7 @@ from nanokv.cache_service.policies import ONLINE_POLICY_NAMES
 from nanokv.gateway.adaptive.replay import Timeline, replay_adaptive
 from nanokv.gateway.adaptive.settings import AdaptiveSettings
 from nanokv.sim.replay import keys_of
+from nanokv.sim.simulate import ADAPTIVE_CANDIDATES, ADAPTIVE_INITIAL
 from nanokv.sim.traces import TraceRequest, load_trace
 
 
@@ -29,7 +32,7 @@ def _cumulative(tl: Timeline) -> list[float]:
 
 def _column(axes: Any, statics: dict[str, Timeline], adaptive: Timeline, title: str, phases: Sequence[int]) -> None:
     a1, a2, a3 = axes
-    base = _cumulative(statics["clock"])
+    base = _cumulative(statics["lru"])
     for name, tl in statics.items():
         a1.plot(tl.ends, tl.hit_ratio, label=name, linewidth=1.0, alpha=0.8)
         a2.plot(tl.ends, [100 * (c - b) for c, b in zip(_cumulative(tl), base)], label=name, linewidth=1.0)
@@ -60,7 +63,7 @@ def draw(path: str, columns: list[tuple[dict[str, Timeline], Timeline, str]], ph
     for c, (statics, adaptive, title) in enumerate(columns):
         _column(axes[:, c], statics, adaptive, title, phases)
     axes[0, 0].set_ylabel("block hit ratio (per window)")
-    axes[1, 0].set_ylabel("cumulative hit ratio\nminus clock's (points)")
+    axes[1, 0].set_ylabel("cumulative hit ratio\nminus LRU's (points)")
     axes[2, 0].set_ylabel("adaptive: active policy")
     axes[0, 0].legend(fontsize=8, ncol=3, loc="center")  # the middle of the top panel is empty
     fig.tight_layout()
@@ -76,14 +79,14 @@ def run_capacity(reqs: list[TraceRequest], capacity: int, block_size: int, s: Ad
     for p in ONLINE_POLICY_NAMES:
         res, tl = replay_adaptive(reqs, capacity, block_size, settings=s, keys=keys, initial_policy=p, adapt=False)
         ratios[p] = res.block_hit_ratio
-        if p in drawn or p == "clock":
+        if p in drawn or p == "lru":
             statics[p] = tl
-    res, tl = replay_adaptive(reqs, capacity, block_size, settings=s, keys=keys)
+    res, tl = replay_adaptive(reqs, capacity, block_size, settings=s, keys=keys, initial_policy=ADAPTIVE_INITIAL)
     best = max(ratios, key=ratios.__getitem__)
     print(f"capacity {capacity} blocks: " + ", ".join(f"{p} {r:.4f}" for p, r in
                                                          sorted(ratios.items(), key=lambda kv: -kv[1])))
     print(f"  adaptive {res.block_hit_ratio:.4f} ({100 * (res.block_hit_ratio - ratios[best]):+.2f} points vs "
-          f"best static {best}, {100 * (res.block_hit_ratio - ratios['clock']):+.2f} vs clock)")
+          f"best static {best}, {100 * (res.block_hit_ratio - ratios['lru']):+.2f} vs lru)")
     for d in tl.decisions:
         print(f"  request {d.step}: {d.action} - {d.reason}")
     return statics, tl
@@ -95,11 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--capacity", default="257,858", help="comma list of pool sizes in blocks")
     ap.add_argument("--block-size-tokens", type=int, default=512)
     ap.add_argument("--window", type=int, default=AdaptiveSettings.window_steps, help="requests per window")
-    ap.add_argument("--static", default="lru_k,arc,s3fifo,depth_lru", help="static policies to draw (+ clock)")
+    ap.add_argument("--static", default="leaf_lru,lru_k,arc,s3fifo", help="static policies to draw (+ lru)")
     ap.add_argument("--out", default=None, help="PNG to write")
     args = ap.parse_args(list(argv) if argv is not None else None)
     reqs = load_trace(args.trace, args.block_size_tokens)
-    s = AdaptiveSettings(window_steps=args.window)
+    s = AdaptiveSettings(window_steps=args.window, policy_candidates=ADAPTIVE_CANDIDATES)
     drawn = [p.strip() for p in args.static.split(",") if p.strip()]
     columns = []
     for cap in (int(c) for c in args.capacity.split(",")):

@@ -211,6 +211,8 @@ def figures(out_dir: str | Path, capacity_pct: float = 0.05) -> dict[str, Any]:
     ax.axhline(1.0, color="red", linestyle=":")
     ax.axhline(1.15, color="grey", linestyle="--", linewidth=1, label="1.15x")
     ax.set_xscale("log")
+    ax.set_xticks([2, 3, 5, 10, 20])
+    ax.set_xticklabels(["2", "3", "5", "10", "20"])
     ax.set_xlabel("mean request length (512-token blocks)")
     ax.set_ylabel(f"block hit ratio / LRU's at {capacity_pct:.0%}")
     ax.set_title("conversation: the shorter the chats, the more dead last blocks", fontsize=10)

@@ -67,7 +67,7 @@ def plot(
         if len(ys) != len(xs):
             continue
         style: dict[str, Any] = {"linestyle": "--", "color": "black"} if p == "belady" else {"marker": "o"}
-        ax.plot(xs, ys, label=p, linewidth=2 if p == "depth_lru" else 1.3, **style)
+        ax.plot(xs, ys, label=p, linewidth=2.4 if p == "leaf_lru" else 1.3, **style)
     ax.axhline(ideal[0], linestyle=":", color="grey", label="ideal (infinite)")
     ax.set_xscale("log")
     ax.set_xticks(xs)
