@@ -14,7 +14,7 @@ from typing import Any
 
 from nanokv.errors import ConfigError
 
-EVICTION_POLICIES = ("lru", "lru_k", "clock", "arc", "s3fifo", "sieve", "depth_lru", "adaptive")
+EVICTION_POLICIES = ("lru", "lru_k", "clock", "arc", "s3fifo", "sieve", "depth_lru", "leaf_lru", "adaptive")
 SPARSITY_POLICIES = ("streaming", "interval", "attention", "hybrid")
 HASH_ALGOS = ("sha256", "blake2b")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
