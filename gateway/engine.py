@@ -221,7 +221,8 @@ class Engine:
     @property
     def num_kv_blocks(self) -> int:
         """Blocks in the pool (in-process the adaptive pool rule may resize it)."""
-        return self.local_cache.manager.num_blocks if self.local_cache is not None else self.num_blocks
+        cm = self.local_cache.manager if self.local_cache is not None else None
+        return cm.num_blocks if cm is not None else self.num_blocks
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or (self._async is not None and self._async.pending is not None)
@@ -254,6 +255,8 @@ class Engine:
         res = self.run_step(req)
         self.scheduler.update(out)
         if self.sparsity is not None:  # block sparsity: drop / demote per policy (nanokv.compute_service.sparsity)
+            # publish this step's blocks before any of them is dropped (a dropped block stays cached)
+            self.scheduler.flush()
             self.sparsity.after_step(sched)
         self._count_step(out)
         outputs: list[RequestOutput] = []
@@ -396,7 +399,10 @@ class Engine:
     def shutdown(self) -> None:
         """Release what outlives a step: in-process services (tensor-parallel workers, the KV
         segment) or the gRPC channels. Idempotent."""
-        for svc in (getattr(self, "compute", None), getattr(self, "cache", None)):
+        # an in-process cache service holds only memory; it goes with the engine (a later step then
+        # fails on the compute service's own "shut down" error, not on a missing pool)
+        cache = None if getattr(self, "local_cache", None) is not None else getattr(self, "cache", None)
+        for svc in (getattr(self, "compute", None), cache):
             stop = getattr(svc, "shutdown", None) or getattr(svc, "close", None)
             if stop is not None:
                 stop()
