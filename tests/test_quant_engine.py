@@ -61,11 +61,14 @@ def test_value_rotation_folded_into_the_weights_gives_the_same_run(monkeypatch):
     """int4 layers store values rotated (v R). The engine folds R into v_proj and o_proj instead of
     two GEMMs per layer and step: same greedy tokens, the same cache up to rounding (fp32 on the CPU;
     16-bit weights round the folded product once more), and the int8 layer (no value rotation) left
-    alone; NANOKV_NO_VFOLD=1 keeps the GEMMs."""
+    alone; without the fold (the eval harness's way) the GEMMs stay."""
+    from nanokv.compute_service.runner.model_runner import ModelRunner
+
+    fold = ModelRunner.fold_value_rotations
     plan = {"default": 4, "layers": {"-1": 8}}
     runs = {}
     for flag in ("1", ""):
-        monkeypatch.setenv("NANOKV_NO_VFOLD", flag)
+        monkeypatch.setattr(ModelRunner, "fold_value_rotations", (lambda self: None) if flag else fold)
         llm = _llm(enable_compression=True, quantization_bitwidth=plan, device="cpu", dtype="float32")
         caches = llm.engine.runner.kv_caches
         attn = [layer.self_attn for layer in llm.engine.model.model.layers]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -71,8 +70,7 @@ class ModelRunner:
                                               else cfg.enable_compression)
         self.backend = make_backend(cfg.attention_backend, device, batch_invariant=self.batch_invariant)
         # fused elementwise chains (Triton kernels, or torch.compile) ride with the CUDA graphs: off in eager mode
-        set_fusion(device.type == "cuda" and not cfg.enforce_eager and not os.environ.get("NANOKV_NO_FUSION"),
-                   kernels=not os.environ.get("NANOKV_COMPILED_NORMS"))
+        set_fusion(device.type == "cuda" and not cfg.enforce_eager)
         self.num_blocks = self._decide_num_blocks()
         # int4 layers quantize a block once it fills; open blocks wait in full-precision staging,
         # one table for all layers (nanokv.cache_service.kv.staging)
@@ -100,11 +98,11 @@ class ModelRunner:
     def fold_value_rotations(self) -> None:
         """For each layer whose format stores values rotated (int4), fold the rotation into the model's
         v and o projections (LlamaForCausalLM.fold_value_rotation), once per model. Only the engine
-        that owns the model calls this (the eval harness runs several formats over one model, and
-        NANOKV_NO_VFOLD=1 keeps the GEMMs): a folded layer's values are in the rotated basis for any
+        that owns the model calls this (the eval harness runs several formats over one model and keeps
+        the GEMMs): a folded layer's values are in the rotated basis for any
         format, which attention reads exactly."""
         fold = getattr(self.model, "fold_value_rotation", None)
-        if fold is None or os.environ.get("NANOKV_NO_VFOLD"):
+        if fold is None:
             return
         for i, cache in enumerate(self.kv_caches):
             if cache.rotate_v:
@@ -116,7 +114,7 @@ class ModelRunner:
         if self.device.type != "cuda" or self.cfg.enforce_eager:
             return
         self._graph_model_len = max_model_len
-        if self.stage is not None and (self.backend.name != "triton" or os.environ.get("NANOKV_INT4_EAGER_DECODE")):
+        if self.stage is not None and self.backend.name != "triton":
             # int4 quantizes the blocks a step fills after its attention; inside a graph that is the
             # Triton kernel of nanokv.kernels.triton_blockquant (blocks found on the device). The torch
             # attention path syncs on staged blocks: without Triton (or when asked), int4 decodes run eagerly

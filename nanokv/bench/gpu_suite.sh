@@ -6,7 +6,7 @@
 # rotab: int8 with TritonConfig.qk_rotation_in_rope on, then off, PAIRS times; breakdown: run_breakdown
 # of int8 and bf16 with host ops (the longest idle gaps and what overlaps them); variants: the int8
 # long-context run once per VARIANTS entry ("name=ENV=VALUE", space-separated), e.g.
-# VARIANTS="compiled_norms=NANOKV_COMPILED_NORMS=1 rot_off=NANOKV_TRITON=qk_rotation_in_rope=0";
+# VARIANTS="rot_off=NANOKV_TRITON=qk_rotation_in_rope=0";
 # hostprof: host time of the int8 run's prefill phase (nanokv.bench.host_profile)
 # Results: $OUT/*.json and $OUT/suite.log; a summary table is printed last.
 set -uo pipefail
@@ -29,8 +29,7 @@ run() {  # name, command...
 for ph in $phases; do
   case $ph in
     profile)
-      run profile python3 -m nanokv.bench.gpu_profile
-      run profile_nofusion env NANOKV_NO_FUSION=1 python3 -m nanokv.bench.gpu_profile ;;
+      run profile python3 -m nanokv.bench.gpu_profile ;;
     parity) run parity python3 -m nanokv.bench.gpu_parity --out "$OUT/parity.json" ;;
     pool) run pool python3 -m nanokv.bench.gpu_pool --out "$OUT/pool.json" ;;
     kernels) run kernels python3 -m nanokv.bench.gpu_kernels --out "$OUT" --budget ${KERNEL_BUDGET:-120} \

@@ -3,9 +3,9 @@
 A decode step of a small model at batch 256 is hundreds of tiny kernels (each RMSNorm alone is a
 cast, a square, a mean, an rsqrt and three products); a CUDA graph removes their launch cost but
 not their memory round trips. On CUDA, with fusion enabled, each chain below is one hand-written
-Triton kernel (nanokv.kernels.triton_rope, nanokv.kernels.triton_norm); `NANOKV_COMPILED_NORMS=1`
+Triton kernel (nanokv.kernels.triton_rope, nanokv.kernels.triton_norm); set_fusion(kernels=False)
 makes the norms and SiLU-and-mul Inductor-generated kernels instead (torch.compile: the same device
-time, more host time per call). The plain functions stay the reference path: CPU, `enforce_eager`,
+time, more host time per call; docs/kernels.md). The plain functions stay the reference path: CPU, `enforce_eager`,
 tests.
 """
 
