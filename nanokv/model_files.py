@@ -72,6 +72,7 @@ def load_tokenizer(path: str | None, without_torch: bool = False, kind: str | No
     hide = without_torch and "torch" not in sys.modules and "transformers" not in sys.modules
     if hide:
         sys.modules["torch"] = None  # type: ignore[assignment]
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # ("PyTorch was not found": by design)
     try:
         from transformers import AutoTokenizer
     finally:
