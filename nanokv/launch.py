@@ -51,6 +51,18 @@ class Services:
         self.stop()
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when the process that started it dies, however it
+    dies (uvicorn re-raises the SIGTERM it handled, so `nanokv up` ends without running its cleanup)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def service_command(kind: str, config: dict[str, Any], listen: str, cache: str | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "nanokv.cli", kind, "--listen", listen, "--config-json", json.dumps(config)]
     return cmd + (["--cache", cache] if cache else [])
@@ -68,7 +80,8 @@ def start_services(config: dict[str, Any], run_dir: str | None = None, log_dir: 
         for kind, cmd in (("cache", service_command("cache", config, svc.cache_address)),
                           ("compute", service_command("compute", config, svc.compute_address, svc.cache_address))):
             out = open(os.path.join(logs, f"{kind}.log"), "ab")  # noqa: SIM115 - the child keeps it
-            svc.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            svc.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                              preexec_fn=_die_with_parent if sys.platform == "linux" else None))
             out.close()
         deadline = time.monotonic() + timeout_s
         for p, address, kind in zip(svc.procs, (svc.cache_address, svc.compute_address), ("cache", "compute")):
