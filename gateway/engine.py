@@ -58,8 +58,8 @@ class Engine:
         if cfg.remote:
             from nanokv.gateway.clients import CacheClient, ComputeClient
 
-            self.cache: Any = CacheClient(cfg.cache_address, cfg.rpc_timeout_s)
-            self.compute: Any = ComputeClient(cfg.compute_address, cfg.rpc_timeout_s)
+            self.cache: Any = CacheClient(cfg.cache_address or "", cfg.rpc_timeout_s)
+            self.compute: Any = ComputeClient(cfg.compute_address or "", cfg.rpc_timeout_s)
         else:
             from nanokv.cache_service.service import CacheService
             from nanokv.compute_service.service import ComputeService

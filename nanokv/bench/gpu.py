@@ -165,9 +165,7 @@ def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = Fals
         "achieved_over_floor": floor["floor_seconds"] / dt,
         "gc_seconds": gc_time[1], "gc_full_collections": gc_time[2], "allocator": alloc,
     }
-    if getattr(eng, "_timing", None) is not None:
-        out["step_timing"] = dict(eng._timing)
-        print(f"  step timing: {eng._timing}")
+    out["rpc"] = eng.stats()["rpc"]  # service calls and their time (in-process: plan + step)
     print(f"[{workload}] {len(prompts)} seqs, {total} output tokens in {dt:.2f} s = {total / dt:,.0f} tok/s")
     print(f"  copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s; Python GC "
           f"{gc_time[1]:.3f} s in the timed run ({gc_time[2]} full collections); allocator {alloc}")

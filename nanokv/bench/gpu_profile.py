@@ -138,20 +138,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"(no prefill step {args.profile_step} to profile: {n_pre} prefill steps)")
     for _ in range(3):
         eng.step()
-    eng._timing = dict.fromkeys(("steps", "schedule_s", "forward_s", "sample_postprocess_s"), 0.0)
+    eng.rpc = dict.fromkeys(eng.rpc, 0) | {"plan_s": 0.0, "step_s": 0.0}
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         eng.step()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / args.steps * 1e3
-    tm = eng._timing
-    eng._timing = None
+    tm = eng.rpc
     n = tm["steps"]
-    if n:
-        print(f"decode step at batch {eng.num_running()}: {wall:.2f} ms wall; schedule "
-              f"{tm['schedule_s'] / n * 1e3:.2f} ms, forward {tm['forward_s'] / n * 1e3:.2f} ms, sample+post "
-              f"{tm['sample_postprocess_s'] / n * 1e3:.2f} ms")
+    if n and eng._async is None:
+        print(f"decode step at batch {eng.num_running()}: {wall:.2f} ms wall; plan {tm['plan_s'] / n * 1e3:.2f} ms, "
+              f"forward + sample {tm['step_s'] / n * 1e3:.2f} ms, rest (host post-processing) "
+              f"{wall - (tm['plan_s'] + tm['step_s']) / n * 1e3:.2f} ms")
     else:  # async scheduling: host and device overlap, there is no per-part split to report
         print(f"decode step at batch {eng.num_running()}: {wall:.2f} ms wall (async scheduling)")
 

@@ -79,6 +79,8 @@ def _job(job: tuple[str, int]) -> ReplayResult:
     if policy == ADAPTIVE:  # the engine's controller, replayed (torch-free)
         from nanokv.gateway.adaptive.replay import replay_adaptive
         from nanokv.gateway.adaptive.settings import AdaptiveSettings
+        initial: str
+        candidates: tuple[str, ...]
         initial, candidates = _W["adaptive"]  # type: ignore[misc]
         return replay_adaptive(_W["requests"], capacity, _W["block_size"], lru_k=_W["lru_k"],  # type: ignore[arg-type]
                                keys=_W["keys"], initial_policy=initial,  # type: ignore[arg-type]
