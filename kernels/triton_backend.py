@@ -19,7 +19,7 @@ from nanokv.cache_service.kv.cache import LayerKVCache
 from nanokv.compute_service.attention.metadata import AttentionMetadata
 from nanokv.kernels import triton_decode, triton_prefill, triton_store
 from nanokv.kernels.fresh_prefill import int8_as_stored, runs, sdpa_fresh_prefill
-from nanokv.kernels.triton_config import TritonConfig, config_from_env
+from nanokv.kernels.triton_config import TritonConfig, default_config
 from nanokv.kernels.triton_decode_swap import runs_transposed
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, config: TritonConfig | None = None) -> None:
-        self.config = config or config_from_env(TritonConfig())
+        self.config = config or default_config()
         # float32 caches are for exactness checks: full-precision dots, not Triton's tf32 default
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from nanokv.cache_service.kv.cache import LayerKVCache
-from nanokv.kernels.triton_config import TritonConfig, config_from_env
+from nanokv.kernels.triton_config import TritonConfig, apply_overrides, overrides
 from nanokv.kernels.triton_kvtile import next_pow2
 from nanokv.kernels.triton_store import _rne_clip, _safe_scale
 
@@ -111,11 +111,15 @@ def _fill_quant_kernel(
             tl.store(vz_ptr + vmeta, z_v)
 
 
-@functools.cache
 def _recip_default() -> bool:
-    """TritonConfig.fill_recip, from NANOKV_TRITON: the fill is launched by nanokv.compute_service.kv_hooks, which
-    has no handle on the backend's config."""
-    return config_from_env(TritonConfig()).fill_recip
+    """TritonConfig.fill_recip with this process's kernel options: the fill is launched by
+    compute_service.kv_hooks, which has no handle on the backend's config."""
+    return _recip_for(overrides())
+
+
+@functools.cache
+def _recip_for(spec: str) -> bool:
+    return apply_overrides(TritonConfig(), spec).fill_recip
 
 
 def prefill_fill_warps() -> int:

@@ -1,11 +1,10 @@
 """TritonConfig: the Triton backend's tile shapes and launch options, each default with the
-measurement behind it, and the NANOKV_TRITON overrides whole benchmarks A/B them with.
+measurement behind it, and the overrides (EngineConfig.kernel_options) whole benchmarks A/B them with.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -178,16 +177,30 @@ def apply_overrides(cfg: TritonConfig, spec: str) -> TritonConfig:
         cur = getattr(cfg, name, None) if name in TritonConfig.__dataclass_fields__ else None
         if not isinstance(cur, (bool, int)):
             ok = [f for f, v in vars(TritonConfig()).items() if isinstance(v, (bool, int))]
-            raise ValueError(f"NANOKV_TRITON: unknown field {name!r}; allowed: {', '.join(ok)}")
+            raise ValueError(f"unknown kernel option {name!r}; allowed: {', '.join(ok)}")
         setattr(cfg, name, val.lower() in ("1", "true", "yes") if isinstance(cur, bool) else int(val))
     return cfg
 
 
-def config_from_env(cfg: TritonConfig) -> TritonConfig:
-    """Kernel A/B runs of whole benchmarks: NANOKV_TRITON="quant_fold_v=0,quant_block_n=64" overrides
-    the defaults (apply_overrides)."""
-    spec = os.environ.get("NANOKV_TRITON", "").strip()
-    apply_overrides(cfg, spec)
+_OVERRIDES = ""  # this process's EngineConfig.kernel_options (set_overrides)
+
+
+def set_overrides(spec: str) -> None:
+    """Make `spec` ("quant_fold_v=0,quant_block_n=64") the overrides every later default_config()
+    applies: EngineConfig.kernel_options, set by the runner before it builds a backend. ValueError
+    names an unknown field."""
+    global _OVERRIDES
+    spec = (spec or "").strip()
+    apply_overrides(TritonConfig(), spec)
     if spec:
-        log.info("Triton config from NANOKV_TRITON: %s", cfg)
-    return cfg
+        log.info("Triton kernel options: %s", spec)
+    _OVERRIDES = spec
+
+
+def overrides() -> str:
+    return _OVERRIDES
+
+
+def default_config() -> TritonConfig:
+    """The defaults with this process's kernel options applied."""
+    return apply_overrides(TritonConfig(), _OVERRIDES)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanokv.kernels.triton_config import TritonConfig, config_from_env
+from nanokv.kernels.triton_config import TritonConfig, apply_overrides, overrides
 
 
 @triton.jit
@@ -92,9 +92,13 @@ def _qk_norm_rope_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, o_ptr,
 MANY_TOKENS = 1024  # steps at least this long (with a rotation) take tokens_per_program() per program
 
 
-@functools.cache
 def tokens_per_program() -> int:
-    return max(1, config_from_env(TritonConfig()).rope_tokens)
+    return _tokens_for(overrides())
+
+
+@functools.cache
+def _tokens_for(spec: str) -> int:
+    return max(1, apply_overrides(TritonConfig(), spec).rope_tokens)
 
 
 def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,

@@ -61,6 +61,9 @@ class EngineConfig:
     # execution
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    # Triton kernel overrides for whole-benchmark A/B runs: "name=value,..." of TritonConfig's
+    # int/bool fields (kernels/triton_config.py, docs/kernels.md); "" = the measured defaults
+    kernel_options: str = ""
     # CPU torch backend: every token computed by the same float operations whatever shares its step
     # (chunking, prefix hits, batch size, preemption): kernels/cpu_invariant.py.
     # None = on for a compressed cache on the CPU, where rounding otherwise changes greedy tokens
@@ -164,6 +167,9 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
         self._validate_services()
+        if not isinstance(self.kernel_options, str):
+            raise ConfigError("kernel_options", f"got {self.kernel_options!r}; a string 'name=value,...' of "
+                                                "TritonConfig fields, or '' (the defaults)")
         self.quantization_bitwidth = parse_bitwidth(self.quantization_bitwidth)
         if self.block_size == 0:
             spec = self.quantization_bitwidth

@@ -143,9 +143,9 @@ def test_engine_with_the_rotation_in_the_rope_kernel_stores_the_same_cache(monke
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     toks, caches = {}, {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("NANOKV_TRITON", f"qk_rotation_in_rope={flag}")
-        llm = LLM("random:tiny-llama", num_gpu_blocks=16, block_size=16, max_num_batched_tokens=128, device=DEV,
-                  dtype="float32", attention_backend="triton", enable_compression=True, quantization_bitwidth=bits)
+        llm = LLM("random:tiny-llama", kernel_options=f"qk_rotation_in_rope={flag}", num_gpu_blocks=16, block_size=16,
+                  max_num_batched_tokens=128, device=DEV, dtype="float32", attention_backend="triton",
+                  enable_compression=True, quantization_bitwidth=bits)
         assert llm.engine.runner.backend.config.qk_rotation_in_rope == (flag == "1")
         toks[flag] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         caches[flag] = [(c.k.clone(), c.k_scale.clone()) for c in llm.engine.runner.kv_caches]

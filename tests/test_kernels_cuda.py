@@ -122,9 +122,8 @@ def test_engine_int4_fill_in_the_decode_kernel_changes_nothing(monkeypatch) -> N
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     toks, caches = {}, {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("NANOKV_TRITON", f"quant_cuda4_fill={flag}")
-        llm = LLM("random:qwen3-0.6b", num_gpu_blocks=64, block_size=16, max_model_len=256, device="cuda",
-                  dtype="bfloat16", enable_compression=True, quantization_bitwidth=4)
+        llm = LLM("random:qwen3-0.6b", kernel_options=f"quant_cuda4_fill={flag}", num_gpu_blocks=64, block_size=16,
+                  max_model_len=256, device="cuda", dtype="bfloat16", enable_compression=True, quantization_bitwidth=4)
         assert llm.engine.runner.backend.config.quant_cuda4_fill == (flag == "1")
         toks[flag] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         caches[flag] = [[t.clone() for t in (c.k, c.v, c.k_scale, c.k_zero, c.v_scale, c.v_zero)]

@@ -68,6 +68,12 @@ class ModelRunner:
                                                  "are not batch-invariant); set it false or null (auto)")
         self.batch_invariant = torch_cpu and (cfg.batch_invariant if cfg.batch_invariant is not None
                                               else cfg.enable_compression)
+        from nanokv.kernels.triton_config import set_overrides  # stdlib only: no Triton import here
+
+        try:
+            set_overrides(cfg.kernel_options)
+        except ValueError as e:
+            raise ConfigError("kernel_options", str(e)) from None
         self.backend = make_backend(cfg.attention_backend, device, batch_invariant=self.batch_invariant)
         # fused elementwise chains (Triton kernels, or torch.compile) ride with the CUDA graphs: off in eager mode
         set_fusion(device.type == "cuda" and not cfg.enforce_eager)

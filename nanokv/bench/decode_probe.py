@@ -5,7 +5,7 @@
 
 Qwen3-0.6B layer shapes (16 q heads, 8 KV heads, dim 128), bf16 queries, random codes in scattered
 16-token blocks (as in nanokv.bench.gpu_kernels). Each variant is a TritonConfig override list
-(NANOKV_TRITON syntax) applied on top of NANOKV_TRITON; "" is the default config.
+(kernel_options syntax) applied on top of the defaults; "" is the default config.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from nanokv.bench.gpu_kernels import SH, decode_fn, kv_bytes, timed
 from nanokv.kernels import triton_decode, triton_decode_int4, triton_decode_swap, triton_decode_swap4
-from nanokv.kernels.triton_config import TritonConfig, apply_overrides, config_from_env
+from nanokv.kernels.triton_config import apply_overrides, default_config
 from nanokv.kernels.triton_selfcheck import make_batch
 
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     fill = slots if args.engine_like and cache.stage is not None else None  # (the kernel may fill as it decodes)
     for spec in args.variants.split(";"):
         torch.manual_seed(1)  # every variant gets the same queries: outputs comparable
-        fn = decode_fn(cache, md, apply_overrides(config_from_env(TritonConfig()), spec), fill)
+        fn = decode_fn(cache, md, apply_overrides(default_config(), spec), fill)
         for i in range(args.calls):
             fn(i)
         out = cast(torch.Tensor, fn(0)).float()

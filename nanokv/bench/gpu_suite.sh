@@ -5,8 +5,8 @@
 # pairs: int8 then bf16 on the long-context workload, PAIRS times (the int8 / bf16 ratio, same machine);
 # rotab: int8 with TritonConfig.qk_rotation_in_rope on, then off, PAIRS times; breakdown: run_breakdown
 # of int8 and bf16 with host ops (the longest idle gaps and what overlaps them); variants: the int8
-# long-context run once per VARIANTS entry ("name=ENV=VALUE", space-separated), e.g.
-# VARIANTS="rot_off=NANOKV_TRITON=qk_rotation_in_rope=0";
+# long-context run once per VARIANTS entry ("name=KERNEL_OPTIONS", space-separated), e.g.
+# VARIANTS="rot_off=qk_rotation_in_rope=0";
 # hostprof: host time of the int8 run's prefill phase (nanokv.bench.host_profile)
 # Results: $OUT/*.json and $OUT/suite.log; a summary table is printed last.
 set -uo pipefail
@@ -57,14 +57,14 @@ for ph in $phases; do
       done ;;
     rotab)
       for i in $(seq "${PAIRS:-2}"); do
-        run rot${i}_on env NANOKV_TRITON=qk_rotation_in_rope=1 $BENCH --workload longctx --enable-compression \
+        run rot${i}_on $BENCH --kernel-options qk_rotation_in_rope=1 --workload longctx --enable-compression \
           --quantization-bitwidth 8 --out "$OUT/rot${i}_on.json"
-        run rot${i}_off env NANOKV_TRITON=qk_rotation_in_rope=0 $BENCH --workload longctx --enable-compression --quantization-bitwidth 8 \
+        run rot${i}_off $BENCH --kernel-options qk_rotation_in_rope=0 --workload longctx --enable-compression --quantization-bitwidth 8 \
           --out "$OUT/rot${i}_off.json"
       done ;;
     variants)
       for v in ${VARIANTS:-}; do
-        run var_${v%%=*} env "${v#*=}" $BENCH --workload longctx --enable-compression --quantization-bitwidth 8 \
+        run var_${v%%=*} $BENCH --kernel-options "${v#*=}" --workload longctx --enable-compression --quantization-bitwidth 8 \
           --out "$OUT/var_${v%%=*}.json"
       done ;;
     swap4)  # the transposed int4 decode (TritonConfig.quant_swap4): GPU tests, per-call A/B, whole runs
@@ -73,10 +73,10 @@ for ph in $phases; do
       PROBE="python3 -m nanokv.bench.decode_probe --bits 4 --batch 128 --ctx 4096 --engine-like --time"
       run probe4_bs16 $PROBE --block-size 16 --variants "${PROBE16:-}"
       run probe4_bs32 $PROBE --block-size 32 --variants "${PROBE32:-}"
-      for v in ${SWAP4_RUNS:-"s16::16"}; do  # name:NANOKV_TRITON:block size; names bf16* = 16-bit runs
+      for v in ${SWAP4_RUNS:-"s16::16"}; do  # name:kernel options:block size; names bf16* = 16-bit runs
         IFS=: read -r name tcfg bs <<< "$v"
         if [[ $name == bf16* ]]; then run e2e_$name $BENCH --workload longctx --out "$OUT/e2e_$name.json"; continue; fi
-        run e2e_$name env NANOKV_TRITON=$tcfg $BENCH --workload longctx --enable-compression \
+        run e2e_$name $BENCH --kernel-options "$tcfg" --workload longctx --enable-compression \
           --quantization-bitwidth 4 --block-size $bs --out "$OUT/e2e_$name.json"
       done
       [ -n "${BREAKDOWN4:-}" ] && run breakdown_4 python3 -m nanokv.bench.run_breakdown --workload longctx --bits 4 \

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"bits": args.bits, "workload": args.workload, "pairs": runs, "ratio_min": min(ratios),
            "ratio_max": max(ratios), "ratio_of_means": mean(p["quant"] for p in runs) / mean(p["bf16"] for p in runs),
            "bf16_mean": mean(p["bf16"] for p in runs), "quant_mean": mean(p["quant"] for p in runs),
-           "extra_args": extra, "NANOKV_TRITON": os.environ.get("NANOKV_TRITON", "")}
+           "extra_args": extra}
     print(f"int{args.bits} / bf16 over {len(runs)} pairs: " + " ".join(f"{r:.3f}" for r in ratios)
           + f"; range {res['ratio_min']:.3f}-{res['ratio_max']:.3f}; means {res['quant_mean']:,.0f} / "
           f"{res['bf16_mean']:,.0f} = {res['ratio_of_means']:.3f}")

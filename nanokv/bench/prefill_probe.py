@@ -5,7 +5,7 @@
 What the long-context run sends to the paged prefill kernel: one sequence per step continues a
 chunk, C earlier tokens in the cache (int4: quantized blocks) and L new ones (stored this step;
 int4: staged). Qwen3-0.6B layer shapes (nanokv.bench.gpu_kernels), K/V written by the store.
-Each variant is a TritonConfig override list (NANOKV_TRITON syntax); "" is the default config.
+Each variant is a TritonConfig override list (kernel_options syntax); "" is the default config.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from nanokv.bench.gpu_kernels import SCALE, SH, timed
 from nanokv.cache_service.kv.cache import LayerKVCache
 from nanokv.compute_service.attention.metadata import AttentionMetadata
 from nanokv.kernels.triton_backend import TritonBackend
-from nanokv.kernels.triton_config import TritonConfig, apply_overrides, config_from_env
+from nanokv.kernels.triton_config import apply_overrides, default_config
 from nanokv.kernels.triton_selfcheck import make_batch
 
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         q = torch.randn(L, SH.H * SH.G, SH.D, device=SH.dev, dtype=SH.dtype)
         first = None
         for spec in args.variants.split(";"):
-            be = TritonBackend(apply_overrides(config_from_env(TritonConfig()), spec))
+            be = TritonBackend(apply_overrides(default_config(), spec))
             out = torch.empty_like(q)
 
             def step(i: int, be: TritonBackend = be, out: torch.Tensor = out, q: torch.Tensor = q,
