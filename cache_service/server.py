@@ -35,6 +35,12 @@ class CacheServicer(pb_grpc.CacheServicer):
                      handle.epoch, handle.path or handle.kind)
             return codec.handle_to_pb(handle)
 
+    def Detach(self, request: pb.DetachRequest, context: Any) -> pb.Empty:
+        with rpc_errors(context):
+            self.svc.detach(request.epoch)
+            log.info("pool of epoch %d detached", request.epoch)
+            return pb.Empty()
+
     def Plan(self, request: pb.PlanRequest, context: Any) -> pb.PlanReply:
         with rpc_errors(context, failed_precondition=(NotAttached,)):
             return codec.plan_reply_to_pb(self.svc.plan(codec.plan_request_from_pb(request)))
@@ -51,6 +57,8 @@ class CacheServicer(pb_grpc.CacheServicer):
 
 def serve(config: EngineConfig, listen: str, stop: threading.Event | None = None) -> None:
     svc = CacheService(config, shared=True)
+    if config.device != "cpu":
+        _init_cuda()
     server, hs = make_server(listen)
     pb_grpc.add_CacheServicer_to_server(CacheServicer(svc), server)
     server.start()
@@ -66,3 +74,13 @@ def serve(config: EngineConfig, listen: str, stop: threading.Event | None = None
         set_serving(hs, [SERVICE_NAME], False)
         server.stop(grace=2.0).wait()
         svc.close()
+
+
+def _init_cuda() -> None:
+    """Create this process's CUDA context now, before the compute service sizes the pool from the
+    device's free memory (the context's few hundred MiB would otherwise appear after it measured)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.init()
+        torch.zeros(1, device="cuda")

@@ -36,6 +36,7 @@ class CacheService:
         self.planner: Planner | None = None
         self.storage: Any = None  # nanokv.cache_service.storage.PoolStorage (imports torch: loaded on attach)
         self.epoch = 0
+        self.attached_epoch = 0  # the epoch a compute service holds a mapping of (0: none)
         self.lock = threading.Lock()  # gRPC handlers run on a thread pool; a plan is one transaction
         self.plan_calls = 0
 
@@ -45,9 +46,13 @@ class CacheService:
 
         cfg = self.config
         with self.lock:
-            self._drop_pool()
             self.epoch += 1
-            self.storage = PoolStorage(layout, self.shared, self.epoch)
+            if self.storage is not None and self.storage.reusable_for(layout):
+                self.storage.epoch = self.epoch  # same device segment, a new incarnation of its contents
+            else:
+                self._drop_pool()
+                self.storage = PoolStorage(layout, self.shared, self.epoch)
+            self.attached_epoch = self.epoch
             self.manager = KVCacheManager(
                 layout.num_blocks, layout.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
                 # "adaptive": start from the default policy; the controller switches when it pays
@@ -56,6 +61,14 @@ class CacheService:
             )
             self.planner = Planner(self.manager)
             return self.storage.handle()
+
+    def detach(self, epoch: int) -> None:
+        """The compute service dropped its mapping of `epoch`'s pool (its shutdown). Plans fail until
+        the next attach; the storage stays for a restarted compute service of the same layout."""
+        with self.lock:
+            if epoch == self.attached_epoch:
+                self.attached_epoch = 0
+                self.manager = self.planner = None
 
     def _drop_pool(self) -> None:
         if self.storage is not None:

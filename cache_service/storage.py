@@ -8,6 +8,8 @@ handle does (nanokv.messages.PoolHandle).
   local  same process (the in-process transport): the handle carries the tensor itself
   shm    a file in /dev/shm (or the temp dir) of `nbytes`, mapped shared by both processes
          (torch.from_file(shared=True) is mmap MAP_SHARED); the cache service creates and removes it
+  cuda_ipc  a device allocation of the cache service's, exported over CUDA IPC
+         (nanokv.cache_service.cuda_ipc); the compute service opens it once
 
 The only module of the cache service that imports torch.
 """
@@ -93,7 +95,12 @@ class PoolStorage:
         self.nbytes = pool_nbytes(layout)
         self.epoch = epoch
         self.path = ""
-        if layout.device != "cpu" or not shared:
+        self.cuda_ipc = shared and torch.device(layout.device).type == "cuda"
+        if self.cuda_ipc:
+            from nanokv.cache_service.cuda_ipc import allocate_exportable
+
+            self.buffer = allocate_exportable(self.nbytes, torch.device(layout.device))
+        elif layout.device != "cpu" or not shared:
             self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=layout.device)
         else:
             self.path = os.path.join(shm_dir(), f"nanokv-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}")
@@ -101,7 +108,17 @@ class PoolStorage:
                 f.truncate(self.nbytes)  # a sparse file of zeros: pages appear as they are written
             self.buffer = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
 
+    def reusable_for(self, layout: PoolLayout) -> bool:
+        """A device segment is handed out again to a new attach of the same layout (a restarted
+        compute service): a consumer that died without dropping its mapping never gives its IPC
+        reference back, so PyTorch would keep a freed segment forever, and a new one would not fit."""
+        return self.cuda_ipc and layout == self.layout
+
     def handle(self) -> PoolHandle:
+        if self.cuda_ipc:
+            from nanokv.cache_service.cuda_ipc import export
+
+            return PoolHandle("cuda_ipc", self.nbytes, self.epoch, cuda=export(self.buffer))
         if self.path:
             return PoolHandle("shm", self.nbytes, self.epoch, path=self.path)
         return PoolHandle("local", self.nbytes, self.epoch, buffer=self.buffer)
@@ -122,6 +139,12 @@ def map_handle(handle: PoolHandle) -> torch.Tensor:
         if not isinstance(handle.buffer, torch.Tensor):
             raise ValueError("a local pool handle carries its tensor")
         return handle.buffer
+    if handle.kind == "cuda_ipc":
+        from nanokv.cache_service.cuda_ipc import open_handle
+
+        if handle.cuda is None:
+            raise ValueError("a cuda_ipc pool handle carries its CUDA IPC export")
+        return open_handle(handle.cuda, handle.nbytes)
     if handle.kind == "shm":
         if not os.path.exists(handle.path):
             raise FileNotFoundError(f"KV segment {handle.path} is gone (cache service restarted?)")

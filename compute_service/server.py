@@ -9,6 +9,7 @@ then launches as soon as step N has launched, and its reply waits only for its o
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -97,3 +98,21 @@ def serve(config: EngineConfig, listen: str, cache_address: str, stop: threading
         set_serving(hs, [SERVICE_NAME], False)
         server.stop(grace=2.0).wait()
         svc.shutdown()
+        _detach(cache_address, svc, config.rpc_timeout_s)
+
+
+def _detach(cache_address: str, svc: ComputeService, timeout_s: float) -> None:
+    """Drop this process's mapping of the pool, then tell the cache service (it may reuse the segment
+    for the next compute service; it never frees memory that a live mapping still points at)."""
+    handle = getattr(svc.runner, "pool_handle", None)
+    if handle is None:
+        return
+    svc.runner.graphs = None
+    svc.runner.kv_caches = []
+    vars(svc).pop("compression_monitor", None)  # it holds the layers too
+    gc.collect()
+    try:
+        with channel(cache_address) as ch:
+            call(pb_grpc.CacheStub(ch).Detach, pb.DetachRequest(epoch=handle.epoch), min(timeout_s, 5.0), "detach")
+    except Exception as e:  # the cache service may be gone first: nothing is attached there any more
+        log.info("detach from the cache service: %s", e)

@@ -111,14 +111,32 @@ class PoolLayout:
 
 
 @dataclass
+class CudaIpcHandle:
+    """A CUDA IPC export of the pool's device segment (nanokv.cache_service.cuda_ipc): the
+    cudaIpcMemHandle of its allocation, where the segment sits in it, and PyTorch's shared
+    reference count. The GPU is named by UUID: indices differ under different CUDA_VISIBLE_DEVICES."""
+    device_uuid: str
+    device_index: int
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+@dataclass
 class PoolHandle:
     """How the compute service maps the pool: `kind` "local" (same process: `buffer` is the
-    tensor) or "shm" (a shared-memory file at `path` of `nbytes`). `epoch` numbers allocations."""
+    tensor), "shm" (a shared-memory file at `path` of `nbytes`) or "cuda_ipc" (`cuda`, a device
+    segment of another process). `epoch` numbers allocations; every step names the one it writes."""
     kind: str
     nbytes: int
     epoch: int
     path: str = ""
     buffer: object = None
+    cuda: CudaIpcHandle | None = None
 
 
 @dataclass

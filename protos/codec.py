@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from nanokv.messages import (
+    CudaIpcHandle,
     ModelInfo,
     NewSeq,
     PlanReply,
@@ -68,11 +69,24 @@ def layout_from_pb(m: pb.PoolLayout) -> PoolLayout:
 
 
 def handle_to_pb(h: PoolHandle) -> pb.PoolHandle:
-    return pb.PoolHandle(kind=h.kind, nbytes=h.nbytes, epoch=h.epoch, path=h.path)
+    m = pb.PoolHandle(kind=h.kind, nbytes=h.nbytes, epoch=h.epoch, path=h.path)
+    if h.cuda is not None:
+        c = h.cuda
+        m.cuda.CopyFrom(pb.CudaIpcHandle(
+            device_uuid=c.device_uuid, device_index=c.device_index, handle=c.handle, storage_bytes=c.storage_bytes,
+            storage_offset=c.storage_offset, ref_counter_handle=c.ref_counter_handle,
+            ref_counter_offset=c.ref_counter_offset, event_handle=c.event_handle,
+            event_sync_required=c.event_sync_required))
+    return m
 
 
 def handle_from_pb(m: pb.PoolHandle) -> PoolHandle:
-    return PoolHandle(m.kind, m.nbytes, m.epoch, path=m.path)
+    cuda = None
+    if m.HasField("cuda"):
+        c = m.cuda
+        cuda = CudaIpcHandle(c.device_uuid, c.device_index, c.handle, c.storage_bytes, c.storage_offset,
+                             c.ref_counter_handle, c.ref_counter_offset, c.event_handle, c.event_sync_required)
+    return PoolHandle(m.kind, m.nbytes, m.epoch, path=m.path, cuda=cuda)
 
 
 def plan_request_to_pb(r: PlanRequest) -> pb.PlanRequest:

@@ -37,16 +37,46 @@ class AttachRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ...) -> None: ...
 
 class PoolHandle(_message.Message):
-    __slots__ = ("kind", "nbytes", "epoch", "path")
+    __slots__ = ("kind", "nbytes", "epoch", "path", "cuda")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
     kind: str
     nbytes: int
     epoch: int
     path: str
-    def __init__(self, kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., epoch: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+    cuda: CudaIpcHandle
+    def __init__(self, kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., epoch: _Optional[int] = ..., path: _Optional[str] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("device_uuid", "device_index", "handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    device_index: int
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class DetachRequest(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class NewSeq(_message.Message):
     __slots__ = ("seq_id", "token_ids", "cache_salt")

@@ -40,6 +40,11 @@ class CacheStub:
                 request_serializer=nanokv_dot_protos_dot_internal__pb2.AttachRequest.SerializeToString,
                 response_deserializer=nanokv_dot_protos_dot_internal__pb2.PoolHandle.FromString,
                 _registered_method=True)
+        self.Detach = channel.unary_unary(
+                '/nanokv.internal.v1.Cache/Detach',
+                request_serializer=nanokv_dot_protos_dot_internal__pb2.DetachRequest.SerializeToString,
+                response_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+                _registered_method=True)
         self.Plan = channel.unary_unary(
                 '/nanokv.internal.v1.Cache/Plan',
                 request_serializer=nanokv_dot_protos_dot_internal__pb2.PlanRequest.SerializeToString,
@@ -63,6 +68,13 @@ class CacheServicer:
 
     def Attach(self, request, context):
         """The compute service asks for the KV pool once per incarnation; epoch + 1 on every attach.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detach(self, request, context):
+        """The compute service is done with the pool of `epoch` (shutdown): it dropped its mapping.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,6 +106,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.Attach,
                     request_deserializer=nanokv_dot_protos_dot_internal__pb2.AttachRequest.FromString,
                     response_serializer=nanokv_dot_protos_dot_internal__pb2.PoolHandle.SerializeToString,
+            ),
+            'Detach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detach,
+                    request_deserializer=nanokv_dot_protos_dot_internal__pb2.DetachRequest.FromString,
+                    response_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
             ),
             'Plan': grpc.unary_unary_rpc_method_handler(
                     servicer.Plan,
@@ -139,6 +156,33 @@ class Cache:
             '/nanokv.internal.v1.Cache/Attach',
             nanokv_dot_protos_dot_internal__pb2.AttachRequest.SerializeToString,
             nanokv_dot_protos_dot_internal__pb2.PoolHandle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanokv.internal.v1.Cache/Detach',
+            nanokv_dot_protos_dot_internal__pb2.DetachRequest.SerializeToString,
+            nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

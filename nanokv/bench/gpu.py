@@ -109,71 +109,130 @@ def run_hf(mc_name: str, prompts, outs, device) -> float:
 def bench_warm_up(llm: Any, prompts: list[list[int]], params: list[Any]) -> None:
     """The benchmark's warm-up before its timed run: compile kernels, capture graphs; prompts past
     one step's token budget, so a chunk continues in the next step and the paged prefill kernel is
-    compiled too (not in the timed run). Leaves an empty prefix cache."""
+    compiled too (not in the timed run). Leaves an empty prefix cache and zeroed counters."""
     eng = llm.engine
     n = 4
     while n < len(prompts) and sum(map(len, prompts[:n])) <= eng.config.max_num_batched_tokens:
         n += 1
     llm.generate(prompts[:n], params[:n], use_tqdm=False)
-    eng.cache_manager.reset_prefix_cache()
-    torch.cuda.synchronize()
+    eng.reset_counters()  # (and the prefix cache)
+
+
+def _rpc_summary(rpc: dict[str, Any], seconds: float) -> dict[str, float]:
+    """Service calls per scheduling step and the gateway's time in them. The step call is the
+    launch (send) plus the collect (wait for the sampled ids); with async scheduling the wait
+    overlaps the device running the step, so `step_s` counts time the gateway was blocked, and
+    `hidden` is the part of the run in which the gateway worked while the device ran."""
+    steps = max(rpc["steps"], 1)
+    return {"steps": rpc["steps"], "rpcs_per_step": (rpc["plan_calls"] + rpc["step_calls"]) / steps,
+            "plan_ms_per_step": 1e3 * rpc["plan_s"] / steps, "step_call_ms_per_step": 1e3 * rpc["step_s"] / steps,
+            "gateway_busy_share": max(0.0, 1 - (rpc["step_s"]) / seconds)}
+
+
+def _timed_run(kw: dict[str, Any], prompts, outs, split: bool) -> dict[str, Any]:
+    """One transport: services in this process, or cache + compute as processes over gRPC (the
+    pool shared by CUDA IPC). Returns seconds, tokens and counters of the timed part."""
+    from nanokv.config import EngineConfig
+    from nanokv.gateway.llm import LLM
+    from nanokv.launch import start_services
+    from nanokv.sampling import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
+    svc = start_services(EngineConfig.from_kwargs(**kw).to_dict()) if split else None
+    try:
+        addr = {"cache_address": svc.cache_address, "compute_address": svc.compute_address} if svc else {}
+        llm = LLM(**kw, **addr)
+        eng = llm.engine
+        bench_warm_up(llm, prompts, params)
+        gc_time = [0.0, 0.0, 0]  # start of the current collection, total seconds, full collections
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                gc_time[0] = time.perf_counter()
+            else:
+                gc_time[1] += time.perf_counter() - gc_time[0]
+                gc_time[2] += info["generation"] == 2
+        gc.callbacks.append(on_gc)
+        t = time.perf_counter()
+        res = llm.generate(prompts, params, use_tqdm=True)
+        dt = time.perf_counter() - t
+        gc.callbacks.remove(on_gc)
+        if not all(len(r.token_ids) == o for r, o in zip(res, outs)):
+            raise RuntimeError("a request ended before its max_tokens (ignore_eos is set)")
+        st = eng.stats()
+        out: dict[str, Any] = {
+            "seconds": dt, "output_tokens_per_s": sum(outs) / dt, "kv_blocks": eng.num_kv_blocks,
+            "preemptions": eng.scheduler.num_preemptions, "gc_seconds": gc_time[1],
+            "gc_full_collections": gc_time[2], "rpc": st["rpc"], **_rpc_summary(st["rpc"], dt),
+            "tokens": [r.token_ids for r in res],
+        }
+        if not split:
+            out["kv_bytes_per_token"] = eng.runner.bytes_per_block_all_layers() // eng.config.block_size
+            out["model_config"] = eng.model_config
+            out["config"] = eng.config.to_dict()
+        eng.shutdown()
+        del llm, eng
+    finally:
+        if svc is not None:
+            svc.stop()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
 
 
 def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = False, quick: bool = False,
-                  num_seqs: int | None = None) -> dict[str, Any]:
-    from nanokv.gateway.llm import LLM
-    from nanokv.sampling import SamplingParams
-
+                  num_seqs: int | None = None, transport: str = "in-process") -> dict[str, Any]:
+    """transport "in-process" (LLM() with its services in this process), "split" (cache and compute
+    services as processes over gRPC, the pool shared by CUDA IPC) or "both": split first (the
+    same pool size for both), then in-process, in this one run, printed side by side."""
     prompts, outs = make_workload(workload, num_seqs or (32 if quick else None))
     kw = {"model": "random:qwen3-0.6b", "max_model_len": 8192, **engine_kw}
-    llm = LLM(**kw)
-    eng = llm.engine
-    device = eng.device
-    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
-    bench_warm_up(llm, prompts, params)
-    gc_time = [0.0, 0.0, 0]  # start of the current collection, total seconds, full collections
-
-    def on_gc(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            gc_time[0] = time.perf_counter()
-        else:
-            gc_time[1] += time.perf_counter() - gc_time[0]
-            gc_time[2] += info["generation"] == 2
-    gc.callbacks.append(on_gc)
-    mem0 = torch.cuda.memory_stats(device)
-    t = time.perf_counter()
-    res = llm.generate(prompts, params, use_tqdm=True)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t
-    gc.callbacks.remove(on_gc)
-    mem1 = torch.cuda.memory_stats(device)
-    # the caching allocator inside the timed run: cudaMalloc / cudaFree calls and retries (a retry
-    # frees cached blocks after a failed cudaMalloc, a device sync), all zero in a steady state
-    alloc = {k: mem1.get(k, 0) - mem0.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
-                                                          "num_sync_all_streams")}
     total = sum(outs)
-    assert all(len(r.token_ids) == o for r, o in zip(res, outs))
+    split_run = None
+    if transport in ("split", "both"):  # first: nothing of an in-process engine is on the device meanwhile
+        split_run = _timed_run(kw, prompts, outs, split=True)
+        kw["num_gpu_blocks"] = split_run["kv_blocks"]  # the same pool for both
+        if transport == "split":
+            out = {k: v for k, v in split_run.items() if k != "tokens"}
+            out.update(workload=workload, transport="split", num_seqs=len(prompts), output_tokens=total,
+                       gpu=torch.cuda.get_device_name(0))
+            print(f"[{workload} split] {len(prompts)} seqs, {total} output tokens in {out['seconds']:.2f} s = "
+                  f"{out['output_tokens_per_s']:,.0f} tok/s; {out['steps']} steps, {out['rpcs_per_step']:.2f} "
+                  f"service calls/step, plan {out['plan_ms_per_step']:.2f} ms/step, step call (gateway blocked) "
+                  f"{out['step_call_ms_per_step']:.2f} ms/step")
+            return out
+    device = torch.device("cuda")
+    local = _timed_run(kw, prompts, outs, split=False)
+    dt = local["seconds"]
     bw = measure_copy_bandwidth(device)
     fl = measure_matmul_rate(device)
-    kvb = eng.runner.bytes_per_block_all_layers() // eng.config.block_size
-    floor = roofline_floor(eng.model_config, prompts, outs, bw, fl, kvb)
+    floor = roofline_floor(local["model_config"], prompts, outs, bw, fl, local["kv_bytes_per_token"])
     out: dict[str, Any] = {
         "workload": workload, "num_seqs": len(prompts), "output_tokens": total, "seconds": dt,
         "output_tokens_per_s": total / dt, "copy_bandwidth_Bps": bw, "matmul_flops": fl,
-        "gpu": torch.cuda.get_device_name(device), "config": eng.config.to_dict(),
-        "preemptions": eng.scheduler.num_preemptions, "kv_blocks": eng.cache_manager.num_blocks, **floor,
+        "gpu": torch.cuda.get_device_name(device), "config": local["config"],
+        "preemptions": local["preemptions"], "kv_blocks": local["kv_blocks"], **floor,
         "achieved_over_floor": floor["floor_seconds"] / dt,
-        "gc_seconds": gc_time[1], "gc_full_collections": gc_time[2], "allocator": alloc,
+        "gc_seconds": local["gc_seconds"], "gc_full_collections": local["gc_full_collections"],
+        "rpc": local["rpc"],
     }
-    out["rpc"] = eng.stats()["rpc"]  # service calls and their time (in-process: plan + step)
     print(f"[{workload}] {len(prompts)} seqs, {total} output tokens in {dt:.2f} s = {total / dt:,.0f} tok/s")
     print(f"  copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {fl / 1e12:.0f} TFLOP/s; Python GC "
-          f"{gc_time[1]:.3f} s in the timed run ({gc_time[2]} full collections); allocator {alloc}")
+          f"{local['gc_seconds']:.3f} s in the timed run ({local['gc_full_collections']} full collections)")
     print(f"  roofline floor {floor['floor_seconds']:.2f} s ({floor['floor_output_tokens_per_s']:,.0f} tok/s);"
           f" achieved/floor = {out['achieved_over_floor']:.1%}")
+    if split_run is not None:
+        same = sum(a == b for a, b in zip(split_run["tokens"], local["tokens"]))
+        out["split"] = {k: v for k, v in split_run.items() if k != "tokens"} | {
+            "identical_outputs": same, "over_in_process": local["seconds"] / split_run["seconds"]}
+        print(f"[{workload} split] three processes over gRPC, pool by CUDA IPC: "
+              f"{split_run['output_tokens_per_s']:,.0f} tok/s = {out['split']['over_in_process']:.1%} of in-process "
+              f"({local['output_tokens_per_s']:,.0f}); greedy outputs identical {same}/{len(prompts)}")
+        for name, r in (("in-process", local), ("split", split_run)):
+            print(f"  {name:10s}: {r['steps']} steps, {r['rpcs_per_step']:.2f} service calls/step, plan "
+                  f"{r['plan_ms_per_step']:.2f} ms/step, step call (gateway blocked) {r['step_call_ms_per_step']:.2f} "
+                  f"ms/step, gateway not blocked {r['gateway_busy_share']:.1%} of the run")
     if compare:
-        del llm, eng
-        torch.cuda.empty_cache()
         t_hf = run_hf("qwen3-0.6b", prompts, outs, device)
         out["hf_seconds"] = t_hf
         out["hf_output_tokens_per_s"] = total / t_hf

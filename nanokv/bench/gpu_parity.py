@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="parity.json")
     ap.add_argument("--bits", type=int, default=16, choices=(16, 8, 4), help="KV cache format on both sides")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="GPU model dtypes to compare (comma list)")
+    ap.add_argument("--split", action="store_true",
+                    help="also through the three services (gRPC, pool by CUDA IPC): == in-process, token for token")
     args = ap.parse_args(argv)
 
     from nanokv.gateway.llm import LLM
@@ -51,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
             agree.append(n)
         lp_err = max(abs(a.logprobs[0]["logprob"] - b.logprobs[0]["logprob"])  # type: ignore[index]
                      for a, b in zip(ref, outs))
-        res[dtype] = {"identical_sequences": f"{same}/{len(prompts)}",
+        split = _split_parity(dict(device="cuda", dtype=dtype, attention_backend="triton", **common), prompts,
+                              gpu) if args.split else {}
+        res[dtype] = split | {"identical_sequences": f"{same}/{len(prompts)}",
                       "identical_with_prefix_hits": f"{same2}/{len(prompts)}",
                       "tokens_before_first_divergence": agree,
                       "first_token_logprob_max_abs_diff": lp_err,
@@ -60,11 +64,44 @@ def main(argv: list[str] | None = None) -> int:
               f"{same}/{len(prompts)}"
               f" (with prefix hits {same2}/{len(prompts)}); first divergence at {agree};"
               f" first-token logprob max |diff| {lp_err:.2e}")
+        if split:
+            print(f"[parity {dtype} kv{args.bits} split] three processes == in-process: "
+                  f"{split['split_identical_to_in_process']} (async, placeholders fed on the device), "
+                  f"{split['split_identical_with_logprobs']} (logprobs, synchronous); vs CPU fp32 reference "
+                  f"{split['split_identical_to_cpu_reference']}")
         del gpu
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
     return 0
+
+
+def _split_parity(kw: dict, prompts: list[list[int]], local) -> dict:  # noqa: ANN001 - an LLM
+    """The same prompts through cache + compute processes (the pool shared by CUDA IPC), greedy with
+    and without logprobs, against the in-process engine `local` and against the CPU reference."""
+    from nanokv.config import EngineConfig
+    from nanokv.gateway.llm import LLM
+    from nanokv.launch import start_services
+    from nanokv.sampling import SamplingParams
+
+    n = len(prompts)
+    fast = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    slow = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
+    local.engine.reset_counters()
+    want_fast = [o.token_ids for o in local.generate(prompts, fast, use_tqdm=False)]
+    want_slow = [o.token_ids for o in local.generate(prompts, slow, use_tqdm=False)]
+    cpu_ref = LLM(device="cpu", dtype="float32", attention_backend="torch", batch_invariant=False,
+                  **{k: v for k, v in kw.items() if k not in ("device", "dtype", "attention_backend")})
+    want_cpu = [o.token_ids for o in cpu_ref.generate(prompts, fast, use_tqdm=False)]
+    del cpu_ref
+    with start_services(EngineConfig.from_kwargs(**kw).to_dict()) as svc:
+        llm = LLM(cache_address=svc.cache_address, compute_address=svc.compute_address, **kw)
+        got_fast = [o.token_ids for o in llm.generate(prompts, fast, use_tqdm=False)]
+        got_slow = [o.token_ids for o in llm.generate(prompts, slow, use_tqdm=False)]
+        llm.engine.shutdown()
+    return {"split_identical_to_in_process": f"{sum(a == b for a, b in zip(got_fast, want_fast))}/{n}",
+            "split_identical_with_logprobs": f"{sum(a == b for a, b in zip(got_slow, want_slow))}/{n}",
+            "split_identical_to_cpu_reference": f"{sum(a == b for a, b in zip(got_fast, want_cpu))}/{n}"}
 
 
 if __name__ == "__main__":

@@ -2,6 +2,10 @@
 # One device call that checks and times everything the GPU benchmarks measure.
 #   bash nanokv/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf] [pool] [ncu]
 #                                  [pairs] [rotab] [breakdown] [variants] [hostprof] [swap4] [int4next]
+#                                  [ipc] [split] [splitlong]
+# ipc: the CUDA IPC tests and GPU parity through the three services (fp32 == CPU reference, bf16 split ==
+# bf16 in-process); split: the nanovllm workload through the services and in-process, side by side;
+# splitlong: the long-context workload through the services in bf16, int8 and int4 (the ratios);
 # pairs: int8 then bf16 on the long-context workload, PAIRS times (the int8 / bf16 ratio, same machine);
 # rotab: int8 with TritonConfig.qk_rotation_in_rope on, then off, PAIRS times; breakdown: run_breakdown
 # of int8 and bf16 with host ops (the longest idle gaps and what overlaps them); variants: the int8
@@ -99,6 +103,16 @@ for ph in $phases; do
         run pair${i}_bf16 $BENCH --workload longctx --out "$OUT/pair${i}_bf16.json"
         run pair${i}_bf16_32 $BENCH --workload longctx --block-size 32 --out "$OUT/pair${i}_bf16_32.json"
       done ;;
+    ipc)
+      run ipc_tests python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ipc.py
+      run parity_split python3 -m nanokv.bench.gpu_parity --split --out "$OUT/parity_split.json" ;;
+    split) run nanovllm_split $BENCH --workload nanovllm --transport both --out "$OUT/nanovllm_split.json" ;;
+    splitlong)
+      run longctx_split_bf16 $BENCH --workload longctx --transport split --out "$OUT/longctx_split_bf16.json"
+      run longctx_split_int8 $BENCH --workload longctx --transport split --enable-compression \
+        --quantization-bitwidth 8 --out "$OUT/longctx_split_int8.json"
+      run longctx_split_int4 $BENCH --workload longctx --transport split --enable-compression \
+        --quantization-bitwidth 4 --out "$OUT/longctx_split_int4.json" ;;
     hostprof) run hostprof_8 python3 -m nanokv.bench.host_profile --bits 8 --out "$OUT/hostprof_8.json" ;;
     breakdown)
       for b in 8 16; do

@@ -1,0 +1,100 @@
+"""The KV pool over CUDA IPC (cache_service/cuda_ipc.py): exported by one process, written by another.
+
+On the CPU: the handle's wire form and the refusals that need no GPU. With a GPU (the device's
+check script runs these): a real second process exports a pool segment, this one opens it, and
+each side sees the other's writes; the cache service's re-attach of the same layout hands out the
+same memory under a new epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from nanokv.messages import CudaIpcHandle, PoolHandle, PoolLayout
+from nanokv.protos import codec
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+
+
+def test_handle_round_trips_through_protobuf():
+    h = PoolHandle("cuda_ipc", 1 << 20, 7, cuda=CudaIpcHandle("GPU-1234", 0, b"\x01" * 64, 2 << 20, 4096, b"ref",
+                                                                 3, b"\x02" * 64, True))
+    back = codec.handle_from_pb(codec.handle_to_pb(h))
+    assert back == h
+    shm = codec.handle_from_pb(codec.handle_to_pb(PoolHandle("shm", 10, 1, path="/dev/shm/x")))
+    assert shm.cuda is None and shm.path == "/dev/shm/x"
+
+
+def test_expandable_segments_refused_before_allocating(monkeypatch):
+    from nanokv.cache_service.cuda_ipc import CudaIpcError, allocate_exportable
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(CudaIpcError, match="expandable segments"):
+        allocate_exportable(1024, torch.device("cuda"))
+
+
+def test_unknown_gpu_is_a_clear_error():
+    from nanokv.cache_service.cuda_ipc import CudaIpcError, open_handle
+
+    if not torch.cuda.is_available():
+        pytest.skip("opening a handle initialises CUDA")
+    with pytest.raises(CudaIpcError, match="not visible to this process"):
+        open_handle(CudaIpcHandle("GPU-not-here", 0, b"", 0, 0, b"", 0, b"", False), 16)
+
+
+_EXPORTER = textwrap.dedent("""
+    import sys, torch
+    from nanokv.cache_service.service import CacheService
+    from nanokv.config import EngineConfig
+    from nanokv.messages import PoolLayout
+    from nanokv.protos import codec
+    svc = CacheService(EngineConfig(device="cuda"), shared=True)
+    layout = PoolLayout(64, 16, 2, 64, [16, 8], "bfloat16", 0, "cuda")
+    h = svc.attach(layout)
+    buf = svc.storage.buffer
+    buf[:4096] = 7
+    torch.cuda.synchronize()
+    print(codec.handle_to_pb(h).SerializeToString().hex(), flush=True)
+    sys.stdin.readline()                       # the importer wrote its pattern
+    torch.cuda.synchronize()
+    ok = bool((buf[4096:8192] == 9).all())
+    h2 = svc.attach(layout)                    # a restarted compute service: same memory, new epoch
+    same = svc.storage.buffer.data_ptr() == buf.data_ptr()
+    print(f"{ok} {same} {h.epoch} {h2.epoch}", flush=True)
+""")
+
+
+@needs_cuda
+def test_pool_shared_between_processes():
+    from nanokv.cache_service.storage import carve_layer_caches, map_handle
+
+    p = subprocess.Popen([sys.executable, "-c", _EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, env=os.environ.copy())
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        line = p.stdout.readline().strip()
+        from nanokv.protos import internal_pb2 as pb
+        handle = codec.handle_from_pb(pb.PoolHandle.FromString(bytes.fromhex(line)))
+        assert handle.kind == "cuda_ipc" and handle.cuda is not None
+        seg = map_handle(handle)
+        assert seg.is_cuda and seg.numel() == handle.nbytes
+        assert bool((seg[:4096] == 7).all())  # the exporter's write, seen here
+        # the carved layers are views of that memory on both sides
+        layers = carve_layer_caches(PoolLayout(64, 16, 2, 64, [16, 8], "bfloat16", 0, "cuda"), seg)
+        assert seg.data_ptr() <= layers[0].k.data_ptr() < seg.data_ptr() + seg.numel()
+        seg[4096:8192] = 9
+        torch.cuda.synchronize()
+        p.stdin.write("\n")
+        p.stdin.flush()
+        ok, same, e1, e2 = p.stdout.readline().split()
+        assert ok == "True", "the exporter did not see this process's write"
+        assert same == "True" and int(e2) == int(e1) + 1
+    finally:
+        p.kill()
+        p.wait()
