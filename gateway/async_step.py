@@ -17,6 +17,7 @@ Steps whose requests want logprobs sample synchronously (the logprob tensors are
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,9 @@ class AsyncStepper:
     def _finish(self, prev: Pending, finished_only: bool) -> list[RequestOutput]:
         """Read `prev`'s tokens (its copy is complete or nearly) and run the usual per-token logic."""
         eng = self.engine
+        t0 = time.perf_counter()
         res = eng.compute.collect(prev.launched)
+        eng.rpc["step_s"] += time.perf_counter() - t0  # the wait the pipeline did not hide
         outputs = []
         for seq, ph, tok in zip(prev.seqs, prev.placeholder, res.token_ids):
             if seq.is_finished:
@@ -63,7 +66,9 @@ class AsyncStepper:
         req = eng.step_request(out)
         seqs = [sched[r].seq for r in req.sample_rows]
         sync = any(s.params.logprobs is not None for s in seqs)
+        t0 = time.perf_counter()
         launched = eng.compute.launch(req)  # sampled ids stay on the device for the next step's inputs
+        eng.rpc["step_s"] += time.perf_counter() - t0
         eng.rpc["steps"] += 1
         eng.rpc["step_calls"] += 1
         outputs = self._finish(prev, finished_only) if prev is not None else []  # overlaps the device

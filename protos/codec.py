@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
+from itertools import chain
 from typing import Any
 
 from nanokv.messages import (
@@ -48,12 +49,14 @@ def unpack(data: bytes, field: str, group: int = 1) -> list[int]:
 
 
 def pack_tuples(rows: Sequence[tuple[int, ...]]) -> bytes:
-    return pack(v for row in rows for v in row)
+    # chain.from_iterable, not a generator expression: it runs in C (a step's plan packs ~1,000 ints)
+    return pack(chain.from_iterable(rows))
 
 
 def unpack_tuples(data: bytes, field: str, width: int) -> list[tuple[int, ...]]:
     flat = unpack(data, field, width)
-    return [tuple(flat[i:i + width]) for i in range(0, len(flat), width)]
+    it = iter(flat)
+    return list(zip(*([it] * width)))  # consecutive groups of `width`, built in C
 
 
 # ---- cache service ------------------------------------------------------------------------------

@@ -17,15 +17,13 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from nanokv.gateway.http.async_engine import AsyncEngine
+from nanokv.gateway.http.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING
 from nanokv.gateway.http.errors import install_error_handlers
 from nanokv.gateway.http.generate import chat_completions, completions
 from nanokv.gateway.http.middleware import AuthMiddleware, BodyLimitMiddleware
 from nanokv.gateway.http.schemas import ModelCard, ModelList
 from nanokv.gateway.http.translate import ModelInfo
 from nanokv.gateway.metrics import CONTENT_TYPE, EngineMetrics
-
-DEFAULT_MAX_WAITING = 256
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt the context can hold
 
 
 def build_app(

@@ -16,7 +16,7 @@ import sys
 from nanokv.config import EngineConfig
 from nanokv.errors import NanoKVError
 from nanokv.flags import add_config_args, engine_kwargs
-from nanokv.gateway.http.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING
+from nanokv.gateway.http.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING
 
 API_KEY_ENV = "NANOKV_API_KEY"
 
