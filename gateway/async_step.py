@@ -46,7 +46,8 @@ class AsyncStepper:
         eng = self.engine
         t0 = time.perf_counter()
         res = eng.compute.collect(prev.launched)
-        eng.rpc["step_s"] += time.perf_counter() - t0  # the wait the pipeline did not hide
+        t1 = time.perf_counter()
+        eng.rpc["step_s"] += t1 - t0  # the wait the pipeline did not hide
         outputs = []
         for seq, ph, tok in zip(prev.seqs, prev.placeholder, res.token_ids):
             if seq.is_finished:
@@ -54,6 +55,7 @@ class AsyncStepper:
             o = eng._on_token(seq, tok, None, finished_only, replace=ph)
             if o is not None:
                 outputs.append(o)
+        eng.rpc["tokens_s"] += time.perf_counter() - t1
         return outputs
 
     def step(self, finished_only: bool) -> list[RequestOutput]:
@@ -63,7 +65,9 @@ class AsyncStepper:
         if out.is_empty:
             return self._finish(prev, finished_only) if prev is not None else []
         sched = out.scheduled
+        t0 = time.perf_counter()
         req = eng.step_request(out)
+        eng.rpc["build_s"] += time.perf_counter() - t0
         seqs = [sched[r].seq for r in req.sample_rows]
         sync = any(s.params.logprobs is not None for s in seqs)
         t0 = time.perf_counter()

@@ -93,7 +93,10 @@ class Engine:
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0}
         self._batch_sizes: list[int] = []
         self._last_batch_size = 0
-        self.rpc = {"steps": 0, "plan_calls": 0, "step_calls": 0, "plan_s": 0.0, "step_s": 0.0}
+        # gateway time per step: in the plan call, blocked in the step call, building the step request,
+        # reading the sampled tokens (the last two: async scheduling only)
+        self.rpc = {"steps": 0, "plan_calls": 0, "step_calls": 0, "plan_s": 0.0, "step_s": 0.0, "build_s": 0.0,
+                    "tokens_s": 0.0}
         self._async: AsyncStepper | None = None
         tp = cfg.tensor_parallel_size
         if cfg.async_scheduling or (cfg.async_scheduling is None and self.device_type == "cuda" and tp == 1
@@ -423,7 +426,7 @@ class Engine:
         self._counters = dict.fromkeys(self._counters, 0)
         self._batch_sizes.clear()
         self._last_batch_size = 0
-        self.rpc = dict.fromkeys(self.rpc, 0) | {"plan_s": 0.0, "step_s": 0.0}
+        self.rpc = dict.fromkeys(self.rpc, 0) | {k: 0.0 for k in self.rpc if k.endswith("_s")}
 
     def stats(self) -> dict[str, Any]:
         cs = self.cache.stats()

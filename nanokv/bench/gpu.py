@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import random
+import statistics
 import time
 from typing import Any
 
@@ -126,6 +127,9 @@ def _rpc_summary(rpc: dict[str, Any], seconds: float) -> dict[str, float]:
     steps = max(rpc["steps"], 1)
     return {"steps": rpc["steps"], "rpcs_per_step": (rpc["plan_calls"] + rpc["step_calls"]) / steps,
             "plan_ms_per_step": 1e3 * rpc["plan_s"] / steps, "step_call_ms_per_step": 1e3 * rpc["step_s"] / steps,
+            "build_ms_per_step": 1e3 * rpc.get("build_s", 0.0) / steps,
+            "tokens_ms_per_step": 1e3 * rpc.get("tokens_s", 0.0) / steps,
+            "step_ms": 1e3 * seconds / steps,
             "gateway_busy_share": max(0.0, 1 - (rpc["step_s"]) / seconds)}
 
 
@@ -181,10 +185,11 @@ def _timed_run(kw: dict[str, Any], prompts, outs, split: bool) -> dict[str, Any]
 
 
 def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = False, quick: bool = False,
-                  num_seqs: int | None = None, transport: str = "in-process") -> dict[str, Any]:
+                  num_seqs: int | None = None, transport: str = "in-process", repeat: int = 1) -> dict[str, Any]:
     """transport "in-process" (LLM() with its services in this process), "split" (cache and compute
     services as processes over gRPC, the pool shared by CUDA IPC) or "both": split first (the
-    same pool size for both), then in-process, in this one run, printed side by side."""
+    same pool size for both), then in-process, in this one run, printed side by side; `repeat`
+    more pairs alternate the two (the machine's drift falls on both) and report the median ratio."""
     prompts, outs = make_workload(workload, num_seqs or (32 if quick else None))
     kw = {"model": "random:qwen3-0.6b", "max_model_len": 8192, **engine_kw}
     total = sum(outs)
@@ -193,14 +198,14 @@ def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = Fals
         split_run = _timed_run(kw, prompts, outs, split=True)
         kw["num_gpu_blocks"] = split_run["kv_blocks"]  # the same pool for both
         if transport == "split":
-            out = {k: v for k, v in split_run.items() if k != "tokens"}
-            out.update(workload=workload, transport="split", num_seqs=len(prompts), output_tokens=total,
-                       gpu=torch.cuda.get_device_name(0))
-            print(f"[{workload} split] {len(prompts)} seqs, {total} output tokens in {out['seconds']:.2f} s = "
-                  f"{out['output_tokens_per_s']:,.0f} tok/s; {out['steps']} steps, {out['rpcs_per_step']:.2f} "
-                  f"service calls/step, plan {out['plan_ms_per_step']:.2f} ms/step, step call (gateway blocked) "
-                  f"{out['step_call_ms_per_step']:.2f} ms/step")
-            return out
+            only = {k: v for k, v in split_run.items() if k != "tokens"}
+            only.update(workload=workload, transport="split", num_seqs=len(prompts), output_tokens=total,
+                        gpu=torch.cuda.get_device_name(0))
+            print(f"[{workload} split] {len(prompts)} seqs, {total} output tokens in {only['seconds']:.2f} s = "
+                  f"{only['output_tokens_per_s']:,.0f} tok/s; {only['steps']} steps, {only['rpcs_per_step']:.2f} "
+                  f"service calls/step, plan {only['plan_ms_per_step']:.2f} ms/step, step call (gateway blocked) "
+                  f"{only['step_call_ms_per_step']:.2f} ms/step")
+            return only
     device = torch.device("cuda")
     local = _timed_run(kw, prompts, outs, split=False)
     dt = local["seconds"]
@@ -231,7 +236,19 @@ def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = Fals
         for name, r in (("in-process", local), ("split", split_run)):
             print(f"  {name:10s}: {r['steps']} steps, {r['rpcs_per_step']:.2f} service calls/step, plan "
                   f"{r['plan_ms_per_step']:.2f} ms/step, step call (gateway blocked) {r['step_call_ms_per_step']:.2f} "
-                  f"ms/step, gateway not blocked {r['gateway_busy_share']:.1%} of the run")
+                  f"ms/step, building it {r['build_ms_per_step']:.2f} ms/step, reading tokens "
+                  f"{r['tokens_ms_per_step']:.2f} ms/step (a step every {r['step_ms']:.2f} ms), gateway not blocked "
+                  f"{r['gateway_busy_share']:.1%} of the run")
+    if split_run is not None and repeat > 1:
+        ratios = [out["split"]["over_in_process"]]
+        for i in range(1, repeat):
+            s_run, l_run = _timed_run(kw, prompts, outs, split=True), _timed_run(kw, prompts, outs, split=False)
+            ratios.append(l_run["seconds"] / s_run["seconds"])
+            print(f"[{workload} pair {i + 1}] split {s_run['output_tokens_per_s']:,.0f} tok/s, in-process "
+                  f"{l_run['output_tokens_per_s']:,.0f} tok/s = {ratios[-1]:.1%}")
+        out["split"]["pair_ratios"] = ratios
+        out["split"]["median_ratio"] = statistics.median(ratios)
+        print(f"[{workload} split] median of {repeat} pairs: {out['split']['median_ratio']:.1%} of in-process")
     if compare:
         t_hf = run_hf("qwen3-0.6b", prompts, outs, device)
         out["hf_seconds"] = t_hf
