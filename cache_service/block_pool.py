@@ -12,8 +12,9 @@ adaptive pool rule, rare): O(blocks).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 
-from nanokv.cache_service.policies.base import EvictionPolicy
+from nanokv.cache_service.policies.base import EvictionPolicy, WarmBlock
 
 
 class BlockPool:
@@ -116,14 +117,33 @@ class BlockPool:
         self.num_evictable = 0
         self.recently_evicted.clear()
 
-    def replace_policy(self, new: EvictionPolicy) -> None:
-        """Hand every evictable block to ``new`` coldest first, replaying "was reused" as a hit."""
+    def replace_policy(self, new: EvictionPolicy, donor: BlockPool | None = None) -> None:
+        """Hand every evictable block to ``new`` (``EvictionPolicy.inherit``) coldest first.
+
+        Without a donor the order and "was reused" bits are the current policy's. With ``donor``
+        (a pool run by a policy of ``new``'s class on the same stream: the adaptive controller's
+        ghost), the blocks the donor also holds follow the donor's order and bits, matched by hash,
+        after the ones it does not hold (those it evicted: coldest), and ``new`` copies the donor's
+        key-indexed history."""
+        blocks: list[WarmBlock] = []
         for b, reused in self.policy.snapshot():
             h = self.hash[b]
             assert h is not None  # internal invariant: evictable blocks hold a hash
-            new.on_evictable(b, h, self.depth[b])
-            if reused:
-                new.on_hit(b)
+            blocks.append((b, h, self.depth[b], reused))
+        donor_policy = None
+        if donor is not None:
+            if type(donor.policy) is not type(new):
+                raise ValueError(f"donor runs {donor.policy.name}, not {new.name}")
+            donor_policy = donor.policy
+            rank: dict[Hashable, tuple[int, bool]] = {}
+            for i, (b, reused) in enumerate(donor_policy.snapshot()):
+                h = donor.hash[b]
+                if h is not None:
+                    rank[h] = (i, reused)
+            blocks = ([w for w in blocks if w[1] not in rank]
+                      + sorted(((b, h, d, rank[h][1]) for b, h, d, _ in blocks if h in rank),
+                               key=lambda w: rank[w[1]][0]))
+        new.inherit(donor_policy, blocks)
         self.policy = new
 
     # ---- resizing (nanokv.gateway.adaptive pool rule) -------------------------------------------------------

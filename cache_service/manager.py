@@ -337,12 +337,14 @@ class KVCacheManager:
         self.stats.preemptions += 1
 
     # ---- administration ------------------------------------------------------------------------
-    def set_policy(self, name: str, **kw: Any) -> None:
+    def set_policy(self, name: str, donor: KVCacheManager | None = None, **kw: Any) -> None:
         """Switch the eviction policy at runtime. Every cached block stays cached; the new policy
-        receives the evictable blocks coldest first with their "was reused" bit (O(cached))."""
+        receives the evictable blocks coldest first with their "was reused" bit (O(cached)).
+        ``donor``: a manager running ``name`` on the same request stream (the adaptive controller's
+        ghost); the switch then starts warm, with the donor's order and history (BlockPool.replace_policy)."""
         kwargs = {"k": self.lru_k, **kw}
         new = make_policy(name, self.num_blocks, **kwargs)
-        self.pool.replace_policy(new)
+        self.pool.replace_policy(new, donor.pool if donor is not None else None)
         self.policy_name = name
         self._policy_kwargs = kwargs
         self.stats.evictions_by_policy.setdefault(name, 0)

@@ -4,7 +4,7 @@
   tests/test_cache_simulate.py), and >= 1.15x LRU at 5 % on multi-turn chat;
 * the workload generators are deterministic and match the statistics they are calibrated to;
 * the adaptive controller, starting on leaf_lru, stays within 2 % of the best static policy on the
-  phase-change workloads and never below LRU (one documented exception, asserted as such).
+  phase-change workloads and never below LRU.
 """
 
 from __future__ import annotations
@@ -88,7 +88,6 @@ def test_adaptive_tracks_the_best_static_policy_on_phase_changes(name: str, pct:
                               settings=AdaptiveSettings(policy_candidates=ADAPTIVE_CANDIDATES))
     best, lru = _static_best(name, cap)
     assert got.block_hit_ratio >= lru, (got.block_hit_ratio, lru)
-    # The one miss (docs/cache-policies.md, "Adaptive"): a 1% cache through the scan phase, where the
-    # policy it switches to starts without the reference history the static run had built.
-    slack = 0.025 if (name, pct) == ("phase_change", 1) else 0.02
-    assert got.block_hit_ratio >= (1 - slack) * best, (got.block_hit_ratio, best, [d.action for d in tl.decisions])
+    # A switch starts warm (the new policy takes its ghost's history): without that, phase_change at
+    # 1% missed by 2.04% (tests/test_cache_policies_warm.py).
+    assert got.block_hit_ratio >= 0.98 * best, (got.block_hit_ratio, best, [d.action for d in tl.decisions])

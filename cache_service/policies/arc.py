@@ -13,9 +13,9 @@ Cost: O(1) per operation (ordered dicts as linked lists).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
-from nanokv.cache_service.policies.base import EvictionPolicy
+from nanokv.cache_service.policies.base import EvictionPolicy, WarmBlock
 
 
 class ARCPolicy(EvictionPolicy):
@@ -55,6 +55,33 @@ class ARCPolicy(EvictionPolicy):
             self._t2[block_id] = None
         elif block_id in self._t2:
             self._t2.move_to_end(block_id)
+
+    def inherit(self, donor: EvictionPolicy | None, blocks: Sequence[WarmBlock]) -> None:
+        """Warm start: the donor's T1 target ``p`` and ghosts B1/B2; a live block the donor holds
+        goes to the donor's list for it (T1 or T2)."""
+        if not isinstance(donor, ARCPolicy):
+            return super().inherit(donor, blocks)
+        self.p = min(donor.p, float(self.capacity))
+        self._b1 = OrderedDict(donor._b1)
+        self._b2 = OrderedDict(donor._b2)
+        frequent = {donor._key[b] for b in donor._t2 if b in donor._key}
+        recent = {donor._key[b] for b in donor._t1 if b in donor._key}
+        live = {key for _, key, _, _ in blocks}
+        # Blocks the donor holds and the live cache lost become ghosts of the donor's list for them,
+        # so that a recomputed one is admitted as the donor would still hold it.
+        self._b1.update((k, None) for k in recent - live)
+        self._b2.update((k, None) for k in frequent - live)
+        for b, key, depth, reused in blocks:
+            if key in frequent or key in recent:
+                self._key[b] = key
+                self._freq[b] = key in frequent
+                (self._t2 if key in frequent else self._t1)[b] = None
+            else:
+                self.on_evictable(b, key, depth)
+                if reused:
+                    self.on_hit(b)
+        self._trim()
+        return None
 
     def resize(self, capacity: int) -> None:
         super().resize(capacity)

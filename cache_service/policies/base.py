@@ -22,8 +22,11 @@ Policies may keep a pinned block in place inside their queues (lazy pinning) as 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import ClassVar
+
+# (block id, key, depth, was reused): an evictable block handed to a new policy on a switch
+WarmBlock = tuple[int, Hashable, int, bool]
 
 
 class EvictionPolicy(ABC):
@@ -54,6 +57,21 @@ class EvictionPolicy(ABC):
     def snapshot(self) -> list[tuple[int, bool]]:
         """Evictable blocks coldest first, each with "was reused" - used to carry state across a
         runtime policy switch (``KVCacheManager.set_policy``). O(n), only called on a switch."""
+
+    def inherit(self, donor: EvictionPolicy | None, blocks: Sequence[WarmBlock]) -> None:
+        """Take over the evictable ``blocks`` (block id, key, depth, was reused), coldest first, on a
+        runtime switch (``KVCacheManager.set_policy``); called once on a fresh policy.
+
+        ``donor`` is a policy of the same class that ran on the same request stream - the adaptive
+        controller's ghost cache of this policy - or None. A policy that keeps key-indexed state
+        (reference history, ghost lists, measured reuse) overrides this to copy the donor's, so a
+        switch starts warm: a block the live cache evicted under the old policy comes back with the
+        history the new policy would have had. O(donor state), only on a switch. The default
+        admits the blocks and replays "was reused" as a hit."""
+        for b, key, depth, reused in blocks:
+            self.on_evictable(b, key, depth)
+            if reused:
+                self.on_hit(b)
 
     def resize(self, capacity: int) -> None:
         """The pool now has ``capacity`` blocks (KVCacheManager.resize; removed blocks were already

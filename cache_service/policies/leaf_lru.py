@@ -31,9 +31,9 @@ Cost: O(1) per operation (two ordered dicts; a FIFO of open measurements, each e
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
-from nanokv.cache_service.policies.base import EvictionPolicy
+from nanokv.cache_service.policies.base import EvictionPolicy, WarmBlock
 
 LAST, BEFORE_LAST, INTERIOR = 0, 1, 2
 CLASS_NAMES = ("last block", "block before the last", "interior block")
@@ -142,6 +142,24 @@ class LeafLRUPolicy(EvictionPolicy):
         del self._key[block_id]
         self._reused.discard(block_id)
         return block_id
+
+    def inherit(self, donor: EvictionPolicy | None, blocks: Sequence[WarmBlock]) -> None:
+        """Warm start: the donor's measurement (per-class counts, open episodes, which classes are
+        dead); a live block the donor holds goes where the donor has it (cold FIFO or LRU, reused)."""
+        if not isinstance(donor, LeafLRUPolicy):
+            return super().inherit(donor, blocks)
+        self._now = donor._now
+        self._pending = deque(donor._pending)
+        self._open = dict(donor._open)
+        self._trials, self._reuses = list(donor._trials), list(donor._reuses)
+        self._outcomes, self.dead = donor._outcomes, list(donor.dead)
+        cold = {donor._key[b] for b in donor._cold if b in donor._key}
+        for b, key, _depth, reused in blocks:
+            self._key[b] = key  # a block the donor does not hold goes to the LRU list, coldest
+            (self._cold if key in cold and not reused else self._lru)[b] = None
+            if reused:
+                self._reused.add(b)
+        return None
 
     def resize(self, capacity: int) -> None:
         super().resize(capacity)

@@ -13,10 +13,10 @@ lazy-deletion heap keyed by the K-th reference time).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from nanokv.cache_service.policies._heap import LazyHeap
-from nanokv.cache_service.policies.base import EvictionPolicy
+from nanokv.cache_service.policies.base import EvictionPolicy, WarmBlock
 
 
 class LRUKPolicy(EvictionPolicy):
@@ -35,6 +35,7 @@ class LRUKPolicy(EvictionPolicy):
         self._young: OrderedDict[int, None] = OrderedDict()  # evictable, < K refs, LRU first
         self._old = LazyHeap()  # evictable, K refs, keyed by the K-th most recent time
         self._retained: OrderedDict[Hashable, list[int]] = OrderedDict()
+        self._inherited: dict[Hashable, list[int]] = {}  # warm start: see inherit(), <= capacity entries
 
     def _ref(self, block_id: int) -> list[int]:
         self._now += 1
@@ -57,7 +58,9 @@ class LRUKPolicy(EvictionPolicy):
         if block_id not in self._key:
             # First release after the block was computed: that computation was a reference.
             self._key[block_id] = key
-            past = self._retained.pop(key, [])
+            past = self._retained.pop(key, None)
+            if past is None:
+                past = self._inherited.pop(key, []) if self._inherited else []
             hits = self._refs.pop(block_id, [])
             self._refs[block_id] = (past + hits)[-self.k:]
             self._ref(block_id)
@@ -67,6 +70,29 @@ class LRUKPolicy(EvictionPolicy):
         self._ref(block_id)
         if block_id in self._young or block_id in self._old:
             self._place(block_id)
+
+    def inherit(self, donor: EvictionPolicy | None, blocks: Sequence[WarmBlock]) -> None:
+        """Warm start: the donor's clock and reference history, for blocks it evicted (retained) and
+        for the ones it holds; a live block the donor holds keeps the donor's reference times."""
+        if not isinstance(donor, LRUKPolicy):
+            return super().inherit(donor, blocks)
+        self._now = donor._now
+        self._retained = OrderedDict((key, list(refs)) for key, refs in donor._retained.items())
+        held = {key: list(donor._refs[b]) for b, key in donor._key.items() if b in donor._refs}
+        for b, key, depth, reused in blocks:
+            refs = held.pop(key, None) or self._retained.pop(key, None)
+            if refs is None:  # the donor never saw it (or forgot): a cold admission
+                self.on_evictable(b, key, depth)
+                if reused:
+                    self.on_hit(b)
+                continue
+            self._key[b] = key
+            self._refs[b] = refs[-self.k:]
+            self._place(b)
+        # Blocks the donor holds and the live cache lost: in the donor they are resident, so their
+        # history waits here until they are computed again, not in the FIFO a scan would flush.
+        self._inherited = held
+        return None
 
     def resize(self, capacity: int) -> None:
         super().resize(capacity)

@@ -14,9 +14,9 @@ parked outside the queues and re-enters M's tail when freed (it was in use, henc
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
-from nanokv.cache_service.policies.base import EvictionPolicy
+from nanokv.cache_service.policies.base import EvictionPolicy, WarmBlock
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -64,6 +64,33 @@ class S3FIFOPolicy(EvictionPolicy):
             self._key.pop(block_id, None)
         elif block_id in self._s or block_id in self._m:
             self._pinned.add(block_id)
+
+    def inherit(self, donor: EvictionPolicy | None, blocks: Sequence[WarmBlock]) -> None:
+        """Warm start: the donor's ghost queue; a live block the donor holds goes to the donor's
+        queue for it (small or main) with its hit count."""
+        if not isinstance(donor, S3FIFOPolicy):
+            return super().inherit(donor, blocks)
+        self._g = OrderedDict(donor._g)
+        where = {donor._key[b]: (b in donor._m, donor._freq.get(b, 0)) for b in (*donor._s, *donor._m)
+                 if b in donor._key and b not in donor._pinned}
+        live = {key for _, key, _, _ in blocks}
+        # Blocks the donor holds and the live cache lost join the ghost queue: recomputed, they are
+        # admitted to the main queue, where the donor has them.
+        self._g.update((k, None) for k in where if k not in live)
+        while len(self._g) > self.ghost_capacity:
+            self._g.popitem(last=False)
+        for b, key, depth, reused in blocks:
+            got = where.get(key)
+            if got is None:
+                self.on_evictable(b, key, depth)
+                if reused:
+                    self.on_hit(b)
+                continue
+            self._g.pop(key, None)
+            self._key[b] = key
+            self._freq[b] = got[1]
+            (self._m if got[0] else self._s)[b] = None
+        return None
 
     def resize(self, capacity: int) -> None:
         super().resize(capacity)

@@ -207,7 +207,9 @@ class AdaptiveController:
     def _apply(self, p: Proposal) -> str:
         """Make the change; '' on success, else why not."""
         if p.kind == "eviction_policy":
-            self.cache.set_policy(p.target)  # keeps every cached block and its reuse bit
+            # keeps every cached block; warm: the new policy takes its ghost's order and history
+            ghost = self.ghosts.caches.get(p.target) if self.ghosts is not None else None
+            self.cache.set_policy(p.target, donor=ghost)
         elif p.kind == "max_num_seqs":
             self.scheduler.max_num_seqs = int(p.target)  # running sequences finish; no preemption
         elif p.kind == "kv_bits":
