@@ -14,10 +14,10 @@ from typing import Any
 
 from nanokv.cache_service.service import CacheService, NotAttached
 from nanokv.config import EngineConfig
+from nanokv.lease import start_reaper
 from nanokv.protos import codec
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
-from nanokv.lease import start_reaper
 from nanokv.rpc import add_servicer, make_server, rpc_errors, set_serving
 
 log = logging.getLogger("nanokv.cache_service")

@@ -18,8 +18,8 @@ from typing import Any
 from nanokv.compute_service.cache_watch import CacheWatch
 from nanokv.compute_service.service import ComputeService
 from nanokv.compute_service.validate import validate_step
-from nanokv.lease import Leases, start_reaper
 from nanokv.config import EngineConfig
+from nanokv.lease import Leases, start_reaper
 from nanokv.messages import PoolHandle, PoolLayout
 from nanokv.protos import codec
 from nanokv.protos import internal_pb2 as pb

@@ -45,7 +45,7 @@ class Leases:
         return gone
 
 
-def start_reaper(leases: Leases, release: Callable[[str], None], stop: threading.Event) -> threading.Thread:
+def start_reaper(leases: Leases, release: Callable[[str], object], stop: threading.Event) -> threading.Thread:
     """A daemon thread that calls release(holder) for every expired lease, checking about four times
     per lease period, so a dead gateway's sequences go within 1.25 x gateway_lease_s."""
     interval = max(0.05, min(leases.lease_s / 4, 5.0))

@@ -124,7 +124,7 @@ class ModelRunner:
             self.stage = StageTable(self.num_blocks, self._stage_slots(), self.block_size, self.device)
             self.stage.block_free = old.block_free
         self.kv_caches = carve_layer_caches(self.pool_layout, map_handle(handle), self.stage)
-        folded = getattr(self, "_folded_layers", set())
+        folded: set[int] = getattr(self, "_folded_layers", set())
         for i, cache in enumerate(self.kv_caches):
             if i in folded:
                 cache.rotate_v_in_weights = True
