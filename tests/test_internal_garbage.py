@@ -64,8 +64,10 @@ def test_named_garbage(cache):
     stub, ch, epoch = cache
     raw = ch.unary_unary("/nanokv.internal.v1.Cache/Plan")  # bytes in, bytes out
     _expect_rejected(lambda: raw(b"\xff\xff\xff\xff garbage", timeout=10))
-    _expect_rejected(lambda: stub.Plan(pb.PlanRequest(epoch=epoch + 12345, running=codec.pack([1]), grows=codec.pack([1, 16, 1])), timeout=10))
-    _expect_rejected(lambda: stub.Plan(pb.PlanRequest(epoch=epoch, running=codec.pack([99]), grows=codec.pack([99, 16, 1])), timeout=10))
+    stale = pb.PlanRequest(epoch=epoch + 12345, running=codec.pack([1]), grows=codec.pack([1, 16, 1]))
+    _expect_rejected(lambda: stub.Plan(stale, timeout=10))
+    unknown = pb.PlanRequest(epoch=epoch, running=codec.pack([99]), grows=codec.pack([99, 16, 1]))
+    _expect_rejected(lambda: stub.Plan(unknown, timeout=10))
     _expect_rejected(lambda: stub.Plan(pb.PlanRequest(epoch=epoch, appended=b"\x01\x02\x03"), timeout=10))
     _expect_rejected(lambda: stub.Plan(pb.PlanRequest(
         epoch=epoch, new_seqs=[pb.NewSeq(seq_id=1, token_ids=codec.pack([-5, 3]))]), timeout=10))
