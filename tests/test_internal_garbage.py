@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -97,3 +98,30 @@ def test_random_garbage(cache, data, ids):
             assert e.code() in BAD, (e.code(), e.details())
     assert stub.Stats(pb.Empty(), timeout=10).kv_blocks_total == 32
     _intact(stub, epoch)
+
+
+def test_dead_gateway_lease_expires(tmp_path):
+    """A gateway that goes silent (killed) loses its sequences and blocks after gateway_lease_s."""
+    address = f"unix:{tmp_path / 'lease.sock'}"
+    proc = subprocess.Popen([sys.executable, "-m", "nanokv.cli", "cache", "--listen", address,
+                             "--config-json", '{"gateway_lease_s": 1.0}'],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_serving(address, 60)
+        with channel(address) as ch:
+            stub = pb_grpc.CacheStub(ch)
+            epoch = stub.Attach(pb.AttachRequest(layout=LAYOUT), timeout=10).epoch
+            stub.Plan(pb.PlanRequest(new_seqs=[pb.NewSeq(seq_id=1, token_ids=codec.pack(range(100)))],
+                                     waiting=codec.pack([1, 100, 0]), token_budget=128, max_num_seqs=4,
+                                     epoch=epoch, gateway_id="dead"), timeout=10)
+            s = stub.Stats(pb.Empty(), timeout=10)
+            assert s.num_seqs == 1 and s.kv_blocks_free == 32 - 7
+            t0 = time.monotonic()
+            while stub.Stats(pb.Empty(), timeout=10).num_seqs:
+                assert time.monotonic() - t0 < 5.0
+                time.sleep(0.1)
+            s = stub.Stats(pb.Empty(), timeout=10)
+            assert s.kv_blocks_free == 32 and s.kv_cache_usage == 0.0
+    finally:
+        proc.terminate()
+        proc.wait(10)
