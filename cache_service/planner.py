@@ -26,6 +26,7 @@ class _SeqState:
     token_ids: list[int]
     cache_salt: str | None
     sent: int = 0  # table entries the compute service holds (0 after a free: it drops its copy)
+    owner: str = ""  # the gateway that registered it (PlanRequest.gateway_id)
 
 
 class Planner:
@@ -49,7 +50,7 @@ class Planner:
         for ns in req.new_seqs:
             if ns.seq_id in self._seqs:
                 raise NanoKVError("new_seqs", f"sequence id {ns.seq_id} is already registered")
-            self._seqs[ns.seq_id] = _SeqState(list(ns.token_ids), ns.cache_salt)
+            self._seqs[ns.seq_id] = _SeqState(list(ns.token_ids), ns.cache_salt, owner=req.gateway_id)
         for seq_id, tok in req.appended:
             self._state(seq_id, "appended").token_ids.append(tok)
         for seq_id, num_computed in req.commits:
@@ -130,8 +131,11 @@ class Planner:
         preempted.add(seq_id)
         reply.preempted.append(seq_id)
 
-    def forget_all(self) -> None:
-        """Every sequence ends (its gateway went away): free all blocks they hold."""
-        for seq_id in list(self._seqs):
+    def forget_all(self, owner: str | None = None) -> int:
+        """Every sequence of `owner` (None: of every gateway) ends, its gateway went away: free the
+        blocks they hold. Returns how many ended."""
+        gone = [s for s, st in self._seqs.items() if owner is None or st.owner == owner]
+        for seq_id in gone:
             self._seqs.pop(seq_id)
             self.manager.free(seq_id)
+        return len(gone)

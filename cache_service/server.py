@@ -14,10 +14,11 @@ from typing import Any
 
 from nanokv.cache_service.service import CacheService, NotAttached
 from nanokv.config import EngineConfig
+from nanokv.lease import start_reaper
 from nanokv.protos import codec
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
-from nanokv.rpc import make_server, rpc_errors, set_serving
+from nanokv.rpc import add_servicer, make_server, rpc_errors, set_serving
 
 log = logging.getLogger("nanokv.cache_service")
 SERVICE_NAME = "nanokv.internal.v1.Cache"
@@ -54,17 +55,24 @@ class CacheServicer(pb_grpc.CacheServicer):
             self.svc.reset_prefix_cache(clear_stats=request.clear_stats)
             return pb.Empty()
 
+    def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.Empty:
+        with rpc_errors(context):
+            n = self.svc.release(request.gateway_id or None)
+            log.info("released %d sequences of gateway %s", n, request.gateway_id or "(all)")
+            return pb.Empty()
+
 
 def serve(config: EngineConfig, listen: str, stop: threading.Event | None = None) -> None:
     svc = CacheService(config, shared=True)
     if config.device != "cpu":
         _init_cuda()
     server, hs = make_server(listen)
-    pb_grpc.add_CacheServicer_to_server(CacheServicer(svc), server)
+    add_servicer(server, CacheServicer(svc), "Cache")
     server.start()
     set_serving(hs, [SERVICE_NAME], True)
     log.info("cache service on %s (policy %s)", listen, config.eviction_policy)
     stop = stop or threading.Event()
+    start_reaper(svc.leases, svc.release, stop)  # a dead gateway's sequences go (nanokv.lease)
     for sig in (signal.SIGTERM, signal.SIGINT):
         if threading.current_thread() is threading.main_thread():
             signal.signal(sig, lambda *_: stop.set())

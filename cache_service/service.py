@@ -13,16 +13,19 @@ gRPC server (nanokv.cache_service.server), so both run this code. Lifecycle:
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from nanokv.cache_service.manager import KVCacheManager
 from nanokv.cache_service.planner import Planner
+from nanokv.cache_service.validate import validate_plan
 from nanokv.config import EngineConfig
-from nanokv.errors import NanoKVError
+from nanokv.errors import PreconditionError, StaleEpoch
+from nanokv.lease import Leases
 from nanokv.messages import PlanReply, PlanRequest, PoolHandle, PoolLayout
 
 
-class NotAttached(NanoKVError):
+class NotAttached(PreconditionError):
     def __init__(self) -> None:
         super().__init__("cache", "no compute service has attached a KV pool yet")
 
@@ -35,8 +38,11 @@ class CacheService:
         self.manager: KVCacheManager | None = None
         self.planner: Planner | None = None
         self.storage: Any = None  # nanokv.cache_service.storage.PoolStorage (imports torch: loaded on attach)
-        self.epoch = 0
+        # epochs start at this incarnation's start time (ms): a restarted cache service never hands
+        # out an epoch a compute service or gateway still holds from the one before
+        self.epoch = int(time.time() * 1000)
         self.attached_epoch = 0  # the epoch a compute service holds a mapping of (0: none)
+        self.leases = Leases(config.gateway_lease_s)
         self.lock = threading.Lock()  # gRPC handlers run on a thread pool; a plan is one transaction
         self.plan_calls = 0
 
@@ -88,6 +94,10 @@ class CacheService:
         with self.lock:
             if self.planner is None:
                 raise NotAttached()
+            if request.epoch and request.epoch != self.attached_epoch:
+                raise StaleEpoch(request.epoch, self.attached_epoch)
+            validate_plan(self.planner, request)  # whole, before any change: a plan is one transaction
+            self.leases.renew(request.gateway_id)
             self.plan_calls += 1
             return self.planner.plan(request)
 
@@ -101,11 +111,12 @@ class CacheService:
                 self.manager.stats.clear()
             return ok
 
-    def release_all(self) -> None:
-        """The gateway went away: every sequence it held ends."""
+    def release(self, gateway_id: str | None = None) -> int:
+        """A gateway went away (its lease ran out) or starts over: every sequence it held ends and
+        its blocks go back (None: every gateway's). Returns how many sequences ended."""
         with self.lock:
-            if self.planner is not None:
-                self.planner.forget_all()
+            self.leases.drop(gateway_id)
+            return self.planner.forget_all(gateway_id) if self.planner is not None else 0
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
@@ -126,5 +137,6 @@ class CacheService:
                 "cache_preemptions": cs.preemptions,
                 "num_seqs": self.planner.num_seqs if self.planner is not None else 0,
                 "epoch": self.epoch,
+                "attached_epoch": self.attached_epoch,
                 "plan_calls": self.plan_calls,
             }

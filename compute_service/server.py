@@ -15,23 +15,27 @@ import signal
 import threading
 from typing import Any
 
+from nanokv.compute_service.cache_watch import CacheWatch
 from nanokv.compute_service.service import ComputeService
+from nanokv.compute_service.validate import validate_step
 from nanokv.config import EngineConfig
+from nanokv.lease import Leases, start_reaper
 from nanokv.messages import PoolHandle, PoolLayout
 from nanokv.protos import codec
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
-from nanokv.rpc import call, channel, make_server, rpc_errors, set_serving, wait_serving
+from nanokv.rpc import add_servicer, call, channel, make_server, rpc_errors, set_serving, wait_serving
 
 log = logging.getLogger("nanokv.compute_service")
 SERVICE_NAME = "nanokv.internal.v1.Compute"
 
 
 class ComputeServicer(pb_grpc.ComputeServicer):
-    def __init__(self, step_timeout_s: float):
+    def __init__(self, step_timeout_s: float, lease_s: float = 180.0):
         self._svc: ComputeService | None = None  # set once the model is loaded and the pool attached
         self.turn = threading.Condition()
         self.step_timeout_s = step_timeout_s
+        self.leases = Leases(lease_s)  # the gateway's: a dead one's sequences go (nanokv.lease)
 
     @property
     def svc(self) -> ComputeService:
@@ -50,9 +54,12 @@ class ComputeServicer(pb_grpc.ComputeServicer):
     def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResult:
         with rpc_errors(context):
             req = codec.step_request_from_pb(request)
+            validate_step(self.svc, req, in_turn=False)
+            self.leases.renew(req.gateway_id)
             with self.turn:
                 if not self.turn.wait_for(lambda: self.svc._next_step >= req.step_id, self.step_timeout_s):
                     raise TimeoutError(f"step {req.step_id}: step {self.svc._next_step} never came")
+                validate_step(self.svc, req)  # whole, before its deltas change any table
                 launched = self.svc.launch(req)
                 self.turn.notify_all()
             return codec.step_result_to_pb(self.svc.collect(launched))
@@ -65,6 +72,19 @@ class ComputeServicer(pb_grpc.ComputeServicer):
         with rpc_errors(context):
             self.svc.reset_stats()
             return pb.Empty()
+
+    def Reset(self, request: pb.Empty, context: Any) -> pb.Empty:
+        with rpc_errors(context):
+            with self.turn:
+                self.svc.reset()
+                self.turn.notify_all()
+            self.leases.drop()
+            return pb.Empty()
+
+    def release_gateway(self, gateway_id: str) -> None:
+        """The gateway's lease ran out: its sequences' tables and sampler state go."""
+        with self.turn:
+            self.svc.drop_sequences()
 
 
 def attach_via(cache_address: str, timeout_s: float):  # noqa: ANN201 - a closure for ComputeService
@@ -80,15 +100,20 @@ def attach_via(cache_address: str, timeout_s: float):  # noqa: ANN201 - a closur
 
 def serve(config: EngineConfig, listen: str, cache_address: str, stop: threading.Event | None = None) -> None:
     server, hs = make_server(listen)
-    servicer = ComputeServicer(config.rpc_timeout_s)
-    pb_grpc.add_ComputeServicer_to_server(servicer, server)
+    servicer = ComputeServicer(config.rpc_timeout_s, config.gateway_lease_s)
+    add_servicer(server, servicer, "Compute")
     set_serving(hs, [SERVICE_NAME], False)
     server.start()  # health answers NOT_SERVING while the model loads
-    svc = servicer._svc = ComputeService(config, attach_pool=attach_via(cache_address, config.rpc_timeout_s))
+    attach = attach_via(cache_address, config.rpc_timeout_s)
+    svc = servicer._svc = ComputeService(config, attach_pool=attach)
     set_serving(hs, [SERVICE_NAME], True)
     log.info("compute service on %s: %s, %d KV blocks (cache service %s)", listen, svc.model_name,
              svc.runner.num_blocks, cache_address)
     stop = stop or threading.Event()
+    start_reaper(servicer.leases, servicer.release_gateway, stop)
+    if hasattr(svc.runner, "remap_pool"):  # (tensor parallel: the ranks' pools do not follow a restart)
+        CacheWatch(cache_address, servicer, attach, lambda ok: set_serving(hs, [SERVICE_NAME], ok), stop,
+                   config.rpc_timeout_s).start()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())

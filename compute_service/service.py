@@ -92,7 +92,8 @@ class ComputeService:
         mc = self.model_config
         return ModelInfo(self.model_name, mc.vocab_size, list(mc.eos_token_ids or []), self.max_model_len,
                          self.runner.num_blocks, self.runner.block_size, self.device.type,
-                         str(self.dtype).removeprefix("torch."), model=self.config.model)
+                         str(self.dtype).removeprefix("torch."), model=self.config.model,
+                         epoch=getattr(self.runner, "pool_epoch", 0))
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The tokenizer as the files save_pretrained writes (empty for random-weight models)."""
@@ -110,12 +111,26 @@ class ComputeService:
 
     def stats(self) -> dict[str, Any]:
         return {"compression_error": self.compression_monitor.snapshot(), "compute_steps": self.steps,
-                "forward_s": self.forward_ns / 1e9}
+                "forward_s": self.forward_ns / 1e9, "num_seqs": len(self._tables),
+                "epoch": getattr(self.runner, "pool_epoch", 0)}
 
     def reset_stats(self) -> None:
         self.compression_monitor.reset()
         self.steps = 0
         self.forward_ns = 0
+
+    def drop_sequences(self) -> None:
+        """Forget every sequence's table, params and sampler state (their gateway is gone)."""
+        for seq_id in list(self._params):
+            self.sampler.forget(seq_id)
+        self._tables.clear()
+        self._params.clear()
+        self._last = None
+
+    def reset(self) -> None:
+        """A gateway starts over (Compute.Reset): no sequence, and steps count from 0 again."""
+        self.drop_sequences()
+        self._next_step = 0
 
     def _block_free(self, block: int) -> bool:
         return all(block not in t for t in self._tables.values())

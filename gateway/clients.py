@@ -1,7 +1,9 @@
 """The gRPC transport: clients of the cache and compute services with the in-process API.
 
 CacheClient and ComputeClient answer the same calls as CacheService and ComputeService, so the
-engine cannot tell them apart; every call has a deadline (EngineConfig.rpc_timeout_s). A step's
+engine cannot tell them apart; every call has a deadline (EngineConfig.rpc_timeout_s). Plans and
+steps carry the gateway's id (its lease) and the pool epoch it attached to (nanokv.gateway.recovery
+sets both), so a restarted peer rejects them rather than acting on stale state. A step's
 launch sends the request and returns the call's future; collect waits for it, which is what lets
 a pipelining gateway plan step N+1 while the compute service runs step N.
 """
@@ -27,7 +29,11 @@ class CacheClient:
         self.channel = channel(address)
         self.stub = pb_grpc.CacheStub(self.channel)
 
+    gateway_id = ""
+    epoch = 0
+
     def plan(self, request: PlanRequest) -> PlanReply:
+        request.epoch, request.gateway_id = self.epoch, self.gateway_id
         return codec.plan_reply_from_pb(call(self.stub.Plan, codec.plan_request_to_pb(request), self.timeout, "plan"))
 
     def stats(self) -> dict[str, Any]:
@@ -35,6 +41,9 @@ class CacheClient:
 
     def reset_prefix_cache(self, clear_stats: bool = False) -> None:
         call(self.stub.ResetPrefixCache, pb.ResetRequest(clear_stats=clear_stats), self.timeout, "reset")
+
+    def release(self, gateway_id: str = "") -> None:
+        call(self.stub.Release, pb.ReleaseRequest(gateway_id=gateway_id), self.timeout, "release")
 
     def close(self) -> None:
         self.channel.close()
@@ -54,7 +63,11 @@ class ComputeClient:
     def tokenizer_files(self) -> dict[str, bytes]:
         return dict(call(self.stub.GetTokenizer, pb.Empty(), self.timeout, "tokenizer").files)
 
+    gateway_id = ""
+    epoch = 0
+
     def launch(self, request: StepRequest) -> grpc.Future:
+        request.epoch, request.gateway_id = self.epoch, self.gateway_id
         return self.stub.Step.future(codec.step_request_to_pb(request), timeout=self.timeout)
 
     def collect(self, launched: grpc.Future) -> StepResult:
@@ -64,6 +77,7 @@ class ComputeClient:
             raise remote_error(e, "step") from None
 
     def step(self, request: StepRequest) -> StepResult:
+        request.epoch, request.gateway_id = self.epoch, self.gateway_id
         return codec.step_result_from_pb(call(self.stub.Step, codec.step_request_to_pb(request), self.timeout,
                                               "step"))
 
@@ -72,6 +86,9 @@ class ComputeClient:
 
     def reset_stats(self) -> None:
         call(self.stub.ResetStats, pb.Empty(), self.timeout, "reset_stats")
+
+    def reset(self) -> None:
+        call(self.stub.Reset, pb.Empty(), self.timeout, "reset")
 
     def close(self) -> None:
         self.channel.close()

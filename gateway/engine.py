@@ -55,11 +55,14 @@ class Engine:
         self.config = cfg = config if config is not None else EngineConfig.from_kwargs(**kwargs)
         self.local_cache: Any = None  # the in-process services (None when they run elsewhere)
         self.local_compute: Any = None
+        self.recovery: Any = None  # nanokv.gateway.recovery.Recovery: peers in other processes fail alone
         if cfg.remote:
             from nanokv.gateway.clients import CacheClient, ComputeClient
+            from nanokv.gateway.recovery import Recovery
 
             self.cache: Any = CacheClient(cfg.cache_address or "", cfg.rpc_timeout_s)
             self.compute: Any = ComputeClient(cfg.compute_address or "", cfg.rpc_timeout_s)
+            self.recovery = Recovery(self)
         else:
             from nanokv.cache_service.service import CacheService
             from nanokv.compute_service.service import ComputeService
@@ -77,6 +80,8 @@ class Engine:
         self.scheduler = Scheduler(self.cache, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    enable_chunked_prefill=cfg.enable_chunked_prefill)
+        if self.recovery is not None:
+            self.recovery.attach()  # a new gateway takes over: what any earlier one held is released
         self.sparsity: Any = None
         if self.local_compute is not None:
             from nanokv.compute_service.sparsity.engine_hook import attach as attach_sparsity
@@ -226,6 +231,11 @@ class Engine:
         """Blocks in the pool (in-process the adaptive pool rule may resize it)."""
         cm = self.local_cache.manager if self.local_cache is not None else None
         return cm.num_blocks if cm is not None else self.num_blocks
+
+    @property
+    def ready(self) -> bool:
+        """Attached to live services (always, in process); false during a peer's outage."""
+        return self.recovery is None or self.recovery.ready
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or (self._async is not None and self._async.pending is not None)

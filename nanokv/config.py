@@ -77,6 +77,9 @@ class EngineConfig:
     cache_address: str | None = None
     compute_address: str | None = None
     rpc_timeout_s: float = 60.0  # deadline of every internal RPC (a step included)
+    # a gateway silent this long (no plan, no step) is taken for dead: the cache and compute services
+    # release every sequence it held (nanokv.lease)
+    gateway_lease_s: float = 180.0
     # self-tuning (off until it proves itself)
     adaptive: bool = False
     adaptive_mode: str = "act"  # "act" or "recommend"
@@ -190,6 +193,9 @@ class EngineConfig:
         t = self.rpc_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 86400:
             raise ConfigError("rpc_timeout_s", f"got {t!r}; must be a number of seconds in (0, 86400]")
+        lease = self.gateway_lease_s
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 < lease <= 86400:
+            raise ConfigError("gateway_lease_s", f"got {lease!r}; must be a number of seconds in (0, 86400]")
         if self.remote:
             for name, bad in (("compression_sparsity", bool(self.compression_sparsity)),
                               ("adaptive", self.adaptive or self.eviction_policy == "adaptive")):

@@ -22,3 +22,23 @@ class ConfigError(NanoKVError):
 
 class RequestError(NanoKVError):
     """A single request is invalid; it fails alone and costs the batch nothing."""
+
+
+class PreconditionError(NanoKVError):
+    """A well-formed internal call that does not fit the receiver's state (a sequence it does not
+    hold, another gateway's sequence): FAILED_PRECONDITION over gRPC, not INVALID_ARGUMENT."""
+
+
+class StaleEpoch(PreconditionError):
+    """A call names a KV pool (its epoch) that is no longer the one attached: a service restarted
+    in between. The gateway answers by re-attaching (nanokv.gateway.recovery)."""
+
+    def __init__(self, got: int, current: int, detail: str | None = None):
+        super().__init__("epoch", detail or f"the call was made for pool epoch {got}; the attached pool is "
+                                            f"epoch {current or 'none'} (a service restarted)")
+        self.got, self.current = got, current
+
+
+class ServiceUnavailable(ConnectionError):
+    """A peer service is gone, stalled past its deadline, or restarted: the requests in flight end
+    with this (HTTP 503, gRPC UNAVAILABLE) and the gateway re-attaches when the peer is back."""

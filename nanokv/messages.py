@@ -57,6 +57,8 @@ class PlanRequest:
     token_budget: int = 0
     max_num_seqs: int = 0
     chunked_prefill: bool = True
+    epoch: int = 0  # the pool planned against (0: unchecked, e.g. a tool driving the planner directly)
+    gateway_id: str = ""  # the sequences' holder (its lease: EngineConfig.gateway_lease_s)
 
     @property
     def is_news_only(self) -> bool:
@@ -86,6 +88,8 @@ class StepRequest:
     new_seqs: list[tuple[int, SamplingParams]] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)  # forget tables and sampler state
     preempted: list[int] = field(default_factory=list)  # forget tables (blocks went back to the cache)
+    epoch: int = 0  # the pool the plan was made on (0: unchecked)
+    gateway_id: str = ""
 
 
 @dataclass
@@ -151,3 +155,4 @@ class ModelInfo:
     device: str
     dtype: str
     model: str | None = None  # the path the compute service loaded (the gateway's tokenizer reads it too)
+    epoch: int = 0  # the pool the compute service has mapped (0: none)

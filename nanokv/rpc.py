@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from nanokv.errors import NanoKVError
+from nanokv.errors import NanoKVError, PreconditionError, ServiceUnavailable, StaleEpoch
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # a restarted peer is reconnected within a second, not after gRPC's default backoff (up to 120 s)
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
 
@@ -79,6 +83,8 @@ def wait_serving(address: str, timeout_s: float, service: str = "") -> None:
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, PreconditionError):
+        return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, (NanoKVError, ValueError)):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, (FileNotFoundError, LookupError)):
@@ -100,12 +106,53 @@ def rpc_errors(context: grpc.ServicerContext, failed_precondition: tuple[type[Ba
 
 
 def remote_error(e: grpc.RpcError, what: str) -> Exception:
-    """A client-side error for a failed internal call: NanoKVError for the caller's bad input."""
+    """A client-side error for a failed internal call: NanoKVError for the caller's bad input,
+    PreconditionError (StaleEpoch: a peer restarted) for a call that no longer fits the peer's
+    state, ServiceUnavailable for everything else (peer gone, deadline passed, peer's own fault)."""
     code: Any = e.code() if hasattr(e, "code") else None
     detail = e.details() if hasattr(e, "details") else str(e)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return NanoKVError(what, detail or "invalid argument")
-    return ConnectionError(f"{what}: {code.name if code is not None else 'error'}: {detail}")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        if (detail or "").startswith("StaleEpoch"):
+            return StaleEpoch(0, 0, f"{what}: {detail}")
+        return PreconditionError(what, detail or "failed precondition")
+    return ServiceUnavailable(f"{what}: {code.name if code is not None else 'error'}: {detail}")
+
+
+def add_servicer(server: grpc.Server, servicer: Any, service: str) -> None:
+    """Register `servicer` for `service` ("Cache" / "Compute" of protos/internal.proto) so that no
+    request can crash it: requests arrive as bytes and a body that does not parse is answered with
+    INVALID_ARGUMENT (gRPC's own deserializer would answer INTERNAL), and any exception a handler
+    lets escape becomes INTERNAL with its message, never a dropped call."""
+    from nanokv.protos import internal_pb2 as pb
+
+    desc = pb.DESCRIPTOR.services_by_name[service]
+    handlers = {}
+    for m in desc.methods:
+        req_cls, reply_cls = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
+        handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+            _guarded(getattr(servicer, m.name), req_cls, f"{service}.{m.name}"),
+            request_deserializer=None, response_serializer=reply_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
+
+
+def _guarded(method: Callable[..., Any], req_cls: Any, name: str) -> Callable[[bytes, Any], Any]:
+    from google.protobuf.message import DecodeError
+
+    def handler(raw: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            request = req_cls.FromString(raw)
+        except (DecodeError, ValueError, TypeError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: malformed request ({e})")
+        try:
+            return method(request, context)
+        except Exception as e:  # noqa: BLE001 - a handler's own abort passes; anything else is a status
+            if context.code() is not None:
+                raise
+            log.exception("unexpected error in %s", name)
+            context.abort(status_of(e), f"{type(e).__name__}: {e}")
+    return handler
 
 
 def call(fn: Callable[..., Any], request: Any, timeout: float, what: str) -> Any:

@@ -98,7 +98,8 @@ def plan_request_to_pb(r: PlanRequest) -> pb.PlanRequest:
                   for s in r.new_seqs],
         appended=pack_tuples(r.appended), commits=pack_tuples(r.commits), finished=pack(r.finished),
         running=pack(r.running), grows=pack_tuples(r.grows), waiting=pack_tuples(r.waiting),
-        token_budget=r.token_budget, max_num_seqs=r.max_num_seqs, chunked_prefill=r.chunked_prefill)
+        token_budget=r.token_budget, max_num_seqs=r.max_num_seqs, chunked_prefill=r.chunked_prefill,
+        epoch=r.epoch, gateway_id=r.gateway_id)
 
 
 def plan_request_from_pb(m: pb.PlanRequest) -> PlanRequest:
@@ -110,7 +111,8 @@ def plan_request_from_pb(m: pb.PlanRequest) -> PlanRequest:
         finished=unpack(m.finished, "finished"), running=unpack(m.running, "running"),
         grows=unpack_tuples(m.grows, "grows", 3),  # type: ignore[arg-type]
         waiting=unpack_tuples(m.waiting, "waiting", 3),  # type: ignore[arg-type]
-        token_budget=m.token_budget, max_num_seqs=m.max_num_seqs, chunked_prefill=m.chunked_prefill)
+        token_budget=m.token_budget, max_num_seqs=m.max_num_seqs, chunked_prefill=m.chunked_prefill,
+        epoch=m.epoch, gateway_id=m.gateway_id)
 
 
 def _deltas_to_pb(deltas: Sequence[TableDelta]) -> list[pb.TableDelta]:
@@ -145,12 +147,12 @@ def cache_stats_from_pb(m: pb.CacheStats) -> dict[str, Any]:
 def info_to_pb(i: ModelInfo) -> pb.ModelInfo:
     return pb.ModelInfo(name=i.name, vocab_size=i.vocab_size, eos_token_ids=i.eos_token_ids,
                         max_position_embeddings=i.max_position_embeddings, num_blocks=i.num_blocks,
-                        block_size=i.block_size, device=i.device, dtype=i.dtype, model=i.model)
+                        block_size=i.block_size, device=i.device, dtype=i.dtype, model=i.model, epoch=i.epoch)
 
 
 def info_from_pb(m: pb.ModelInfo) -> ModelInfo:
     return ModelInfo(m.name, m.vocab_size, list(m.eos_token_ids), m.max_position_embeddings, m.num_blocks,
-                     m.block_size, m.device, m.dtype, m.model if m.HasField("model") else None)
+                     m.block_size, m.device, m.dtype, m.model if m.HasField("model") else None, m.epoch)
 
 
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
@@ -177,7 +179,7 @@ def step_request_to_pb(r: StepRequest) -> pb.StepRequest:
         num_prefills=r.num_prefills, tokens=pack(r.tokens), sample_rows=pack(r.sample_rows),
         tables=_deltas_to_pb(r.tables),
         new_seqs=[pb.SeqParams(seq_id=s, params=params_to_pb(p)) for s, p in r.new_seqs],
-        finished=pack(r.finished), preempted=pack(r.preempted))
+        finished=pack(r.finished), preempted=pack(r.preempted), epoch=r.epoch, gateway_id=r.gateway_id)
 
 
 def step_request_from_pb(m: pb.StepRequest) -> StepRequest:
@@ -186,7 +188,7 @@ def step_request_from_pb(m: pb.StepRequest) -> StepRequest:
         unpack(m.num_new, "num_new"), m.num_prefills, unpack(m.tokens, "tokens"),
         unpack(m.sample_rows, "sample_rows"), _deltas_from_pb(m.tables),
         [(s.seq_id, params_from_pb(s.params)) for s in m.new_seqs],
-        unpack(m.finished, "finished"), unpack(m.preempted, "preempted"))
+        unpack(m.finished, "finished"), unpack(m.preempted, "preempted"), m.epoch, m.gateway_id)
     B = len(r.seq_ids)
     if len(r.num_computed) != B or len(r.num_new) != B:
         raise ValueError(f"num_computed, num_new: one value per row of seq_ids ({B})")
@@ -222,9 +224,10 @@ def step_result_from_pb(m: pb.StepResult) -> StepResult:
 
 def compute_stats_to_pb(s: dict[str, Any]) -> pb.ComputeStats:
     return pb.ComputeStats(compression_error={int(k): float(v) for k, v in s["compression_error"].items()},
-                           compute_steps=s["compute_steps"], forward_s=s["forward_s"])
+                           compute_steps=s["compute_steps"], forward_s=s["forward_s"],
+                           num_seqs=s.get("num_seqs", 0), epoch=s.get("epoch", 0))
 
 
 def compute_stats_from_pb(m: pb.ComputeStats) -> dict[str, Any]:
     return {"compression_error": dict(sorted(m.compression_error.items())), "compute_steps": m.compute_steps,
-            "forward_s": m.forward_s}
+            "forward_s": m.forward_s, "num_seqs": m.num_seqs, "epoch": m.epoch}

@@ -89,7 +89,7 @@ class NewSeq(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("new_seqs", "appended", "commits", "finished", "running", "grows", "waiting", "token_budget", "max_num_seqs", "chunked_prefill")
+    __slots__ = ("new_seqs", "appended", "commits", "finished", "running", "grows", "waiting", "token_budget", "max_num_seqs", "chunked_prefill", "epoch", "gateway_id")
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     APPENDED_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,8 @@ class PlanRequest(_message.Message):
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     CHUNKED_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSeq]
     appended: bytes
     commits: bytes
@@ -110,7 +112,15 @@ class PlanRequest(_message.Message):
     token_budget: int
     max_num_seqs: int
     chunked_prefill: bool
-    def __init__(self, new_seqs: _Optional[_Iterable[_Union[NewSeq, _Mapping]]] = ..., appended: _Optional[bytes] = ..., commits: _Optional[bytes] = ..., finished: _Optional[bytes] = ..., running: _Optional[bytes] = ..., grows: _Optional[bytes] = ..., waiting: _Optional[bytes] = ..., token_budget: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    gateway_id: str
+    def __init__(self, new_seqs: _Optional[_Iterable[_Union[NewSeq, _Mapping]]] = ..., appended: _Optional[bytes] = ..., commits: _Optional[bytes] = ..., finished: _Optional[bytes] = ..., running: _Optional[bytes] = ..., grows: _Optional[bytes] = ..., waiting: _Optional[bytes] = ..., token_budget: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., epoch: _Optional[int] = ..., gateway_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("gateway_id",)
+    GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    gateway_id: str
+    def __init__(self, gateway_id: _Optional[str] = ...) -> None: ...
 
 class TableDelta(_message.Message):
     __slots__ = ("seq_id", "start", "blocks")
@@ -133,7 +143,7 @@ class PlanReply(_message.Message):
     def __init__(self, preempted: _Optional[bytes] = ..., admitted: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ...) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "prefix_queries_tokens", "prefix_hits_tokens", "evictions_by_policy", "eviction_policy", "recomputed_tokens", "cache_preemptions", "num_seqs", "epoch", "plan_calls")
+    __slots__ = ("kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "prefix_queries_tokens", "prefix_hits_tokens", "evictions_by_policy", "eviction_policy", "recomputed_tokens", "cache_preemptions", "num_seqs", "epoch", "plan_calls", "attached_epoch")
     class EvictionsByPolicyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +164,7 @@ class CacheStats(_message.Message):
     NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PLAN_CALLS_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     kv_cache_usage: float
     kv_blocks_total: int
     kv_blocks_free: int
@@ -167,7 +178,8 @@ class CacheStats(_message.Message):
     num_seqs: int
     epoch: int
     plan_calls: int
-    def __init__(self, kv_cache_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_queries_tokens: _Optional[int] = ..., prefix_hits_tokens: _Optional[int] = ..., evictions_by_policy: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ..., recomputed_tokens: _Optional[int] = ..., cache_preemptions: _Optional[int] = ..., num_seqs: _Optional[int] = ..., epoch: _Optional[int] = ..., plan_calls: _Optional[int] = ...) -> None: ...
+    attached_epoch: int
+    def __init__(self, kv_cache_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_queries_tokens: _Optional[int] = ..., prefix_hits_tokens: _Optional[int] = ..., evictions_by_policy: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ..., recomputed_tokens: _Optional[int] = ..., cache_preemptions: _Optional[int] = ..., num_seqs: _Optional[int] = ..., epoch: _Optional[int] = ..., plan_calls: _Optional[int] = ..., attached_epoch: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("clear_stats",)
@@ -176,7 +188,7 @@ class ResetRequest(_message.Message):
     def __init__(self, clear_stats: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "eos_token_ids", "max_position_embeddings", "num_blocks", "block_size", "device", "dtype", "model")
+    __slots__ = ("name", "vocab_size", "eos_token_ids", "max_position_embeddings", "num_blocks", "block_size", "device", "dtype", "model", "epoch")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +198,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -195,7 +208,8 @@ class ModelInfo(_message.Message):
     device: str
     dtype: str
     model: str
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class TokenizerFiles(_message.Message):
     __slots__ = ("files",)
@@ -245,7 +259,7 @@ class SeqParams(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "num_computed", "num_new", "num_prefills", "tokens", "sample_rows", "tables", "new_seqs", "finished", "preempted")
+    __slots__ = ("step_id", "seq_ids", "num_computed", "num_new", "num_prefills", "tokens", "sample_rows", "tables", "new_seqs", "finished", "preempted", "epoch", "gateway_id")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +271,8 @@ class StepRequest(_message.Message):
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: bytes
     num_computed: bytes
@@ -268,7 +284,9 @@ class StepRequest(_message.Message):
     new_seqs: _containers.RepeatedCompositeFieldContainer[SeqParams]
     finished: bytes
     preempted: bytes
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., num_computed: _Optional[bytes] = ..., num_new: _Optional[bytes] = ..., num_prefills: _Optional[int] = ..., tokens: _Optional[bytes] = ..., sample_rows: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[SeqParams, _Mapping]]] = ..., finished: _Optional[bytes] = ..., preempted: _Optional[bytes] = ...) -> None: ...
+    epoch: int
+    gateway_id: str
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., num_computed: _Optional[bytes] = ..., num_new: _Optional[bytes] = ..., num_prefills: _Optional[int] = ..., tokens: _Optional[bytes] = ..., sample_rows: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[SeqParams, _Mapping]]] = ..., finished: _Optional[bytes] = ..., preempted: _Optional[bytes] = ..., epoch: _Optional[int] = ..., gateway_id: _Optional[str] = ...) -> None: ...
 
 class Logprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")
@@ -297,7 +315,7 @@ class StepResult(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., logprob_rows: _Optional[_Iterable[bool]] = ..., forward_ns: _Optional[int] = ...) -> None: ...
 
 class ComputeStats(_message.Message):
-    __slots__ = ("compression_error", "compute_steps", "forward_s")
+    __slots__ = ("compression_error", "compute_steps", "forward_s", "num_seqs", "epoch")
     class CompressionErrorEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -308,7 +326,11 @@ class ComputeStats(_message.Message):
     COMPRESSION_ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_STEPS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     compression_error: _containers.ScalarMap[int, float]
     compute_steps: int
     forward_s: float
-    def __init__(self, compression_error: _Optional[_Mapping[int, float]] = ..., compute_steps: _Optional[int] = ..., forward_s: _Optional[float] = ...) -> None: ...
+    num_seqs: int
+    epoch: int
+    def __init__(self, compression_error: _Optional[_Mapping[int, float]] = ..., compute_steps: _Optional[int] = ..., forward_s: _Optional[float] = ..., num_seqs: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...

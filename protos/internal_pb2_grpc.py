@@ -60,6 +60,11 @@ class CacheStub:
                 request_serializer=nanokv_dot_protos_dot_internal__pb2.ResetRequest.SerializeToString,
                 response_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/nanokv.internal.v1.Cache/Release',
+                request_serializer=nanokv_dot_protos_dot_internal__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -99,6 +104,13 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """A gateway (re)starts or recovers: every sequence `gateway_id` held ends ("": every gateway's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +137,11 @@ def add_CacheServicer_to_server(servicer, server):
             'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
                     servicer.ResetPrefixCache,
                     request_deserializer=nanokv_dot_protos_dot_internal__pb2.ResetRequest.FromString,
+                    response_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=nanokv_dot_protos_dot_internal__pb2.ReleaseRequest.FromString,
                     response_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
             ),
     }
@@ -274,6 +291,33 @@ class Cache:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanokv.internal.v1.Cache/Release',
+            nanokv_dot_protos_dot_internal__pb2.ReleaseRequest.SerializeToString,
+            nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class ComputeStub:
     """---------------------------------------------------------------- compute service
@@ -307,6 +351,11 @@ class ComputeStub:
                 _registered_method=True)
         self.ResetStats = channel.unary_unary(
                 '/nanokv.internal.v1.Compute/ResetStats',
+                request_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+                response_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Reset = channel.unary_unary(
+                '/nanokv.internal.v1.Compute/Reset',
                 request_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
                 response_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
                 _registered_method=True)
@@ -348,6 +397,13 @@ class ComputeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reset(self, request, context):
+        """A gateway (re)starts or recovers: every sequence's table and sampling state goes; steps from 0.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ComputeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -373,6 +429,11 @@ def add_ComputeServicer_to_server(servicer, server):
             ),
             'ResetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.ResetStats,
+                    request_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+                    response_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+            ),
+            'Reset': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reset,
                     request_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
                     response_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
             ),
@@ -511,6 +572,33 @@ class Compute:
             request,
             target,
             '/nanokv.internal.v1.Compute/ResetStats',
+            nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+            nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanokv.internal.v1.Compute/Reset',
             nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
             nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
             options,

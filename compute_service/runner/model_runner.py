@@ -83,6 +83,7 @@ class ModelRunner:
         self.stage: StageTable | None = None
         if 4 in self.layer_bits:
             self.stage = StageTable(self.num_blocks, self._stage_slots(), self.block_size, device)
+        self.pool_handle: PoolHandle | None
         self.pool_layout = PoolLayout(
             self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim, list(self.layer_bits),
             str(dtype).removeprefix("torch."), self.stage.num_slots if self.stage is not None else 0, str(device))
@@ -101,6 +102,36 @@ class ModelRunner:
         self.uploader = PinnedUploader(device)
         self.demotion_store: Any = None  # hybrid sparsity: nanokv.cache_service.kv.demote.DemotionStore over kv_caches
 
+    @property
+    def pool_epoch(self) -> int:
+        """The epoch of the pool mapped now (0: none, the cache service went away)."""
+        return self.pool_handle.epoch if self.pool_handle is not None and self.kv_caches else 0
+
+    def release_pool(self) -> None:
+        """Drop every view of the cache service's segment (it died, or is about to hand out a new
+        one): the graphs captured on it and the layer caches. Steps fail until remap_pool."""
+        self.graphs = None
+        self.kv_caches = []
+        self.pool_handle = None
+
+    def remap_pool(self, attach_pool: Callable[[PoolLayout], PoolHandle]) -> None:
+        """Attach again (a restarted cache service) and carve the layers from the new segment. The
+        model's weights already carry folded value rotations: the new caches are told so."""
+        self.release_pool()
+        handle = attach_pool(self.pool_layout)
+        if self.stage is not None:  # the staging slots' bookkeeping described the old segment
+            old = self.stage
+            self.stage = StageTable(self.num_blocks, self._stage_slots(), self.block_size, self.device)
+            self.stage.block_free = old.block_free
+        self.kv_caches = carve_layer_caches(self.pool_layout, map_handle(handle), self.stage)
+        folded: set[int] = getattr(self, "_folded_layers", set())
+        for i, cache in enumerate(self.kv_caches):
+            if i in folded:
+                cache.rotate_v_in_weights = True
+        self.pool_handle = handle
+        if self._graph_model_len:
+            self.capture_cudagraphs(self._graph_model_len)
+
     def fold_value_rotations(self) -> None:
         """For each layer whose format stores values rotated (int4), fold the rotation into the model's
         v and o projections (LlamaForCausalLM.fold_value_rotation), once per model. Only the engine
@@ -114,6 +145,7 @@ class ModelRunner:
             if cache.rotate_v:
                 fold(i, rotation_matrix(self.head_dim, torch.float32, self.device))
                 cache.rotate_v_in_weights = True
+                self._folded_layers = getattr(self, "_folded_layers", set()) | {i}
 
     def capture_cudagraphs(self, max_model_len: int) -> None:
         """Capture decode graphs (CUDA only, unless enforce_eager)."""

@@ -3,7 +3,7 @@
     app = build_app(Engine(config), api_key="secret")
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions (SSE when stream=true), /health (no
+Routes: /v1/models, /v1/completions, /v1/chat/completions (SSE when stream=true), /ready, /health (no
 auth, for probes), /metrics (Prometheus text format).
 """
 
@@ -78,6 +78,13 @@ def build_app(
             return JSONResponse({"status": "ok"})
         reason = f"engine failed: {aengine.error!r}" if aengine.error else "engine not running"
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        # readiness, not liveness: false while a service the gateway needs is down (it re-attaches)
+        if aengine.ready:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not ready", "reason": aengine.not_ready_reason}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

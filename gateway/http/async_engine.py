@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanokv.gateway.http.streams import EngineUnavailable, QueueFull, RequestStream, Update
+from nanokv.gateway.recovery import PEER_ERRORS
 from nanokv.sampling import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineUnavailable", "QueueFull", "RequestStream", "Update"]
@@ -80,6 +81,16 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     @property
+    def ready(self) -> bool:
+        """Healthy and attached to its services (false while one is down: nanokv.gateway.recovery)."""
+        return self.healthy and getattr(self.engine, "ready", True)
+
+    @property
+    def not_ready_reason(self) -> str:
+        recovery = getattr(self.engine, "recovery", None)
+        return recovery.reason if recovery is not None and not recovery.ready else "engine not running"
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -90,6 +101,8 @@ class AsyncEngine:
         """Queue a request; raises RequestError (bad input), QueueFull or EngineUnavailable."""
         if not self.healthy:
             raise EngineUnavailable("the engine is not running")
+        if not self.ready:
+            raise EngineUnavailable(f"a service is unavailable ({self.not_ready_reason}); retry later")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream  # before the add, so no output can arrive unrouted
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -156,18 +169,26 @@ class AsyncEngine:
         next_stats = 0.0
         try:
             while True:
-                if not self._drain(block=not self.engine.has_unfinished_requests()):
-                    break
-                if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    if outputs:
-                        self._deliver(outputs)
-                elif (tick := getattr(self.engine, "tick_idle", None)) is not None:
-                    tick()  # the adaptive controller's windows go on while idle (pool shrink)
-                now = time.monotonic()
-                if now >= next_stats:
-                    next_stats = now + self.stats_interval_s
-                    self._publish_stats()
+                try:
+                    if not self._drain(block=not self.engine.has_unfinished_requests()):
+                        break
+                    if not getattr(self.engine, "ready", True):
+                        self.engine.recovery.try_attach()  # a service is down: retry, serve nothing
+                        continue
+                    if self.engine.has_unfinished_requests():
+                        outputs = self.engine.step()
+                        if outputs:
+                            self._deliver(outputs)
+                    elif (tick := getattr(self.engine, "tick_idle", None)) is not None:
+                        tick()  # the adaptive controller's windows go on while idle (pool shrink)
+                    now = time.monotonic()
+                    if now >= next_stats:
+                        next_stats = now + self.stats_interval_s
+                        self._publish_stats()
+                except PEER_ERRORS as exc:
+                    if getattr(self.engine, "recovery", None) is None:
+                        raise
+                    self._outage(exc)
             reason: BaseException = EngineUnavailable("the server is shutting down")
         except Exception as exc:  # an engine bug: fail loudly, free what we can, report unhealthy
             log.exception("engine step failed; the engine thread stops")
@@ -175,6 +196,13 @@ class AsyncEngine:
         self._abort_everything()
         self._to_loop(self._fail_all, EngineUnavailable(f"engine stopped: {reason}"))
         self._fail_pending_commands()
+
+    def _outage(self, exc: BaseException) -> None:
+        """A service failed: every request in flight ends with EngineUnavailable (HTTP 503, gRPC
+        UNAVAILABLE) now, not after a client timeout; the thread lives on and re-attaches."""
+        self.engine.recovery.on_failure(exc)
+        self._active.clear()
+        self._to_loop(self._fail_all, EngineUnavailable(f"a service failed mid-request: {exc}"))
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; returns False on stop. Blocks briefly when there is no work."""

@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nanokv.gateway.http.errors import OpenAIError, error_response
 
-OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no credentials
+OPEN_PATHS = frozenset({"/health", "/ready"})  # liveness and readiness probes carry no credentials
 
 
 def tenant_id(api_key: str) -> str:

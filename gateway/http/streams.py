@@ -7,13 +7,16 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanokv.errors import ServiceUnavailable
+
 
 class QueueFull(Exception):
     """The waiting queue is at its bound; the client should retry later."""
 
 
-class EngineUnavailable(Exception):
-    """The engine thread stopped (shutdown or an engine failure)."""
+class EngineUnavailable(ServiceUnavailable):
+    """The engine thread stopped (shutdown or an engine failure), or a service it needs is down
+    (HTTP 503; the gRPC API's UNAVAILABLE)."""
 
 
 @dataclass

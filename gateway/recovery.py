@@ -1,0 +1,108 @@
+"""The gateway's side of a peer failure: end what was in flight, stay up, re-attach when the peers
+are back.
+
+A gateway attaches to the two services at start and after every outage:
+  1. both answer grpc.health.v1 SERVING (the compute service only once it has mapped a pool);
+  2. Cache.Release("") and Compute.Reset: whatever an earlier gateway, or this one before the outage,
+     held goes (sequences, their blocks, the compute side's tables; steps count from 0 again);
+  3. the compute service's pool epoch (ModelInfo.epoch) must equal the one the cache service has
+     attached; plans and steps carry it from then on, so a peer that restarted in between rejects
+     them with StaleEpoch instead of acting on a pool it never saw.
+
+When a plan or step fails with ServiceUnavailable (peer gone: UNAVAILABLE at once, since the socket
+closes; peer stalled: DEADLINE_EXCEEDED after rpc_timeout_s) or a PreconditionError (StaleEpoch:
+a peer restarted), the engine's requests all end with that error, the gateway turns not-ready, and
+attach is retried every RETRY_S until it succeeds. No torch here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from nanokv.errors import PreconditionError, ServiceUnavailable
+from nanokv.gateway.scheduler import Scheduler
+from nanokv.rpc import wait_serving
+
+if TYPE_CHECKING:
+    from nanokv.gateway.engine import Engine
+
+log = logging.getLogger(__name__)
+RETRY_S = 0.5
+PROBE_TIMEOUT_S = 1.0  # a retry must not hold the engine thread: new requests wait on it meanwhile
+PEER_ERRORS = (ServiceUnavailable, PreconditionError)
+
+
+class Recovery:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.gateway_id = uuid.uuid4().hex[:16]
+        self.ready = False
+        self.reason = "not attached yet"
+        self.outages = 0
+        self.reattaches = 0
+        self._next_try = 0.0
+
+    def attach(self, probe_timeout_s: float | None = None) -> None:
+        """Steps 1-3 above; raises ServiceUnavailable (or a PreconditionError) while a peer is not back."""
+        eng = self.engine
+        cache, compute = eng.cache, eng.compute
+        if probe_timeout_s is not None:
+            for client in (cache, compute):
+                try:
+                    wait_serving(client.address, probe_timeout_s)
+                except TimeoutError as e:
+                    raise ServiceUnavailable(str(e)) from None
+        for client in (cache, compute):
+            client.gateway_id = self.gateway_id
+        cache.release("")
+        compute.reset()
+        info = compute.info()
+        attached = cache.stats()["attached_epoch"]
+        if not info.epoch or info.epoch != attached:
+            raise ServiceUnavailable(f"the compute service's pool (epoch {info.epoch}) is not the cache "
+                                     f"service's ({attached}): a peer is re-attaching")
+        if (info.name, info.num_blocks, info.block_size) != (eng.model_name, eng.num_blocks,
+                                                             eng.model_info.block_size):
+            raise ServiceUnavailable(f"the compute service came back with another model or pool ({info.name}, "
+                                     f"{info.num_blocks} blocks); restart the gateway")
+        cache.epoch = compute.epoch = info.epoch
+        eng.model_info = info
+        eng._step_ids = itertools.count()
+        self.ready, self.reason = True, ""
+
+    def on_failure(self, exc: BaseException) -> list[str]:
+        """A peer failed: every request ends (their ids are returned); not ready until attach works."""
+        eng = self.engine
+        self.outages += 1
+        self.ready, self.reason = False, f"{type(exc).__name__}: {exc}"
+        log.warning("a service failed (%s): ending %d requests, re-attaching", self.reason, len(eng._seqs))
+        ended = list(eng._seqs)
+        eng._seqs.clear()
+        eng._finished_ids = []
+        if eng._async is not None:
+            eng._async.pending = None
+        cfg = eng.config
+        eng.scheduler = Scheduler(eng.cache, max_num_seqs=cfg.max_num_seqs,
+                                  max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                  enable_chunked_prefill=cfg.enable_chunked_prefill)
+        self._next_try = 0.0
+        return ended
+
+    def try_attach(self) -> bool:
+        """One rate-limited, short attempt (the engine thread calls it while not ready)."""
+        now = time.monotonic()
+        if self.ready or now < self._next_try:
+            return self.ready
+        self._next_try = now + RETRY_S
+        try:
+            self.attach(PROBE_TIMEOUT_S)
+        except PEER_ERRORS as e:
+            self.reason = f"re-attaching: {type(e).__name__}: {e}"
+            return False
+        self.reattaches += 1
+        log.warning("re-attached to the services (pool epoch %d)", self.engine.model_info.epoch)
+        return True
