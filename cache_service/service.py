@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 from nanokv.cache_service.manager import KVCacheManager
+from nanokv.cache_service.plan_trace import plan_span
 from nanokv.cache_service.planner import Planner
 from nanokv.config import EngineConfig
 from nanokv.errors import NanoKVError
@@ -89,7 +90,11 @@ class CacheService:
             if self.planner is None:
                 raise NotAttached()
             self.plan_calls += 1
-            return self.planner.plan(request)
+            with plan_span(self, request) as traced:
+                reply = self.planner.plan(request)
+                if traced is not None:
+                    traced.reply = reply
+            return reply
 
     # ---- administration -----------------------------------------------------------------------
     def reset_prefix_cache(self, clear_stats: bool = False) -> bool:

@@ -17,6 +17,7 @@ from nanokv.protos import codec
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
 from nanokv.rpc import call, channel, remote_error, wait_serving
+from nanokv.trace_grpc import intercept_channel
 
 
 class CacheClient:
@@ -24,7 +25,7 @@ class CacheClient:
         self.address = address
         self.timeout = timeout_s
         wait_serving(address, timeout_s)
-        self.channel = channel(address)
+        self.channel = intercept_channel(channel(address))  # the step span's traceparent goes along
         self.stub = pb_grpc.CacheStub(self.channel)
 
     def plan(self, request: PlanRequest) -> PlanReply:
@@ -45,7 +46,7 @@ class ComputeClient:
         self.address = address
         self.timeout = timeout_s
         wait_serving(address, timeout_s)
-        self.channel = channel(address)
+        self.channel = intercept_channel(channel(address))  # the step span's traceparent goes along
         self.stub = pb_grpc.ComputeStub(self.channel)
 
     def info(self) -> ModelInfo:
