@@ -178,11 +178,10 @@ def main(argv: list[str] | None = None) -> int:
 def _service_main(args: argparse.Namespace) -> int:
     import logging
 
+    from nanokv import tracing
     from nanokv.config import EngineConfig
     from nanokv.flags import engine_kwargs as config_kwargs
     from nanokv.gateway.http.cli import serve_main
-
-    from nanokv import tracing
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tracing.set_role(args.cmd if args.cmd in ("cache", "compute") else "gateway")  # service.name by default

@@ -94,6 +94,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.xfail(strict=True, reason="open bug: the compute process's forward span (nanokv.compute.*) is not "
+                   "found under its Compute/Step server span over the wire (in process it is)")
 def test_spans_from_all_three_services_over_otlp(tmp_path):
     from otlp_receiver import Receiver
 
@@ -126,7 +128,8 @@ def test_spans_from_all_three_services_over_otlp(tmp_path):
             names = {s["name"] for s in spans}
             return {"POST /v1/completions", "nanokv.step", "nanokv.cache.plan", "nanokv.compute.decode",
                     "nanokv.internal.v1.Compute/Step"} <= names and any(
-                        s["attributes"].get("gen_ai.operation.name") for s in spans)
+                        s["attributes"].get("gen_ai.operation.name") for s in spans) and (
+                        sum(s["name"].startswith("nanokv.compute.") for s in spans) >= 4)
         spans = rx.wait_for(complete, 30)
     finally:
         proc.terminate()
