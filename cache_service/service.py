@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from nanokv.cache_service.manager import KVCacheManager
+from nanokv.cache_service.plan_trace import plan_span
 from nanokv.cache_service.planner import Planner
 from nanokv.cache_service.validate import validate_plan
 from nanokv.config import EngineConfig
@@ -99,7 +100,11 @@ class CacheService:
             validate_plan(self.planner, request)  # whole, before any change: a plan is one transaction
             self.leases.renew(request.gateway_id)
             self.plan_calls += 1
-            return self.planner.plan(request)
+            with plan_span(self, request) as traced:
+                reply = self.planner.plan(request)
+                if traced is not None:
+                    traced.reply = reply
+            return reply
 
     # ---- administration -----------------------------------------------------------------------
     def reset_prefix_cache(self, clear_stats: bool = False) -> bool:

@@ -15,6 +15,7 @@ import signal
 import threading
 from typing import Any
 
+from nanokv import tracing
 from nanokv.compute_service.cache_watch import CacheWatch
 from nanokv.compute_service.service import ComputeService
 from nanokv.compute_service.validate import validate_step
@@ -25,6 +26,7 @@ from nanokv.protos import codec
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
 from nanokv.rpc import add_servicer, call, channel, make_server, rpc_errors, set_serving, wait_serving
+from nanokv.trace_grpc import intercept_channel
 
 log = logging.getLogger("nanokv.compute_service")
 SERVICE_NAME = "nanokv.internal.v1.Compute"
@@ -91,7 +93,8 @@ def attach_via(cache_address: str, timeout_s: float):  # noqa: ANN201 - a closur
     """ComputeService's attach_pool over gRPC: the cache service allocates, we map its handle."""
     def attach(layout: PoolLayout) -> PoolHandle:
         wait_serving(cache_address, timeout_s)
-        with channel(cache_address) as ch:
+        with tracing.span("nanokv.compute.attach_pool", {"nanokv.num_blocks": layout.num_blocks}), \
+                intercept_channel(channel(cache_address)) as ch:
             stub = pb_grpc.CacheStub(ch)
             reply = call(stub.Attach, pb.AttachRequest(layout=codec.layout_to_pb(layout)), timeout_s, "attach")
         return codec.handle_from_pb(reply)

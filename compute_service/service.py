@@ -27,6 +27,7 @@ from nanokv.cache_service.kv.monitor import CompressionMonitor
 from nanokv.compute_service.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from nanokv.compute_service.runner.sampler import Sampler
 from nanokv.compute_service.runner.tp_protocol import TokenWindow
+from nanokv.compute_service.step_trace import forward_span
 from nanokv.config import EngineConfig
 from nanokv.errors import NanoKVError
 from nanokv.messages import PLACEHOLDER, ModelInfo, PoolHandle, PoolLayout, StepRequest, StepResult
@@ -159,8 +160,12 @@ class ComputeService:
         gc.collect()
         gc.freeze()
 
-    @torch.inference_mode()
     def launch(self, req: StepRequest) -> Launched:
+        with forward_span(self, req):  # a child of the gateway's step span when tracing is on
+            return self._launch(req)
+
+    @torch.inference_mode()
+    def _launch(self, req: StepRequest) -> Launched:
         if self._gc_freezes:
             self._freeze_gc()
         if req.step_id != self._next_step:

@@ -19,6 +19,7 @@ from nanokv.protos import codec
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
 from nanokv.rpc import call, channel, remote_error, wait_serving
+from nanokv.trace_grpc import intercept_channel
 
 
 class CacheClient:
@@ -26,7 +27,7 @@ class CacheClient:
         self.address = address
         self.timeout = timeout_s
         wait_serving(address, timeout_s)
-        self.channel = channel(address)
+        self.channel = intercept_channel(channel(address))  # the step span's traceparent goes along
         self.stub = pb_grpc.CacheStub(self.channel)
 
     gateway_id = ""
@@ -54,7 +55,7 @@ class ComputeClient:
         self.address = address
         self.timeout = timeout_s
         wait_serving(address, timeout_s)
-        self.channel = channel(address)
+        self.channel = intercept_channel(channel(address))  # the step span's traceparent goes along
         self.stub = pb_grpc.ComputeStub(self.channel)
 
     def info(self) -> ModelInfo:

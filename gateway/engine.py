@@ -20,6 +20,7 @@ from typing import Any
 
 from nanokv.config import EngineConfig
 from nanokv.errors import RequestError
+from nanokv.gateway import traces
 from nanokv.gateway.async_step import AsyncStepper
 from nanokv.gateway.detokenizer import check_stop_strings, detokenize_step
 from nanokv.gateway.scheduler import Scheduler, SchedulerOutput
@@ -213,6 +214,7 @@ class Engine:
         seq = Sequence(next(self._ids), request_id, ids, params, max_tokens, cache_salt=cache_salt)
         if arrival_time is not None:
             seq.metrics.arrival_time = arrival_time
+        traces.start_request(seq, self.model_name)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         self._counters["prompt_tokens"] += n
@@ -224,6 +226,7 @@ class Engine:
         self.scheduler.abort(seq)
         self._finished_ids.append(seq.seq_id)
         seq.finish_reason = "abort"
+        traces.end_request(seq)
         self.flush()  # its blocks go back now (one plan call), not with the next step
 
     @property
@@ -251,12 +254,13 @@ class Engine:
         """Run one scheduler step. Returns an output per sampled token, or with `finished_only`
         (batch use: LLM.generate) only those of requests that finished, skipping the per-token
         output objects (about 4 us each, a millisecond a step at batch 256)."""
-        if self._async is not None:
-            outputs = self._async.step(finished_only)
-        else:
-            outputs = self._sync_step(finished_only)
-        if not self.has_unfinished_requests():
-            self.flush()  # idle: ended sequences' blocks go back now, not with the next request
+        with traces.step_span(self):  # its own trace, linked to the requests it serves
+            if self._async is not None:
+                outputs = self._async.step(finished_only)
+            else:
+                outputs = self._sync_step(finished_only)
+            if not self.has_unfinished_requests():
+                self.flush()  # idle: ended sequences' blocks go back now, not with the next request
         return outputs
 
     def _sync_step(self, finished_only: bool) -> list[RequestOutput]:
@@ -304,6 +308,7 @@ class Engine:
         """The compute service's view of a scheduled step: rows prefills first, each row's input
         tokens, the rows that sample, and what changed since the last step."""
         sched = out.scheduled
+        traces.link_step(out)
         req = StepRequest(next(self._step_ids), num_prefills=len(out.prefills), tables=out.tables,
                           preempted=[s.seq_id for s in out.preempted])
         now = time.monotonic()
@@ -392,6 +397,7 @@ class Engine:
             self.scheduler.finish(seq)
             self._finished_ids.append(seq.seq_id)
             self._seqs.pop(seq.request_id, None)
+            traces.end_request(seq)
         elif finished_only:
             return None
         new_tokens = seq.output_token_ids[seq.sent_tokens:]

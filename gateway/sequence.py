@@ -51,6 +51,7 @@ class Sequence:
     read_offset: int = 0
     sent_text_len: int = 0
     sent_tokens: int = 0
+    trace: Any = None  # the request's span (nanokv.gateway.traces) while tracing is on
 
     def __post_init__(self) -> None:
         if not self.token_ids:

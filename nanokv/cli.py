@@ -2,6 +2,7 @@
 
   generate | serve | bench | simulate | eval      (serve, generate: services in this process)
   cache | compute | gateway | up                  the services as separate processes (docs/services.md)
+  health ADDR                                     one grpc.health.v1 (or HTTP /health) check: exit 0 if healthy
 """
 
 from __future__ import annotations
@@ -120,7 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     gw = sub.add_parser("gateway", help="the gateway: HTTP API and scheduler, on running cache/compute services")
     gw.add_argument("--cache", required=True, help="the cache service's address")
     gw.add_argument("--compute", required=True, help="the compute service's address")
+    gw.add_argument("--wait-s", type=float, default=0.0,
+                    help="wait up to this long for the cache and compute services to be SERVING (start-up order)")
     add_serve_args(gw)
+    h = sub.add_parser("health", help="check a service's health (grpc.health.v1, or an http:// /health URL)")
+    h.add_argument("address", help="unix:/path.sock, HOST:PORT, or http://HOST:PORT/health")
+    h.add_argument("--service", default="", help="grpc.health.v1 service name (default: the server overall)")
+    h.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    h.add_argument("-q", "--quiet", action="store_true")
     up = sub.add_parser("up", help="start cache, compute and gateway locally (unix sockets) and serve HTTP")
     up.add_argument("--run-dir", default=None, help="where the sockets and service logs go (default: a temp dir)")
     add_serve_args(up)
@@ -156,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "serve":
             from nanokv.gateway.http.cli import serve_main
             return int(serve_main(args) or 0)
+        if args.cmd == "health":
+            from nanokv.health import main as health_main
+            return health_main(args.address, args.service, args.timeout, args.quiet)
         if args.cmd in ("cache", "compute", "gateway", "up"):
             return _service_main(args)
     except NanoKVError as e:
@@ -167,11 +178,13 @@ def main(argv: list[str] | None = None) -> int:
 def _service_main(args: argparse.Namespace) -> int:
     import logging
 
+    from nanokv import tracing
     from nanokv.config import EngineConfig
     from nanokv.flags import engine_kwargs as config_kwargs
     from nanokv.gateway.http.cli import serve_main
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tracing.set_role(args.cmd if args.cmd in ("cache", "compute") else "gateway")  # service.name by default
     kw = config_kwargs(args)
     if args.cmd == "cache":
         from nanokv.cache_service.server import serve as serve_cache
@@ -182,6 +195,10 @@ def _service_main(args: argparse.Namespace) -> int:
         serve_compute(EngineConfig.from_kwargs(**kw), args.listen, args.cache)
         return 0
     if args.cmd == "gateway":
+        if args.wait_s > 0:
+            from nanokv.rpc import wait_serving
+            for address in (args.cache, args.compute):
+                wait_serving(address, args.wait_s)
         args.cache_address, args.compute_address = args.cache, args.compute
         return int(serve_main(args) or 0)
     from nanokv.launch import start_services  # up

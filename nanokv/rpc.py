@@ -45,7 +45,10 @@ def is_loopback_address(address: str) -> bool:
 
 
 def make_server(address: str, max_workers: int = 16) -> tuple[grpc.Server, health.HealthServicer]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+    from nanokv.trace_grpc import server_interceptors  # traceparent in the metadata: the caller's trace
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS,
+                         interceptors=server_interceptors())
     hs = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     if not is_loopback_address(address):

@@ -22,6 +22,7 @@ from nanokv.gateway.http.errors import install_error_handlers
 from nanokv.gateway.http.generate import chat_completions, completions
 from nanokv.gateway.http.middleware import AuthMiddleware, BodyLimitMiddleware
 from nanokv.gateway.http.schemas import ModelCard, ModelList
+from nanokv.gateway.http.tracing import install as install_tracing
 from nanokv.gateway.http.translate import ModelInfo
 from nanokv.gateway.metrics import CONTENT_TYPE, EngineMetrics
 
@@ -71,6 +72,7 @@ def build_app(
     # Starlette runs the last-added middleware first: auth, then the body limit, then routing.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, on_error=metrics.observe_rejection)
     app.add_middleware(AuthMiddleware, api_keys=keys, on_error=metrics.observe_rejection)
+    install_tracing(app)  # outermost: a rejected call is traced too (no-op unless OTEL_* turn tracing on)
 
     @app.get("/health")
     async def health() -> Response:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nanokv import tracing
 from nanokv.gateway.http.streams import EngineUnavailable, QueueFull, RequestStream, Update
 from nanokv.gateway.recovery import PEER_ERRORS
 from nanokv.sampling import SamplingParams
@@ -40,6 +41,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     done: concurrent.futures.Future
+    trace: Any = None  # the handler's trace context: the request span's parent (nanokv.gateway.traces)
 
 
 @dataclass
@@ -106,7 +108,7 @@ class AsyncEngine:
         stream = RequestStream(request_id)
         self._streams[request_id] = stream  # before the add, so no output can arrive unrouted
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt, messages, params, cache_salt, done))
+        self._commands.put(_Add(request_id, prompt, messages, params, cache_salt, done, tracing.capture()))
         try:
             await asyncio.wrap_future(done)
         except BaseException:
@@ -238,7 +240,8 @@ class AsyncEngine:
             return  # the client left before we got here
         try:
             prompt = self.engine.apply_chat_template(cmd.messages) if cmd.messages is not None else cmd.prompt
-            self.engine.add_request(cmd.request_id, prompt, cmd.params, cache_salt=cmd.cache_salt)
+            with tracing.attached(cmd.trace):
+                self.engine.add_request(cmd.request_id, prompt, cmd.params, cache_salt=cmd.cache_salt)
             if self.engine.num_waiting() > self.max_waiting:
                 self.engine.abort(cmd.request_id)
                 raise QueueFull(f"{self.max_waiting} requests are already waiting")

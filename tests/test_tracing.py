@@ -1,0 +1,160 @@
+"""Traces: the span tree of a generation (in-process engine, the SDK's in-memory exporter), and the
+same tree over the wire: `nanokv up` with OTEL_* set exports from all three processes to an OTLP
+receiver in this test, the context crossing the gRPC links as traceparent metadata."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("opentelemetry.sdk")
+
+from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+
+from nanokv import tracing  # noqa: E402
+from nanokv.sampling import SamplingParams  # noqa: E402
+
+SHARED = "The capital of France is Paris. The capital of Italy is Rome. The capital of Germany is Berlin. "
+
+
+@pytest.fixture
+def memory_spans():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    try:
+        yield exporter, provider
+    finally:
+        tracing.use_provider(None)
+
+
+def test_span_tree_in_process(llm, memory_spans):
+    exporter, provider = memory_spans
+    prompts = [SHARED + "The capital of Spain is", SHARED + "The capital of Portugal is"]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    tracing.use_provider(None)  # the reference: tracing off
+    ref = llm.generate(prompts, params, use_tqdm=False)
+    llm.engine.cache.reset_prefix_cache()
+    tracing.use_provider(provider)
+    first = llm.generate(prompts[:1], params, use_tqdm=False)
+    second = llm.generate(prompts[1:], params, use_tqdm=False)  # hits the first's cached prefix
+    outs = first + second
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]  # tracing changes no token
+    spans = exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+
+    reqs = [s for s in spans if s.attributes.get("gen_ai.operation.name") == "text_completion"]
+    assert len(reqs) == 2
+    for s, o in zip(sorted(reqs, key=lambda s: s.start_time), outs):
+        a = s.attributes
+        assert a["gen_ai.request.model"] == llm.engine.model_name
+        assert a["gen_ai.usage.input_tokens"] == len(o.prompt_token_ids)
+        assert a["gen_ai.usage.output_tokens"] == len(o.token_ids) == 5
+        assert tuple(a["gen_ai.response.finish_reasons"]) == ("length",)
+        assert a["nanokv.cached_tokens"] == o.num_cached_tokens
+    assert outs[1].num_cached_tokens >= 16  # a real prefix hit, seen on its span
+
+    steps = [s for s in spans if s.name == "nanokv.step"]
+    assert steps and all(s.parent is None for s in steps)  # each step: its own trace
+    for r in reqs:  # every token of a request came from a step linked to it
+        served = [s for s in steps if any(ln.context.span_id == r.context.span_id for ln in s.links)]
+        assert len(served) == r.attributes["gen_ai.usage.output_tokens"]
+        assert all(s.context.trace_id != r.context.trace_id for s in served)
+    for st in steps:
+        kids = [s for s in spans if s.parent is not None and s.parent.span_id == st.context.span_id]
+        names = {k.name for k in kids}
+        if st.attributes.get("nanokv.batch_size"):
+            assert "nanokv.cache.plan" in names
+            assert names & {"nanokv.compute.prefill", "nanokv.compute.decode", "nanokv.compute.mixed"}
+        for k in kids:
+            assert k.context.trace_id == st.context.trace_id
+    prefills = [s for s in spans if s.name == "nanokv.compute.prefill"]
+    assert len(prefills) == 2 and all(s.attributes["nanokv.kv_format"] == "float32" for s in prefills)
+    # the second request's admission: its plan saw the prefix hit and allocated only the rest
+    plans = [s for s in spans if s.name == "nanokv.cache.plan" and s.attributes.get("nanokv.admitted")]
+    hits = [s.attributes["nanokv.cached_tokens"] for s in plans]
+    assert hits == [0, outs[1].num_cached_tokens]
+    assert all(s.attributes["nanokv.blocks_allocated"] >= 1 for s in plans)
+    ev = [e for e in plans[1].events if e.name == "prefix lookup"]
+    assert ev and ev[0].attributes["nanokv.cached_tokens"] == outs[1].num_cached_tokens
+    assert all(s.parent is None or s.parent.span_id in by_id for s in spans)  # no dangling parents
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.xfail(strict=True, reason="open bug: the compute process's forward span (nanokv.compute.*) is not "
+                   "found under its Compute/Step server span over the wire (in process it is)")
+def test_spans_from_all_three_services_over_otlp(tmp_path):
+    from otlp_receiver import Receiver
+
+    rx = Receiver()
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OTEL_TRACES_EXPORTER": "otlp",
+           "OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    env.pop("OTEL_SERVICE_NAME", None)  # each process names itself: nanokv-gateway / -cache / -compute
+    proc = subprocess.Popen([sys.executable, "-m", "nanokv.cli", "up", "--port", str(port), "--run-dir", str(tmp_path),
+                             "--num-gpu-blocks", "256"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    traceparent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"  # the caller's trace: the API span continues it
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")[-3000:]  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "gateway not healthy"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": SHARED + "The capital of Spain is", "max_tokens": 4,
+                "temperature": 0}
+        r = httpx.post(f"{base}/v1/completions", json=body, headers={"traceparent": traceparent}, timeout=120)
+        assert r.status_code == 200 and "Madrid" in r.json()["choices"][0]["text"]
+
+        def complete(spans):
+            names = {s["name"] for s in spans}
+            return {"POST /v1/completions", "nanokv.step", "nanokv.cache.plan", "nanokv.compute.decode",
+                    "nanokv.internal.v1.Compute/Step"} <= names and any(
+                        s["attributes"].get("gen_ai.operation.name") for s in spans) and (
+                        sum(s["name"].startswith("nanokv.compute.") for s in spans) >= 4)
+        spans = rx.wait_for(complete, 30)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        rx.stop()
+    services = {s["service"] for s in spans}
+    assert {"nanokv-gateway", "nanokv-cache", "nanokv-compute"} <= services, services
+    by_id = {s["span_id"]: s for s in spans}
+    http = [s for s in spans if s["name"] == "POST /v1/completions"]
+    assert len(http) == 1 and http[0]["trace_id"] == "ab" * 16 and http[0]["parent"] == "cd" * 8
+    req = [s for s in spans if s["attributes"].get("gen_ai.operation.name") == "text_completion"]
+    assert len(req) == 1 and req[0]["parent"] == http[0]["span_id"]
+    assert req[0]["attributes"]["gen_ai.usage.output_tokens"] == 4
+    steps = [s for s in spans if s["name"] == "nanokv.step" and (req[0]["trace_id"], req[0]["span_id"]) in s["links"]]
+    assert len(steps) == 4  # one step per generated token, each linked to the request
+    for st in steps:  # gateway step -> gRPC server span in the other process -> the service's own span
+        kids = [s for s in spans if s["parent"] == st["span_id"]]
+        rpc = {s["name"]: s for s in kids}
+        assert {"nanokv.internal.v1.Cache/Plan", "nanokv.internal.v1.Compute/Step"} <= set(rpc), rpc.keys()
+        assert rpc["nanokv.internal.v1.Cache/Plan"]["service"] == "nanokv-cache"
+        assert rpc["nanokv.internal.v1.Compute/Step"]["service"] == "nanokv-compute"
+        inner = {s["name"]: s for s in spans if s["parent"] in (rpc["nanokv.internal.v1.Cache/Plan"]["span_id"],
+                                                                   rpc["nanokv.internal.v1.Compute/Step"]["span_id"])}
+        assert "nanokv.cache.plan" in inner
+        assert {"nanokv.compute.prefill", "nanokv.compute.decode"} & set(inner)
+        assert all(s["trace_id"] == st["trace_id"] for s in [*kids, *inner.values()])
+    assert all(s["parent"] is None or s["parent"] in by_id or s["parent"] == "cd" * 8 for s in spans
+               if s["trace_id"] in {st["trace_id"] for st in steps})
