@@ -69,8 +69,8 @@ def test_generate_streams_tokens_like_the_http_api(server, stub):
 def test_stop_string_and_stop_token(stub):
     ids, text, _ = collect(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling_params=greedy(8)),
                                          metadata=auth(), timeout=60))
-    _, _, last = collect(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling_params=greedy(8, stop_token_ids=[ids[2]])),
-                                       metadata=auth(), timeout=60))
+    req = pb.GenerateRequest(text=PROMPT, sampling_params=greedy(8, stop_token_ids=[ids[2]]))
+    _, _, last = collect(stub.Generate(req, metadata=auth(), timeout=60))
     assert last.finish_reason == "stop" and last.stop_reason == str(ids[2]) and last.usage.completion_tokens == 3
 
 
