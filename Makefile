@@ -23,7 +23,7 @@ demo: $(STAMP)
 
 # the gRPC stubs in protos/ from its .proto files (tests/test_protos.py fails when they are stale)
 protos: $(STAMP)
-	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. nanokv/protos/*.proto
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. nanokv/protos/*.proto nanokv/protos/kserve/*.proto
 
 tools:
 	@command -v promtool >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq prometheus >/dev/null) \

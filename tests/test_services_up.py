@@ -22,7 +22,8 @@ def _free_port() -> int:
 def test_up_serves_completions_and_cache_metrics(tmp_path):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "nanokv.cli", "up", "--port", str(port), "--run-dir", str(tmp_path),
-                             "--num-gpu-blocks", "256"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--num-gpu-blocks", "256", "--grpc-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
     try:

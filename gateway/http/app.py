@@ -35,11 +35,13 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     served_model_name: str | None = None,
     metrics: EngineMetrics | None = None,
+    grpc_address: str | None = None,
 ) -> FastAPI:
     """Build the app. `api_key`: one key or several (one per tenant; each gets its own prefix cache).
 
     The engine thread starts with the app (lifespan) and stops with it, aborting what is in flight.
     Several apps may be built over one engine over time, but only one may run at a time.
+    `grpc_address` ("HOST:PORT"): also serve the public gRPC API there, on this app's event loop.
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if any(not k for k in keys):
@@ -56,18 +58,30 @@ def build_app(
         max_model_len=int(engine.max_model_len),
     )
 
+    grpc_api = None
+    if grpc_address:
+        from nanokv.gateway.grpc_api import GrpcApi
+
+        grpc_api = GrpcApi(engine, aengine, address=grpc_address, model_name=info.name, api_keys=keys,
+                           max_message_bytes=max_body_bytes, on_reject=metrics.observe_rejection)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await aengine.start()
         try:
+            if grpc_api is not None:
+                await grpc_api.start()
             yield
         finally:
+            if grpc_api is not None:
+                await grpc_api.stop()
             await aengine.stop()
 
     app = FastAPI(title="nanokv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.async_engine = aengine
     app.state.metrics = metrics
     app.state.model_info = info
+    app.state.grpc_api = grpc_api
     install_error_handlers(app, metrics.observe_rejection)
     # Starlette runs the last-added middleware first: auth, then the body limit, then routing.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, on_error=metrics.observe_rejection)

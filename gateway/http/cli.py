@@ -26,6 +26,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--host", default="127.0.0.1",
                      help="bind address (default loopback; exposing the server needs --api-key)")
     srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--grpc-port", type=int, default=50051,
+                     help="the public gRPC API (nanokv.v1 and KServe v2) on --host; 0 = off")
     srv.add_argument("--api-key", action="append", default=None, metavar="KEY",
                      help=f"require 'Authorization: Bearer KEY'; repeat for several tenants, each with its "
                           f"own prefix cache (also read from ${API_KEY_ENV}, comma-separated)")
@@ -54,6 +56,14 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def grpc_address(host: str, port: int) -> str | None:
+    if port < 0 or port > 65535:
+        raise ValueError(f"--grpc-port: got {port}; allowed: 1 to 65535, or 0 (off)")
+    if port == 0:
+        return None
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def serve_main(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -74,11 +84,14 @@ def serve_main(args: argparse.Namespace) -> int:
     engine = Engine(config)
     try:
         app = build_app(engine, api_key=keys or None, max_waiting=args.max_waiting,
-                        max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name)
+                        max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
+                        grpc_address=grpc_address(args.host, args.grpc_port))
     except ValueError as e:
         print(f"nanokv serve: error: {e}", file=sys.stderr)
         return 2
     log.info("serving %s on http://%s:%d/v1", app.state.model_info.name, args.host, args.port)
+    if args.grpc_port:
+        log.info("gRPC API on %s:%d", args.host, args.grpc_port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
     return 0
 
