@@ -333,6 +333,13 @@ class Engine:
         req.finished, self._finished_ids = self._finished_ids, []
         return req
 
+    def repool(self, num_blocks: int | None = None, layer_bits: list[int] | None = None) -> list[RequestOutput]:
+        """Change the KV pool's block count or per-layer widths while serving (nanokv.gateway.repool):
+        live requests are recomputed on the new pool. Returns the outputs of the step in flight."""
+        from nanokv.gateway.repool import repool
+
+        return repool(self, num_blocks, layer_bits)
+
     def flush(self) -> None:
         """Tell the services now what they would otherwise learn with the next step: the blocks of
         ended sequences go back to the cache, their state leaves the compute service."""
