@@ -109,8 +109,8 @@ class Engine:
                                     and self.sparsity is None and not cfg.adaptive
                                     and cfg.eviction_policy != "adaptive"):
             self._async = AsyncStepper(self)
-        warm_up(self)  # CUDA: compile what a chunked prompt needs now, not mid-request (nanokv.gateway.warmup)
         self.controller: Any = None  # nanokv.gateway.adaptive.AdaptiveController: self-tuning, off unless asked
+        warm_up(self)  # CUDA: compile what a chunked prompt needs now, not mid-request (nanokv.gateway.warmup)
         if cfg.adaptive or cfg.eviction_policy == "adaptive":
             from nanokv.gateway.adaptive.engine_glue import build_controller
             self.controller = build_controller(self)
