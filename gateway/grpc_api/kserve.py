@@ -101,8 +101,22 @@ def to_generate_request(req: ks.ModelInferRequest, served: str) -> pb.GenerateRe
             try:
                 setattr(sp, name, value)
             except (ValueError, TypeError):
-                raise RequestError(f"parameters[{name!r}]", f"got {value!r}; out of range") from None
+                bits = 64 if name == "seed" else 32  # the nanokv.v1 field it lands in
+                raise RequestError(f"parameters[{name!r}]", f"got {value!r}; allowed: a {bits}-bit signed "
+                                                            f"integer") from None
     return out
+
+
+def kserve_field(field: str) -> str:
+    """The KServe name of a nanokv.v1 field an error names: what the Triton client actually sent."""
+    head, _, rest = field.partition(".")
+    if head == "sampling_params":
+        return f"parameters[{rest.split('.')[0]!r}]"
+    if head in ("text", "token_ids"):
+        return f"inputs['{INPUT}']"
+    if head == "cache_salt":
+        return "parameters['cache_salt']"
+    return {"request_id": "id"}.get(field, field)
 
 
 def _response(req: ks.ModelInferRequest, served: str, text: str, ids: list[int], params: dict[str, Any]
@@ -167,7 +181,10 @@ class KServeServicer:
 
     async def _chunks(self, req: ks.ModelInferRequest, tenant: str | None) -> AsyncIterator[pb.GenerateResponse]:
         greq = to_generate_request(req, self.name)
-        rid, stream = await self.gen.start(greq, tenant, track=False)  # KServe ids need not be unique
+        try:
+            rid, stream = await self.gen.start(greq, tenant, track=False)  # KServe ids need not be unique
+        except RequestError as e:
+            raise RequestError(kserve_field(e.field), e.message) from None
         try:
             async for u in stream:
                 out = u.output
