@@ -53,11 +53,20 @@ def _param(name: str, p: ks.InferParameter) -> Any:
     field = f"parameters[{name!r}]"
     if kind is None:
         raise RequestError(field, f"unknown parameter; allowed: {', '.join(_PARAMS)}")
-    ok = {"int": ("int64_param", "uint64_param"), "float": ("double_param", "int64_param", "uint64_param"),
+    # floats may also come as decimal strings: tritonclient (2.41) sends no double parameters at all
+    ok = {"int": ("int64_param", "uint64_param"),
+          "float": ("double_param", "int64_param", "uint64_param", "string_param"),
           "bool": ("bool_param",), "string": ("string_param",)}[kind]
     if which not in ok:
         raise RequestError(field, f"must be a{'n' if kind == 'int' else ''} {kind} parameter, got {which or 'none'}")
-    return getattr(p, which)
+    value = getattr(p, which)
+    if kind == "float" and which == "string_param":
+        try:
+            return float(value)
+        except ValueError:
+            raise RequestError(field, f"got {value!r}; allowed: a number (double_param, int64_param or a "
+                                      f"decimal string_param)") from None
+    return value
 
 
 def to_generate_request(req: ks.ModelInferRequest, served: str) -> pb.GenerateRequest:
