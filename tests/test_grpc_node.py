@@ -23,7 +23,7 @@ PROMPT = ("The three primary colours of paint are red, blue and yellow. Mixing r
           "and mixing red and blue gives")
 MAX_TOKENS = 12
 
-pytestmark = pytest.mark.skipif(shutil.which("node") is None or shutil.which("npm") is None,
+needs_node = pytest.mark.skipif(shutil.which("node") is None or shutil.which("npm") is None,
                                 reason="node and npm are not on PATH (the Node.js gRPC client test needs both)")
 
 
@@ -40,7 +40,14 @@ def node_modules() -> None:
     assert r.returncode == 0, f"npm ci failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
 
 
-def test_node_client_streams_the_same_answer(tmp_path):
+def test_docs_show_the_client_the_test_runs():
+    docs = (ROOT / "docs" / "grpc-api.md").read_text()
+    block = docs.split("```javascript\n", 1)[1].split("```", 1)[0]
+    assert block == (NODE_DIR / "client.js").read_text()
+
+
+@needs_node
+def test_node_client_streams_the_same_answer():
     node_modules()
     server = shared_server()
     with server.channel() as ch:
