@@ -143,6 +143,11 @@ CASES = [
     g("stop-too-many", sp((SPF + "stop", "at most 16"), stop=[f"s{i}" for i in range(17)])),
     g("stop-token-id-negative", sp((SPF + "stop_token_ids", "non-negative"), stop_token_ids=[-1])),
     # prompts
+    Case("both-text-and-token-ids", GEN + "Generate", pb.GenerateRequest(text="Hi").SerializeToString()
+         + pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2])).SerializeToString(), I,
+         ("input", "got text and token_ids", "exactly one of text or token_ids")),
+    Case("token-ids-then-text", GEN + "Generate", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1])).SerializeToString()
+         + VALID, I, ("input", "got text and token_ids", "exactly one")),
     g("no-input", gen(("input", "text", "token_ids"), no_input=True)),
     g("empty-text", gen(("text", "must not be empty"), text="")),
     g("empty-token-ids", gen(("token_ids.ids", "must not be empty"), token_ids=pb.TokenIds(ids=[]))),
