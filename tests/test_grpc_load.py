@@ -1,9 +1,12 @@
 """Load on the public gRPC API: 200 concurrent streaming clients (grpc.aio, one process) against a real
 CPU `nanokv serve`, then 100 clients that cancel after their first chunk.
 
-The server is the shared test server (tests/helpers_grpc.py): 32 running sequences at most
-(--max-num-seqs) and 48 waiting (--max-waiting), so 200 at once must overflow admission and
-RESOURCE_EXHAUSTED is reached. What must hold: every call completes with the greedy answer or gets
+The first two tests use the shared test server (tests/helpers_grpc.py): 32 running sequences at
+most (--max-num-seqs) and 48 waiting (--max-waiting), so 200 at once must overflow admission and
+RESOURCE_EXHAUSTED is reached. The last one repeats the 200 streams on `nanokv serve` with the
+default configuration (256 running, 256 waiting: every stream is admitted).
+
+What must hold: every call completes with the greedy answer or gets
 RESOURCE_EXHAUSTED with retry advice, no other status; afterwards every KV block is free and
 nothing runs or waits; cancelled calls leave nothing behind and the server answers the next
 request exactly as before.
@@ -20,7 +23,7 @@ import pytest
 
 from nanokv.protos import nanokv_v1_pb2 as pb
 from nanokv.protos import nanokv_v1_pb2_grpc as pb_grpc
-from tests.helpers_grpc import auth, collect, free_blocks_settle, shared_server
+from tests.helpers_grpc import auth, collect, free_blocks_settle, shared_server, start_server
 
 CLIENTS, CANCELLERS, CHANNELS = 200, 100, 4
 PROMPTS = [f"Item {i}: the quick brown fox jumps over the lazy dog number" for i in range(8)]
@@ -115,3 +118,26 @@ def test_100_clients_cancelling_mid_stream_leave_no_trace(server, stub, alone):
     again = [collect(stub.Generate(request(i, 4), metadata=auth(), timeout=60))[0] for i in range(len(PROMPTS))]
     assert again == alone
     print(f"\n{CANCELLERS} cancelling clients: {dict(kinds)} in {time.monotonic() - t0:.1f} s")
+
+
+def test_200_concurrent_streams_on_the_default_cpu_config():
+    server = start_server([], "grpc-default")
+    try:
+        with server.channel() as ch:
+            stub = server.stub(ch)
+            alone = [collect(stub.Generate(request(i, 4), metadata=auth(), timeout=60))[0]
+                     for i in range(len(PROMPTS))]
+            t0 = time.monotonic()
+            results = asyncio.run(many(server.grpc_address, CLIENTS, complete))
+            elapsed = time.monotonic() - t0
+            info = free_blocks_settle(stub)
+    finally:
+        server.stop()
+    kinds = Counter(kind for kind, _ in results)
+    assert set(kinds) <= {"ok", "RESOURCE_EXHAUSTED"} and kinds["ok"] >= 1, kinds
+    for i, (kind, detail) in enumerate(results):
+        if kind == "ok":
+            assert detail == (alone[i % len(PROMPTS)], "length"), (i, detail)
+    assert info.num_running == 0 and info.num_waiting == 0 and info.max_waiting == 256
+    assert info.kv_blocks_free == info.kv_blocks_total, info
+    print(f"\n{CLIENTS} clients, default config: {dict(kinds)} in {elapsed:.1f} s")
