@@ -207,8 +207,12 @@ class Engine:
         bs = self.model_info.block_size
         need = (n + max_tokens + bs - 1) // bs
         if need > self.num_kv_blocks:
+            cap = self.num_kv_blocks * bs  # tokens the whole cache holds
+            if n >= cap:
+                raise RequestError("prompt", f"prompt has {n} tokens; the whole KV cache holds {cap}, so at most "
+                                             f"{cap - 1} are allowed")
             raise RequestError("max_tokens", f"prompt + max_tokens needs {need} KV blocks but the whole cache "
-                                             f"has {self.num_kv_blocks}; lower max_tokens")
+                                             f"has {self.num_kv_blocks}; allowed: at most {cap - n}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError("cache_salt", "must be a string")
         seq = Sequence(next(self._ids), request_id, ids, params, max_tokens, cache_salt=cache_salt)
