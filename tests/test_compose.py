@@ -145,7 +145,7 @@ def _compose_cli() -> list[str] | None:
 def test_docker_compose_config(profile):
     cli = _compose_cli()
     if cli is None:
-        pytest.skip("no compose CLI: `docker compose` (plugin) nor docker-compose; see docs/operating.md")
+        pytest.skip("no compose CLI (`docker compose` plugin or docker-compose): sh deploy/install-compose-plugin.sh")
     r = subprocess.run([*cli, "--profile", profile, "config", "-q"], cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
