@@ -149,11 +149,6 @@ def test_spans_from_all_three_services_over_otlp(tmp_path):
         spans = list(rx.spans)
     finally:
         rx.stop()
-    if os.environ.get("NANOKV_TRACE_DUMP"):  # the spans for docs/trace.png (python -m nanokv.bench.trace_png)
-        import json
-
-        with open(os.environ["NANOKV_TRACE_DUMP"], "w") as f:
-            json.dump(spans, f)
     services = {s["service"] for s in spans}
     assert {"nanokv-gateway", "nanokv-cache", "nanokv-compute"} <= services, services
     by_id = {s["span_id"]: s for s in spans}
