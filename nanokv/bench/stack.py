@@ -16,10 +16,10 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
-
-import httpx
 
 from nanokv.launch import _die_with_parent, service_command, start_services
 from nanokv.rpc import wait_serving
@@ -31,6 +31,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def http_status(url: str, timeout_s: float = 2.0) -> int:
+    """The status of GET `url` (0: no answer). The standard library's client: the gateway's own
+    dependencies have none."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except (OSError, ValueError):
+        return 0
 
 
 @dataclass
@@ -109,11 +121,8 @@ class Stack:
             gw = self.procs["gateway"]
             if gw.poll() is not None:
                 raise RuntimeError(f"the gateway exited with {gw.returncode}:\n{self.log_tail('gateway')}")
-            try:
-                if httpx.get(self.http + path, timeout=2).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.HTTPError:
-                pass
+            if http_status(self.http + path) == 200:
+                return time.monotonic() - t0
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"{path} not 200 after {timeout_s:.0f} s")
             time.sleep(0.1)
