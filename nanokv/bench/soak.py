@@ -44,6 +44,9 @@ PROBE_TEXT = ("is a probe of the prefix cache: this text is long enough to fill 
               "tokens each, so that a hit would show as a whole number of blocks in the cached count.")
 
 
+SOAK_ARGS = ("minutes", "clients", "kill_at", "rss_interval_s", "warmup_s", "probe_interval_s", "seed")
+
+
 def add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="length of the mixed run")
     p.add_argument("--clients", type=int, default=6, help="concurrent clients, one request each at a time")
@@ -189,6 +192,7 @@ class Soak:
         self.greedy_probe("end")
         leaks = self.leaks()
         result = {
+            "args": {k: v for k, v in vars(args).items() if k in SOAK_ARGS},
             "minutes": args.minutes, "clients": args.clients, "config": CONFIG,
             "requests": tally.by_outcome(),
             "requests_by_api": {f"{api} {o}": k for (api, o), k in sorted(tally.outcomes.items())},
