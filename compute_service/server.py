@@ -77,6 +77,13 @@ class ComputeServicer(pb_grpc.ComputeServicer):
             self.svc.reset_stats()
             return pb.Empty()
 
+    def Repool(self, request: pb.RepoolRequest, context: Any) -> pb.ModelInfo:
+        with rpc_errors(context):
+            with self.turn:  # no step runs while the views of the old segment go
+                info = self.svc.repool(request.num_blocks or None, list(request.layer_bits) or None)
+                self.turn.notify_all()
+            return codec.info_to_pb(info)
+
     def Reset(self, request: pb.Empty, context: Any) -> pb.Empty:
         with rpc_errors(context):
             with self.turn:

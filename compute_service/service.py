@@ -29,7 +29,7 @@ from nanokv.compute_service.runner.sampler import Sampler
 from nanokv.compute_service.runner.tp_protocol import TokenWindow
 from nanokv.compute_service.step_trace import forward_span
 from nanokv.config import EngineConfig
-from nanokv.errors import NanoKVError
+from nanokv.errors import NanoKVError, PreconditionError
 from nanokv.messages import PLACEHOLDER, ModelInfo, PoolHandle, PoolLayout, StepRequest, StepResult
 from nanokv.sampling import SamplingParams
 
@@ -51,6 +51,7 @@ class ComputeService:
 
         self.config = cfg = config
         torch.manual_seed(cfg.seed)
+        self._attach_pool = attach_pool
         self.device = resolve_device(cfg)
         self.dtype = resolve_dtype(cfg, self.device)
         tp = cfg.tensor_parallel_size  # this process is TP rank 0: it loads rank 0's shard
@@ -94,7 +95,8 @@ class ComputeService:
         return ModelInfo(self.model_name, mc.vocab_size, list(mc.eos_token_ids or []), self.max_model_len,
                          self.runner.num_blocks, self.runner.block_size, self.device.type,
                          str(self.dtype).removeprefix("torch."), model=self.config.model,
-                         epoch=getattr(self.runner, "pool_epoch", 0))
+                         epoch=getattr(self.runner, "pool_epoch", 0),
+                         layer_bits=list(getattr(self.runner, "layer_bits", [])))
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The tokenizer as the files save_pretrained writes (empty for random-weight models)."""
@@ -132,6 +134,21 @@ class ComputeService:
         """A gateway starts over (Compute.Reset): no sequence, and steps count from 0 again."""
         self.drop_sequences()
         self._next_step = 0
+
+    def repool(self, num_blocks: int | None = None, layer_bits: list[int] | None = None) -> ModelInfo:
+        """A pool change (Compute.Repool): every sequence goes (the gateway took them back, to be
+        recomputed), the runner attaches a pool of the new layout and captures its graphs again."""
+        if self._attach_pool is None or not hasattr(self.runner, "repool"):
+            raise PreconditionError("compute", "this compute service cannot change its pool (no cache service "
+                                               "attach, or tensor_parallel_size > 1)")
+        self.runner.check_repool(num_blocks, layer_bits)  # a bad layout changes nothing
+        self.drop_sequences()
+        self.runner.repool(self._attach_pool, num_blocks, layer_bits)
+        stage = getattr(self.runner, "stage", None)
+        if stage is not None:
+            stage.block_free = self._block_free
+        self.compression_monitor = CompressionMonitor().attach(self.runner.kv_caches)
+        return self.info()
 
     def _block_free(self, block: int) -> bool:
         return all(block not in t for t in self._tables.values())

@@ -94,5 +94,9 @@ class ComputeClient:
     def reset(self) -> None:
         call(self.stub.Reset, pb.Empty(), self.timeout, "reset")
 
+    def repool(self, num_blocks: int | None = None, layer_bits: list[int] | None = None) -> ModelInfo:
+        req = pb.RepoolRequest(num_blocks=num_blocks or 0, layer_bits=layer_bits or [])
+        return codec.info_from_pb(call(self.stub.Repool, req, self.timeout, "repool"))
+
     def close(self) -> None:
         self.channel.close()

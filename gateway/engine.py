@@ -109,8 +109,8 @@ class Engine:
                                     and self.sparsity is None and not cfg.adaptive
                                     and cfg.eviction_policy != "adaptive"):
             self._async = AsyncStepper(self)
-        warm_up(self)  # CUDA: compile what a chunked prompt needs now, not mid-request (nanokv.gateway.warmup)
         self.controller: Any = None  # nanokv.gateway.adaptive.AdaptiveController: self-tuning, off unless asked
+        warm_up(self)  # CUDA: compile what a chunked prompt needs now, not mid-request (nanokv.gateway.warmup)
         if cfg.adaptive or cfg.eviction_policy == "adaptive":
             from nanokv.gateway.adaptive.engine_glue import build_controller
             self.controller = build_controller(self)
@@ -207,8 +207,12 @@ class Engine:
         bs = self.model_info.block_size
         need = (n + max_tokens + bs - 1) // bs
         if need > self.num_kv_blocks:
+            cap = self.num_kv_blocks * bs  # tokens the whole cache holds
+            if n >= cap:
+                raise RequestError("prompt", f"prompt has {n} tokens; the whole KV cache holds {cap}, so at most "
+                                             f"{cap - 1} are allowed")
             raise RequestError("max_tokens", f"prompt + max_tokens needs {need} KV blocks but the whole cache "
-                                             f"has {self.num_kv_blocks}; lower max_tokens")
+                                             f"has {self.num_kv_blocks}; allowed: at most {cap - n}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError("cache_salt", "must be a string")
         seq = Sequence(next(self._ids), request_id, ids, params, max_tokens, cache_salt=cache_salt)
@@ -332,6 +336,13 @@ class Engine:
                 seq.metrics.first_scheduled_time = now
         req.finished, self._finished_ids = self._finished_ids, []
         return req
+
+    def repool(self, num_blocks: int | None = None, layer_bits: list[int] | None = None) -> list[RequestOutput]:
+        """Change the KV pool's block count or per-layer widths while serving (nanokv.gateway.repool):
+        live requests are recomputed on the new pool. Returns the outputs of the step in flight."""
+        from nanokv.gateway.repool import repool
+
+        return repool(self, num_blocks, layer_bits)
 
     def flush(self) -> None:
         """Tell the services now what they would otherwise learn with the next step: the blocks of

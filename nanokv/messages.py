@@ -156,3 +156,4 @@ class ModelInfo:
     dtype: str
     model: str | None = None  # the path the compute service loaded (the gateway's tokenizer reads it too)
     epoch: int = 0  # the pool the compute service has mapped (0: none)
+    layer_bits: list[int] = field(default_factory=list)  # the pool's KV format per layer (16: full precision)

@@ -147,12 +147,14 @@ def cache_stats_from_pb(m: pb.CacheStats) -> dict[str, Any]:
 def info_to_pb(i: ModelInfo) -> pb.ModelInfo:
     return pb.ModelInfo(name=i.name, vocab_size=i.vocab_size, eos_token_ids=i.eos_token_ids,
                         max_position_embeddings=i.max_position_embeddings, num_blocks=i.num_blocks,
-                        block_size=i.block_size, device=i.device, dtype=i.dtype, model=i.model, epoch=i.epoch)
+                        block_size=i.block_size, device=i.device, dtype=i.dtype, model=i.model, epoch=i.epoch,
+                        layer_bits=i.layer_bits)
 
 
 def info_from_pb(m: pb.ModelInfo) -> ModelInfo:
     return ModelInfo(m.name, m.vocab_size, list(m.eos_token_ids), m.max_position_embeddings, m.num_blocks,
-                     m.block_size, m.device, m.dtype, m.model if m.HasField("model") else None, m.epoch)
+                     m.block_size, m.device, m.dtype, m.model if m.HasField("model") else None, m.epoch,
+                     list(m.layer_bits))
 
 
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:

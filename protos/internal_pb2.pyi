@@ -187,8 +187,16 @@ class ResetRequest(_message.Message):
     clear_stats: bool
     def __init__(self, clear_stats: _Optional[bool] = ...) -> None: ...
 
+class RepoolRequest(_message.Message):
+    __slots__ = ("num_blocks", "layer_bits")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BITS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    layer_bits: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_blocks: _Optional[int] = ..., layer_bits: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "eos_token_ids", "max_position_embeddings", "num_blocks", "block_size", "device", "dtype", "model", "epoch")
+    __slots__ = ("name", "vocab_size", "eos_token_ids", "max_position_embeddings", "num_blocks", "block_size", "device", "dtype", "model", "epoch", "layer_bits")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +207,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BITS_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -209,7 +218,8 @@ class ModelInfo(_message.Message):
     dtype: str
     model: str
     epoch: int
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    layer_bits: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_bits: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenizerFiles(_message.Message):
     __slots__ = ("files",)

@@ -359,6 +359,11 @@ class ComputeStub:
                 request_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
                 response_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Repool = channel.unary_unary(
+                '/nanokv.internal.v1.Compute/Repool',
+                request_serializer=nanokv_dot_protos_dot_internal__pb2.RepoolRequest.SerializeToString,
+                response_deserializer=nanokv_dot_protos_dot_internal__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class ComputeServicer:
@@ -404,6 +409,15 @@ class ComputeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Repool(self, request, context):
+        """A pool change (grow/shrink, wider KV formats): the gateway has paused and taken back every
+        sequence; the compute service drops its mapping, attaches a pool of the new layout (a new
+        epoch), maps it and captures its CUDA graphs again. Answers the new ModelInfo.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ComputeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -436,6 +450,11 @@ def add_ComputeServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
                     response_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+            ),
+            'Repool': grpc.unary_unary_rpc_method_handler(
+                    servicer.Repool,
+                    request_deserializer=nanokv_dot_protos_dot_internal__pb2.RepoolRequest.FromString,
+                    response_serializer=nanokv_dot_protos_dot_internal__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -601,6 +620,33 @@ class Compute:
             '/nanokv.internal.v1.Compute/Reset',
             nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
             nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Repool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanokv.internal.v1.Compute/Repool',
+            nanokv_dot_protos_dot_internal__pb2.RepoolRequest.SerializeToString,
+            nanokv_dot_protos_dot_internal__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

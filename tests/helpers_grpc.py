@@ -50,6 +50,9 @@ class Server:
     def stub(self, channel: grpc.Channel) -> pb_grpc.GenerationStub:
         return pb_grpc.GenerationStub(channel)
 
+    def stop(self) -> None:
+        _stop(self.proc)
+
 
 def auth(key: str = KEY_A) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
@@ -57,11 +60,16 @@ def auth(key: str = KEY_A) -> tuple[tuple[str, str], ...]:
 
 @functools.lru_cache(maxsize=1)
 def shared_server() -> Server:
+    return start_server(SERVER_FLAGS)
+
+
+def start_server(flags: list[str], name: str = "grpc-test") -> Server:
+    """A `nanokv serve` with the gRPC API on, both test keys and `flags`; stopped at exit."""
     http_port, grpc_port = free_port(), free_port()
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"nanokv-grpc-test-{os.getpid()}.log"
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"nanokv-{name}-{os.getpid()}.log"
     out = open(log, "wb")  # noqa: SIM115 - the child keeps it
     cmd = [sys.executable, "-m", "nanokv.cli", "serve", "--port", str(http_port), "--grpc-port", str(grpc_port),
-           "--api-key", KEY_A, "--api-key", KEY_B, "--log-level", "warning", *SERVER_FLAGS]
+           "--api-key", KEY_A, "--api-key", KEY_B, "--log-level", "warning", *flags]
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, stdin=subprocess.DEVNULL)
     out.close()
     atexit.register(_stop, proc)

@@ -6,6 +6,7 @@ runs the model inside a forward context, and returns logits for the rows that sa
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 from collections.abc import Callable
@@ -114,12 +115,15 @@ class ModelRunner:
         self.kv_caches = []
         self.pool_handle = None
 
-    def remap_pool(self, attach_pool: Callable[[PoolLayout], PoolHandle]) -> None:
+    def remap_pool(self, attach_pool: Callable[[PoolLayout], PoolHandle], stage: StageTable | None = None) -> None:
         """Attach again (a restarted cache service) and carve the layers from the new segment. The
-        model's weights already carry folded value rotations: the new caches are told so."""
+        model's weights already carry folded value rotations: the new caches are told so.
+        stage: the staging table to use as is (a repool made it for its new layout)."""
         self.release_pool()
         handle = attach_pool(self.pool_layout)
-        if self.stage is not None:  # the staging slots' bookkeeping described the old segment
+        if stage is not None:
+            self.stage = stage
+        elif self.stage is not None:  # the staging slots' bookkeeping described the old segment
             old = self.stage
             self.stage = StageTable(self.num_blocks, self._stage_slots(), self.block_size, self.device)
             self.stage.block_free = old.block_free
@@ -131,6 +135,45 @@ class ModelRunner:
         self.pool_handle = handle
         if self._graph_model_len:
             self.capture_cudagraphs(self._graph_model_len)
+
+    def check_repool(self, num_blocks: int | None, layer_bits: list[int] | None) -> tuple[int, list[int]]:
+        """The new layout's block count and widths, or a ConfigError naming the field (nothing changed).
+        A layer may go to int4 only if its value rotation is already in the weights (it started as
+        int4): folding again would rotate them twice."""
+        bits = list(self.layer_bits if layer_bits is None else layer_bits)
+        if len(bits) != self.num_layers or any(b not in (4, 8, 16) for b in bits):
+            raise ConfigError("layer_bits", f"one width per layer ({self.num_layers} layers), each 4, 8 or 16")
+        folded: set[int] = getattr(self, "_folded_layers", set())
+        unfolded = [i for i, b in enumerate(bits) if b == 4 and i not in folded]
+        if unfolded:
+            raise ConfigError("layer_bits", f"layers {unfolded} did not start as int4 (their value rotation is "
+                                            "not in the weights): allowed widths there are 8 or 16")
+        n = self.num_blocks if num_blocks is None else int(num_blocks)
+        if not 1 <= n <= 1 << 24:
+            raise ConfigError("num_blocks", f"{n}: allowed 1..{1 << 24}")
+        return n, bits
+
+    def repool(self, attach_pool: Callable[[PoolLayout], PoolHandle], num_blocks: int | None = None,
+               layer_bits: list[int] | None = None) -> None:
+        """A pool change through the attach protocol: drop every view of the old segment, attach a
+        pool of the new layout (the cache service allocates it under a new epoch), carve the layers
+        and capture the decode graphs again. The contents do not move: the caller has taken every
+        sequence back (they are recomputed)."""
+        n, bits = self.check_repool(num_blocks, layer_bits)
+        self.release_pool()
+        gc.collect()  # the old segment's mapping (a CUDA IPC open, or an mmap) goes with its last view
+        old = self.stage
+        self.num_blocks, self.layer_bits = n, bits
+        self.stage = None
+        if 4 in bits:
+            self.stage = StageTable(n, min(self._stage_slots(), n), self.block_size, self.device)
+            if old is not None:
+                self.stage.block_free = old.block_free
+        lay = self.pool_layout
+        self.pool_layout = PoolLayout(n, lay.block_size, lay.num_kv_heads, lay.head_dim, bits, lay.dtype,
+                                      self.stage.num_slots if self.stage is not None else 0, lay.device)
+        self.stage, stage = None, self.stage  # remap_pool rebuilds an existing table from the old layout
+        self.remap_pool(attach_pool, stage)
 
     def fold_value_rotations(self) -> None:
         """For each layer whose format stores values rotated (int4), fold the rotation into the model's

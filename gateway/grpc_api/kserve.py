@@ -53,11 +53,20 @@ def _param(name: str, p: ks.InferParameter) -> Any:
     field = f"parameters[{name!r}]"
     if kind is None:
         raise RequestError(field, f"unknown parameter; allowed: {', '.join(_PARAMS)}")
-    ok = {"int": ("int64_param", "uint64_param"), "float": ("double_param", "int64_param", "uint64_param"),
+    # floats may also come as decimal strings: tritonclient (2.41) sends no double parameters at all
+    ok = {"int": ("int64_param", "uint64_param"),
+          "float": ("double_param", "int64_param", "uint64_param", "string_param"),
           "bool": ("bool_param",), "string": ("string_param",)}[kind]
     if which not in ok:
         raise RequestError(field, f"must be a{'n' if kind == 'int' else ''} {kind} parameter, got {which or 'none'}")
-    return getattr(p, which)
+    value = getattr(p, which)
+    if kind == "float" and which == "string_param":
+        try:
+            return float(value)
+        except ValueError:
+            raise RequestError(field, f"got {value!r}; allowed: a number (double_param, int64_param or a "
+                                      f"decimal string_param)") from None
+    return value
 
 
 def to_generate_request(req: ks.ModelInferRequest, served: str) -> pb.GenerateRequest:
@@ -101,8 +110,22 @@ def to_generate_request(req: ks.ModelInferRequest, served: str) -> pb.GenerateRe
             try:
                 setattr(sp, name, value)
             except (ValueError, TypeError):
-                raise RequestError(f"parameters[{name!r}]", f"got {value!r}; out of range") from None
+                bits = 64 if name == "seed" else 32  # the nanokv.v1 field it lands in
+                raise RequestError(f"parameters[{name!r}]", f"got {value!r}; allowed: a {bits}-bit signed "
+                                                            f"integer") from None
     return out
+
+
+def kserve_field(field: str) -> str:
+    """The KServe name of a nanokv.v1 field an error names: what the Triton client actually sent."""
+    head, _, rest = field.partition(".")
+    if head == "sampling_params":
+        return f"parameters[{rest.split('.')[0]!r}]"
+    if head in ("text", "token_ids"):
+        return f"inputs['{INPUT}']"
+    if head == "cache_salt":
+        return "parameters['cache_salt']"
+    return {"request_id": "id"}.get(field, field)
 
 
 def _response(req: ks.ModelInferRequest, served: str, text: str, ids: list[int], params: dict[str, Any]
@@ -167,7 +190,10 @@ class KServeServicer:
 
     async def _chunks(self, req: ks.ModelInferRequest, tenant: str | None) -> AsyncIterator[pb.GenerateResponse]:
         greq = to_generate_request(req, self.name)
-        rid, stream = await self.gen.start(greq, tenant, track=False)  # KServe ids need not be unique
+        try:
+            rid, stream = await self.gen.start(greq, tenant, track=False)  # KServe ids need not be unique
+        except RequestError as e:
+            raise RequestError(kserve_field(e.field), e.message) from None
         try:
             async for u in stream:
                 out = u.output

@@ -34,7 +34,53 @@ def parse(data: bytes, cls: type[M]) -> M:
         raise RequestError("request", f"not a valid {cls.DESCRIPTOR.full_name} message "
                                       f"({len(data)} bytes that protobuf cannot decode)") from None
     reject_unknown(msg, "")
+    reject_two_of_a_oneof(data, msg)
     return msg
+
+
+def _top_level_numbers(data: bytes) -> set[int]:
+    """Field numbers present at the top level of a message that already parsed (so it is well formed)."""
+    seen, i = set(), 0
+
+    def varint() -> int:
+        nonlocal i
+        shift = value = 0
+        while True:
+            b = data[i]
+            i += 1
+            value |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                return value
+
+    while i < len(data):
+        key = varint()
+        number, wire = key >> 3, key & 7
+        seen.add(number)
+        if wire == 0:
+            varint()
+        elif wire == 2:
+            n = varint()  # read before `i +=`, which would load i first
+            i += n
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        else:  # groups: not in our protos; parsing already accepted them, stop looking
+            break
+    return seen
+
+
+def reject_two_of_a_oneof(data: bytes, msg: Message) -> None:
+    """Protobuf keeps the last of two oneof members on the wire; a request that sends both (a prompt
+    as text and as token ids) is refused instead of having one silently dropped."""
+    oneofs = msg.DESCRIPTOR.oneofs
+    if not oneofs:
+        return
+    present = _top_level_numbers(data)
+    for oneof in oneofs:
+        sent = [f.name for f in oneof.fields if f.number in present]
+        if len(sent) > 1:
+            allowed = " or ".join(f.name for f in oneof.fields)
+            raise RequestError(oneof.name, f"got {' and '.join(sent)}; allowed: exactly one of {allowed}")
 
 
 def reject_unknown(msg: Message, path: str) -> None:

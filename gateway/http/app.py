@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from nanokv import tracing
 from nanokv.gateway.http.async_engine import AsyncEngine
 from nanokv.gateway.http.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING
 from nanokv.gateway.http.errors import install_error_handlers
@@ -76,6 +77,7 @@ def build_app(
             if grpc_api is not None:
                 await grpc_api.stop()
             await aengine.stop()
+            tracing.flush()  # uvicorn re-raises SIGTERM after this: no atexit would export the last spans
 
     app = FastAPI(title="nanokv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.async_engine = aengine

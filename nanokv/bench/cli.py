@@ -24,8 +24,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=("in-process", "split", "both"), default="in-process",
                    help="GPU workloads: services in this process, or cache + compute as processes over gRPC "
                         "(the pool shared by CUDA IPC), or both side by side in this run")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="--transport both: this many split / in-process pairs, alternating (the median ratio)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -49,8 +47,7 @@ def run_bench(args: argparse.Namespace, engine_kw: dict[str, Any]) -> int:
     elif workload in ("nanovllm", "longctx"):
         from nanokv.bench.gpu import run_gpu_bench
         result = run_gpu_bench(workload, engine_kw, compare=args.compare == "hf", quick=args.quick,
-                               num_seqs=args.num_seqs, transport=args.transport,
-                               repeat=args.repeat)
+                               num_seqs=args.num_seqs, transport=args.transport)
     else:
         from nanokv.bench.gpu_kernels import main as kernels_main
         return int(kernels_main(["--out", args.out or "."]) or 0)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import random
-import statistics
 import time
 from typing import Any
 
@@ -185,11 +184,10 @@ def _timed_run(kw: dict[str, Any], prompts, outs, split: bool) -> dict[str, Any]
 
 
 def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = False, quick: bool = False,
-                  num_seqs: int | None = None, transport: str = "in-process", repeat: int = 1) -> dict[str, Any]:
+                  num_seqs: int | None = None, transport: str = "in-process") -> dict[str, Any]:
     """transport "in-process" (LLM() with its services in this process), "split" (cache and compute
     services as processes over gRPC, the pool shared by CUDA IPC) or "both": split first (the
-    same pool size for both), then in-process, in this one run, printed side by side; `repeat`
-    more pairs alternate the two (the machine's drift falls on both) and report the median ratio."""
+    same pool size for both), then in-process, in this one run, printed side by side."""
     prompts, outs = make_workload(workload, num_seqs or (32 if quick else None))
     kw = {"model": "random:qwen3-0.6b", "max_model_len": 8192, **engine_kw}
     total = sum(outs)
@@ -239,16 +237,6 @@ def run_gpu_bench(workload: str, engine_kw: dict[str, Any], compare: bool = Fals
                   f"ms/step, building it {r['build_ms_per_step']:.2f} ms/step, reading tokens "
                   f"{r['tokens_ms_per_step']:.2f} ms/step (a step every {r['step_ms']:.2f} ms), gateway not blocked "
                   f"{r['gateway_busy_share']:.1%} of the run")
-    if split_run is not None and repeat > 1:
-        ratios = [out["split"]["over_in_process"]]
-        for i in range(1, repeat):
-            s_run, l_run = _timed_run(kw, prompts, outs, split=True), _timed_run(kw, prompts, outs, split=False)
-            ratios.append(l_run["seconds"] / s_run["seconds"])
-            print(f"[{workload} pair {i + 1}] split {s_run['output_tokens_per_s']:,.0f} tok/s, in-process "
-                  f"{l_run['output_tokens_per_s']:,.0f} tok/s = {ratios[-1]:.1%}")
-        out["split"]["pair_ratios"] = ratios
-        out["split"]["median_ratio"] = statistics.median(ratios)
-        print(f"[{workload} split] median of {repeat} pairs: {out['split']['median_ratio']:.1%} of in-process")
     if compare:
         t_hf = run_hf("qwen3-0.6b", prompts, outs, device)
         out["hf_seconds"] = t_hf

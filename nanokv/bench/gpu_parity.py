@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[parity {dtype} kv{args.bits} split] three processes == in-process: "
                   f"{split['split_identical_to_in_process']} (async, placeholders fed on the device), "
                   f"{split['split_identical_with_logprobs']} (logprobs, synchronous); vs CPU fp32 reference "
-                  f"{split['split_identical_to_cpu_reference']}")
+                  f"{split['split_identical_to_cpu_reference']}; with a repool mid-run == in-process repool "
+                  f"{split['split_repool_identical_to_in_process_repool']}, == CPU reference "
+                  f"{split['split_repool_identical_to_cpu_reference']}")
         del gpu
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
@@ -98,10 +100,41 @@ def _split_parity(kw: dict, prompts: list[list[int]], local) -> dict:  # noqa: A
         llm = LLM(cache_address=svc.cache_address, compute_address=svc.compute_address, **kw)
         got_fast = [o.token_ids for o in llm.generate(prompts, fast, use_tqdm=False)]
         got_slow = [o.token_ids for o in llm.generate(prompts, slow, use_tqdm=False)]
+        epoch = llm.engine.model_info.epoch
+        got_repool, repool_s = _generate_with_repool(llm.engine, prompts, fast)
+        repool_epoch = llm.engine.model_info.epoch
         llm.engine.shutdown()
-    return {"split_identical_to_in_process": f"{sum(a == b for a, b in zip(got_fast, want_fast))}/{n}",
+    want_repool, _ = _generate_with_repool(local.engine, prompts, fast)
+    print(f"[parity split repool] pool 256 -> 192 blocks after 8 steps over CUDA IPC: {1e3 * repool_s:.0f} ms, "
+          f"epoch {epoch} -> {repool_epoch}")
+    same_repool = sum(a == b for a, b in zip(got_repool, want_repool))
+    return {"split_repool_identical_to_in_process_repool": f"{same_repool}/{n}",
+            "split_repool_identical_to_cpu_reference": f"{sum(a == b for a, b in zip(got_repool, want_cpu))}/{n}",
+            "split_repool_ms": 1e3 * repool_s, "split_repool_epoch_moved": repool_epoch > epoch,
+            "split_identical_to_in_process": f"{sum(a == b for a, b in zip(got_fast, want_fast))}/{n}",
             "split_identical_with_logprobs": f"{sum(a == b for a, b in zip(got_slow, want_slow))}/{n}",
             "split_identical_to_cpu_reference": f"{sum(a == b for a, b in zip(got_fast, want_cpu))}/{n}"}
+
+
+def _generate_with_repool(engine, prompts: list[list[int]], params) -> tuple[list[list[int]], float]:  # noqa: ANN001
+    """Greedy generation with a pool change (256 -> 192 blocks) after 8 steps: the requests in flight
+    are recomputed on the new pool. Returns the tokens in prompt order and the repool's seconds."""
+    import time
+
+    for i, p in enumerate(prompts):
+        engine.add_request(f"repool-{i}", p, params)
+    done: dict[str, list[int]] = {}
+    steps, took = 0, 0.0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps += 1
+        if steps == 8:
+            t0 = time.perf_counter()
+            outs += engine.repool(num_blocks=192)
+            took = time.perf_counter() - t0
+        done.update({o.request_id: list(o.token_ids) for o in outs if o.finished})
+    engine.repool(num_blocks=256)
+    return [done[f"repool-{i}"] for i in range(len(prompts))], took
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 #                                  [ipc] [split] [splitlong]
 # ipc: the CUDA IPC tests and GPU parity through the three services (fp32 == CPU reference, bf16 split ==
 # bf16 in-process); split: the nanovllm workload through the services and in-process, side by side;
-# (REPEAT=n: n alternating pairs, the median ratio);
+# (REPEAT=n: n pairs, each in its own process);
 # splitlong: the long-context workload through the services in bf16, int8 and int4 (the ratios);
 # pairs: int8 then bf16 on the long-context workload, PAIRS times (the int8 / bf16 ratio, same machine);
 # rotab: int8 with TritonConfig.qk_rotation_in_rope on, then off, PAIRS times; breakdown: run_breakdown
@@ -107,7 +107,10 @@ for ph in $phases; do
     ipc)
       run ipc_tests python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ipc.py
       run parity_split python3 -m nanokv.bench.gpu_parity --split --out "$OUT/parity_split.json" ;;
-    split) run nanovllm_split $BENCH --workload nanovllm --transport both --repeat ${REPEAT:-1} --out "$OUT/nanovllm_split.json" ;;
+    split)  # each pair in a fresh process (an in-process engine's pool is not all given back before exit)
+      for i in $(seq "${REPEAT:-1}"); do
+        run nanovllm_split$i $BENCH --workload nanovllm --transport both --out "$OUT/nanovllm_split$i.json"
+      done ;;
     splitlong)
       run longctx_split_bf16 $BENCH --workload longctx --transport split --out "$OUT/longctx_split_bf16.json"
       run longctx_split_int8 $BENCH --workload longctx --transport split --enable-compression \

@@ -1,6 +1,6 @@
 """The policy suite: every eviction policy on every workload at 1 / 5 / 10 / 25 % capacity.
 
-    python -m nanokv.sim.suite [--workloads conversation,rag,...] [--policies lru,leaf_lru,...]
+    python -m nanokv.sim.suite [--workloads conversation,rag,...] [--policies lru,leaf_lru,...] [--seeds 0,1,2]
                                [--mooncake FILE] [--json OUT] [--markdown OUT] [--plot OUT.png]
 
 Workloads are the seeded generators of ``nanokv.sim.traces`` (docs/cache-policies.md, "Workloads")
@@ -29,12 +29,14 @@ WORKLOADS = ("conversation", "long_conversation", "tool_agent", "shared_prompt",
              "phase_change", "mixed_phases")
 
 
-def load_workloads(names: Sequence[str], mooncake: str | None = None,
-                   block_size: int = 512) -> dict[str, list[TraceRequest]]:
+def load_workloads(names: Sequence[str], mooncake: str | None = None, block_size: int = 512,
+                   seeds: Sequence[int] = (0,)) -> dict[str, list[TraceRequest]]:
+    """Each generated workload once per seed (named `name@seed` when there are several seeds)."""
     out: dict[str, list[TraceRequest]] = {}
-    for name in names:
-        gen: Callable[..., list[TraceRequest]] = SYNTHETIC[name]
-        out[name] = gen(block_size)
+    for seed in seeds:
+        for name in names:
+            gen: Callable[..., list[TraceRequest]] = SYNTHETIC[name]
+            out[name if len(seeds) == 1 else f"{name}@{seed}"] = gen(block_size, seed=seed)
     if mooncake:
         out["mooncake"] = read_mooncake(mooncake)
     return out
@@ -138,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--capacity", default=CAPACITIES)
     ap.add_argument("--mooncake", default=None, help="the Mooncake synthetic trace (JSONL), if available")
+    ap.add_argument("--seeds", default="0", help="generator seeds, comma list: every workload once per seed")
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument("--markdown", default=None)
@@ -152,7 +155,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "lru" not in policies:
         policies.insert(0, "lru")  # every ratio is relative to LRU
     pcts = [p.strip() for p in args.capacity.split(",")]
-    doc = evaluate(load_workloads(names, args.mooncake), policies, args.capacity, workers=args.jobs)
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        print(f"error: --seeds {args.seeds!r}: a comma list of integers", file=sys.stderr)
+        return 2
+    doc = evaluate(load_workloads(names, args.mooncake, seeds=seeds or [0]), policies, args.capacity,
+                   workers=args.jobs)
     table = markdown(doc, policies, pcts)
     print(table)
     for p in policies:
