@@ -12,6 +12,7 @@ import signal
 import threading
 from typing import Any
 
+from nanokv.cache_service.segments import remove_orphans
 from nanokv.cache_service.service import CacheService, NotAttached
 from nanokv.config import EngineConfig
 from nanokv.lease import start_reaper
@@ -63,6 +64,7 @@ class CacheServicer(pb_grpc.CacheServicer):
 
 
 def serve(config: EngineConfig, listen: str, stop: threading.Event | None = None) -> None:
+    remove_orphans()  # segments of a cache service that was killed (cache_service/segments.py)
     svc = CacheService(config, shared=True)
     if config.device != "cpu":
         _init_cuda()

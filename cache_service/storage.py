@@ -17,13 +17,12 @@ The only module of the cache service that imports torch.
 from __future__ import annotations
 
 import os
-import tempfile
-import uuid
 
 import torch
 
 from nanokv.cache_service.kv.cache import LayerKVCache, allocate_layer_cache
 from nanokv.cache_service.kv.staging import StageTable
+from nanokv.cache_service.segments import new_segment_path
 from nanokv.messages import PoolHandle, PoolLayout
 
 _ALIGN = 256  # bytes: every carved tensor starts aligned (vector loads, any element size)
@@ -83,10 +82,6 @@ def pool_nbytes(layout: PoolLayout) -> int:
     return -(-carver.offset // _ALIGN) * _ALIGN
 
 
-def shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
 class PoolStorage:
     """The segment the cache service owns: allocated on attach, removed on close."""
 
@@ -103,7 +98,7 @@ class PoolStorage:
         elif layout.device != "cpu" or not shared:
             self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=layout.device)
         else:
-            self.path = os.path.join(shm_dir(), f"nanokv-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+            self.path = new_segment_path()  # the owner's pid in the name: cache_service/segments.py
             with open(self.path, "wb") as f:
                 f.truncate(self.nbytes)  # a sparse file of zeros: pages appear as they are written
             self.buffer = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)

@@ -1,12 +1,13 @@
 """The compute service watches the cache service it attached to, and follows its restarts.
 
-A thread holds a grpc.health.v1 Watch stream on the cache service. When the stream breaks (the
-process died: the socket closes at once; a hung host: the channel's keepalive gives up within
-~15 s) or reports NOT_SERVING, the compute service stops serving, drops every view of the old
-segment (ModelRunner.release_pool; steps now fail with StaleEpoch, never touch stale memory) and
-forgets every sequence (their blocks lived in that pool). It then waits for a cache service to
-answer again, attaches a new pool (a new epoch), maps it and serves again. The gateway notices
-the new epoch and re-attaches itself (nanokv.gateway.recovery).
+A thread holds a grpc.health.v1 Watch stream on the cache service. When the stream reports
+NOT_SERVING, or breaks (the process died: the socket closes at once; a hung host: the channel's
+keepalive gives up within ~15 s) and a Stats call no longer finds our pool attached there (a
+stream can also end while its server lives on), the compute service stops serving, drops every
+view of the old segment (ModelRunner.release_pool; steps now fail with StaleEpoch, never touch
+stale memory) and forgets every sequence (their blocks lived in that pool). It then waits for a
+cache service to answer again, attaches a new pool (a new epoch), maps it and serves again. The
+gateway notices the new epoch and re-attaches itself (nanokv.gateway.recovery).
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nanokv.cache_service.kv.monitor import CompressionMonitor
+from nanokv.protos import internal_pb2 as pb
+from nanokv.protos import internal_pb2_grpc as pb_grpc
 from nanokv.rpc import channel, wait_serving
 
 log = logging.getLogger("nanokv.compute_service")
 RETRY_S = 0.5
+PROBE_TIMEOUT_S = 1.0
 
 
 class CacheWatch:
@@ -48,6 +52,12 @@ class CacheWatch:
             reason = self._watch()
             if self.stop.is_set():
                 return
+            if not reason.startswith("health ") and self._still_ours():
+                # the stream broke but its server lives on with our pool (e.g. a GOAWAY): not an outage
+                log.info("health watch on %s ended (%s); the pool is still attached: watching again",
+                         self.cache_address, reason)
+                self.stop.wait(0.1)
+                continue
             log.warning("cache service %s lost (%s): releasing the KV pool", self.cache_address, reason)
             self._release()
             self._reattach()
@@ -65,6 +75,16 @@ class CacheWatch:
                 return "watch stream ended"
         except grpc.RpcError as e:
             return f"{e.code().name}: {e.details()}" if hasattr(e, "code") else str(e)
+
+    def _still_ours(self) -> bool:
+        """Does the cache service still answer, with the pool this process maps attached?"""
+        epoch = getattr(self.servicer.svc.runner, "pool_epoch", 0)
+        try:
+            with channel(self.cache_address) as ch:
+                stats = pb_grpc.CacheStub(ch).Stats(pb.Empty(), timeout=PROBE_TIMEOUT_S)
+        except grpc.RpcError:
+            return False
+        return bool(epoch) and stats.attached_epoch == epoch
 
     def _release(self) -> None:
         self.set_serving(False)

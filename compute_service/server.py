@@ -20,6 +20,7 @@ from nanokv.compute_service.cache_watch import CacheWatch
 from nanokv.compute_service.service import ComputeService
 from nanokv.compute_service.validate import validate_step
 from nanokv.config import EngineConfig
+from nanokv.errors import PreconditionError
 from nanokv.lease import Leases, start_reaper
 from nanokv.messages import PoolHandle, PoolLayout
 from nanokv.protos import codec
@@ -60,7 +61,8 @@ class ComputeServicer(pb_grpc.ComputeServicer):
             self.leases.renew(req.gateway_id)
             with self.turn:
                 if not self.turn.wait_for(lambda: self.svc._next_step >= req.step_id, self.step_timeout_s):
-                    raise TimeoutError(f"step {req.step_id}: step {self.svc._next_step} never came")
+                    raise PreconditionError("step_id", f"step {req.step_id}: step {self.svc._next_step} never came "
+                                                       f"within {self.step_timeout_s:g} s")
                 validate_step(self.svc, req)  # whole, before its deltas change any table
                 launched = self.svc.launch(req)
                 self.turn.notify_all()

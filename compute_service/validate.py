@@ -41,7 +41,13 @@ def validate_step(svc: Any, req: StepRequest, *, in_turn: bool = True) -> None:
     for t in req.tokens:
         if not (0 <= t < vocab or t == PLACEHOLDER):
             raise NanoKVError("tokens", f"token id {t} out of range; allowed: [0, {vocab}) or {PLACEHOLDER}")
+    sampled = svc._last[1] if svc._last is not None else {}  # the previous step's samples (placeholders)
+    off = 0
     for seq_id, start, n in zip(req.seq_ids, req.num_computed, req.num_new):
+        row, off = req.tokens[off:off + n], off + n
+        if PLACEHOLDER in row[:-1] or (row[-1] == PLACEHOLDER and seq_id not in sampled):
+            raise NanoKVError("tokens", f"sequence {seq_id}: {PLACEHOLDER} stands only for the previous step's "
+                                        f"sample of this sequence, as its row's last token")
         if start + n > max_len:
             raise NanoKVError("num_new", f"sequence {seq_id}: {start} + {n} tokens exceed the context of {max_len}")
     lengths = {s: len(t) for s, t in svc._tables.items()}  # after this step's forgets and deltas

@@ -21,6 +21,8 @@ from nanokv.protos import internal_pb2_grpc as pb_grpc
 from nanokv.rpc import call, channel, remote_error, wait_serving
 from nanokv.trace_grpc import intercept_channel
 
+STARTUP_TIMEOUT_S = 120.0
+
 
 class CacheClient:
     def __init__(self, address: str, timeout_s: float):
@@ -62,7 +64,8 @@ class ComputeClient:
         return codec.info_from_pb(call(self.stub.Info, pb.Empty(), self.timeout, "info"))
 
     def tokenizer_files(self) -> dict[str, bytes]:
-        return dict(call(self.stub.GetTokenizer, pb.Empty(), self.timeout, "tokenizer").files)
+        # once, at start-up (the compute service writes the tokenizer's files): not held to a step's deadline
+        return dict(call(self.stub.GetTokenizer, pb.Empty(), max(self.timeout, STARTUP_TIMEOUT_S), "tokenizer").files)
 
     gateway_id = ""
     epoch = 0

@@ -2,6 +2,7 @@
 
   generate | serve | bench | simulate | eval      (serve, generate: services in this process)
   cache | compute | gateway | up                  the services as separate processes (docs/services.md)
+  soak [--minutes N]                              faults under load: the services as processes, a compute restart
   health ADDR                                     one grpc.health.v1 (or HTTP /health) check: exit 0 if healthy
 """
 
@@ -138,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_args(b)
     add_engine_args(b)
 
+    sk = sub.add_parser("soak", help="a bounded mixed run against the three services, a compute restart in it")
+    from nanokv.bench.soak import add_soak_args
+    add_soak_args(sk)
+
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_args(s)
 
@@ -164,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "serve":
             from nanokv.gateway.http.cli import serve_main
             return int(serve_main(args) or 0)
+        if args.cmd == "soak":
+            from nanokv.bench.soak import main as soak_main
+            return soak_main(args)
         if args.cmd == "health":
             from nanokv.health import main as health_main
             return health_main(args.address, args.service, args.timeout, args.quiet)

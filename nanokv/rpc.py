@@ -34,7 +34,11 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
-SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
+# max_ping_strikes 0: never answer a peer's keepalive pings with GOAWAY "too_many_pings". On a loaded
+# host two pings can be read back to back; the default (2 strikes) then closed long-lived streams
+# (the compute service's health watch on the cache service) every minute or so under load.
+SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                                    ("grpc.http2.max_ping_strikes", 0)]
 
 
 def is_loopback_address(address: str) -> bool:

@@ -11,7 +11,7 @@ import logging
 
 import grpc
 
-from nanokv.errors import NanoKVError
+from nanokv.errors import NanoKVError, PreconditionError, ServiceUnavailable
 from nanokv.gateway.http.streams import EngineUnavailable, QueueFull
 
 log = logging.getLogger("nanokv.gateway.grpc")
@@ -31,6 +31,8 @@ class DuplicateRequest(Exception):
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, Metadata]:
     """(code, details, trailing metadata) for an exception raised while serving a call."""
+    if isinstance(exc, PreconditionError):  # an internal call a restarted peer refused (StaleEpoch): an outage
+        return grpc.StatusCode.UNAVAILABLE, f"a service is unavailable: {exc}", ()
     if isinstance(exc, NanoKVError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ()
     if isinstance(exc, ModelNotFound):
@@ -41,7 +43,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, Metadata]:
         # grpc-retry-pushback-ms is what gRPC's own retry policy reads; retry-after mirrors HTTP 429
         advice = (("retry-after", str(RETRY_AFTER_S)), ("grpc-retry-pushback-ms", str(RETRY_AFTER_S * 1000)))
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {exc}; retry after {RETRY_AFTER_S} s", advice
-    if isinstance(exc, EngineUnavailable):
+    if isinstance(exc, (EngineUnavailable, ServiceUnavailable)):  # the engine, or a service it needs, is down
         return grpc.StatusCode.UNAVAILABLE, str(exc), ()
     log.error("unhandled error in a gRPC handler", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see server log", ()

@@ -160,4 +160,4 @@ class GenerationServicer:
         return pb.ServerInfo(version=__version__, num_running=running, num_waiting=waiting,
                              max_waiting=self.aengine.max_waiting, kv_blocks_total=cs["kv_blocks_total"],
                              kv_blocks_free=cs["kv_blocks_free"], kv_cache_usage=cs["kv_cache_usage"],
-                             ready=self.aengine.healthy)
+                             ready=self.aengine.ready)

@@ -11,6 +11,7 @@ gRPC's INTERNAL "Exception deserializing request".
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from nanokv.gateway.grpc_api import readiness
 from nanokv.gateway.grpc_api.auth import AuthInterceptor, KeyRing
 from nanokv.gateway.grpc_api.errors import status_for
 from nanokv.gateway.grpc_api.generation import GenerationServicer, PublicModelInfo
@@ -107,6 +109,7 @@ class GrpcApi:
         self.keys = KeyRing(api_keys)
         self.max_message_bytes = max_message_bytes
         self.on_reject = on_reject
+        self.aengine = aengine
         self.generation = GenerationServicer(aengine, PublicModelInfo.from_engine(engine, model_name), self.keys)
         self.kserve = KServeServicer(self.generation, self.keys)
         self.server: grpc.aio.Server | None = None
@@ -127,13 +130,16 @@ class GrpcApi:
         if self.port == 0 and not self.address.startswith("unix:"):
             raise OSError(f"gRPC API: cannot listen on {self.address}")
         await server.start()
-        for name in ("", GENERATION.full_name, KSERVE.full_name):
-            await hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+        # "" is liveness (/health), the two API services readiness (/ready): gateway/grpc_api/readiness.py
+        served = (GENERATION.full_name, KSERVE.full_name)
+        await readiness.publish(hs, self.aengine, served)
+        self._health_task = asyncio.create_task(readiness.mirror(hs, self.aengine, served))
         self.server, self.health = server, hs
         log.info("gRPC API (nanokv.v1, KServe v2) on %s", self.address)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self.server is not None:
+            self._health_task.cancel()
             await self.health.enter_graceful_shutdown()
             await self.server.stop(grace_s)
             self.server = None
