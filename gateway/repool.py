@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from nanokv.errors import PreconditionError
-from nanokv.gateway.sequence import SeqStatus
 from nanokv.messages import NewSeq, PlanRequest
 
 if TYPE_CHECKING:
@@ -37,17 +36,10 @@ def repool(eng: Engine, num_blocks: int | None = None, layer_bits: list[int] | N
         outputs = eng._async._finish(prev, False)
     info = eng.compute.repool(num_blocks, layer_bits)  # 2. (a bad layout raises here: nothing changed)
     sch = eng.scheduler
-    for seq in reversed(sch.running):  # 3. running ones first, oldest at the front, as preemption does
-        seq.computed_before_preemption = max(seq.computed_before_preemption, seq.num_computed_tokens)
-        seq.num_preemptions += 1
-        sch.num_preemptions += 1
-        sch.waiting.appendleft(seq)
-    sch.running = []
+    sch.preempt_all()  # 3. running ones back to the front of the queue, oldest first
     sch.news = PlanRequest()  # what the old pool's cache would have learned: it is gone
     eng._finished_ids = []
     for seq in sch.waiting:
-        seq.num_computed_tokens = 0
-        seq.status = SeqStatus.WAITING
         seq.params_sent = False  # the compute service forgot every sequence's sampling params
         sch.news.new_seqs.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.cache_salt))
     eng.num_blocks = info.num_blocks

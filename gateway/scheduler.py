@@ -119,6 +119,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
+    def preempt_all(self) -> None:
+        """Every running sequence back to waiting, oldest first, as a preemption would (a pool change:
+        nanokv.gateway.repool)."""
+        out = SchedulerOutput()
+        for seq in reversed(list(self.running)):
+            self._preempt(seq, out)
+
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
