@@ -75,10 +75,10 @@ class AsyncStepper:
         eng.rpc["step_s"] += time.perf_counter() - t0
         eng.rpc["steps"] += 1
         eng.rpc["step_calls"] += 1
-        outputs = self._finish(prev, finished_only) if prev is not None else []  # overlaps the device
-        eng.scheduler.update(out)
-        eng._count_step(out)
         if sync:
+            outputs = self._finish(prev, finished_only) if prev is not None else []  # overlaps the device
+            eng.scheduler.update(out)
+            eng._count_step(out)
             res = eng.compute.collect(launched)
             lps = res.logprobs or [None] * len(seqs)
             for seq, tok, lp in zip(seqs, res.token_ids, lps):
@@ -86,15 +86,20 @@ class AsyncStepper:
                     o = eng._on_token(seq, tok, lp, finished_only)
                     if o is not None:
                         outputs.append(o)
-        elif seqs:
-            placeholder = []
-            for seq in seqs:
-                # a length limit is known now: the sequence's last token gets no placeholder
-                ph = (not seq.is_finished and seq.num_output_tokens + 1 < seq.max_tokens
-                      and seq.num_tokens + 1 < eng.max_model_len)
-                if ph:
+            return outputs
+        # the commits cover the tokens `prev` sampled, which the cache learns after _finish
+        eng.scheduler.update(out, hold=True)
+        eng._count_step(out)
+        # a length limit is known now: the sequence's last token gets no placeholder
+        placeholder = [seq.num_output_tokens + 1 < seq.max_tokens and seq.num_tokens + 1 < eng.max_model_len
+                       for seq in seqs]
+        eng.plan_ahead({seq.seq_id: 1 for seq, ph in zip(seqs, placeholder) if ph})  # step N+1's plan goes now
+        outputs = self._finish(prev, finished_only) if prev is not None else []  # overlaps the device
+        eng.scheduler.release_commits()
+        if seqs:
+            for seq, ph in zip(seqs, placeholder):
+                if ph and not seq.is_finished:  # (one that stopped on prev's token runs no more)
                     seq.append_token(PLACEHOLDER)
-                placeholder.append(ph)
             self.pending = Pending(seqs, placeholder, launched)
         else:
             eng.compute.collect(launched)

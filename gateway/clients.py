@@ -24,6 +24,17 @@ from nanokv.trace_grpc import intercept_channel
 STARTUP_TIMEOUT_S = 120.0
 
 
+class PlanFuture:
+    def __init__(self, future: grpc.Future):
+        self.future = future
+
+    def result(self) -> PlanReply:
+        try:
+            return codec.plan_reply_from_pb(self.future.result())
+        except grpc.RpcError as e:
+            raise remote_error(e, "plan") from None
+
+
 class CacheClient:
     def __init__(self, address: str, timeout_s: float):
         self.address = address
@@ -38,6 +49,11 @@ class CacheClient:
     def plan(self, request: PlanRequest) -> PlanReply:
         request.epoch, request.gateway_id = self.epoch, self.gateway_id
         return codec.plan_reply_from_pb(call(self.stub.Plan, codec.plan_request_to_pb(request), self.timeout, "plan"))
+
+    def plan_async(self, request: PlanRequest) -> PlanFuture:
+        """The plan sent now, its reply read later (async scheduling plans the next step ahead)."""
+        request.epoch, request.gateway_id = self.epoch, self.gateway_id
+        return PlanFuture(self.stub.Plan.future(codec.plan_request_to_pb(request), timeout=self.timeout))
 
     def stats(self) -> dict[str, Any]:
         return codec.cache_stats_from_pb(call(self.stub.Stats, pb.Empty(), self.timeout, "stats"))

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from nanokv.gateway.sequence import SeqStatus, Sequence
-from nanokv.messages import NewSeq, PlanReply, PlanRequest, TableDelta
+from nanokv.messages import PLACEHOLDER, NewSeq, PlanReply, PlanRequest, TableDelta
 
 
 class CachePlanner(Protocol):
@@ -60,6 +60,20 @@ class SchedulerOutput:
         return not self.prefills and not self.decodes
 
 
+class _Planned:
+    """A plan on its way: the running sequences it grows, and its reply (or the call's future)."""
+    __slots__ = ("picked", "reply")
+
+    def __init__(self, picked: list[tuple[Sequence, int]], reply: Any):
+        self.picked = picked
+        self.reply = reply
+
+    def wait(self) -> PlanReply:
+        if not isinstance(self.reply, PlanReply):
+            self.reply = self.reply.result()
+        return self.reply
+
+
 class Scheduler:
     def __init__(self, cache: CachePlanner, *, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True):
@@ -72,6 +86,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.news = PlanRequest()  # what the cache service learns with the next plan
         self.plan_calls = 0
+        self._ahead: _Planned | None = None  # the next step's plan, sent ahead (async scheduling)
+        self._held: list[tuple[int, int]] = []  # commits waiting for the tokens they cover (update(hold=True))
 
     # ---- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -104,6 +120,7 @@ class Scheduler:
 
     def flush(self) -> None:
         """Send what the cache service must learn now (ended sequences' blocks back), outside a step."""
+        self.settle()
         if self.has_news():
             req, self.news = self.news, PlanRequest()
             self.plan_calls += 1
@@ -121,14 +138,35 @@ class Scheduler:
 
     def preempt_all(self) -> None:
         """Every running sequence back to waiting, oldest first, as a preemption would (a pool change:
-        nanokv.gateway.repool)."""
+        nanokv.gateway.repool). A plan sent ahead is dropped: it was made on the old pool."""
+        self.settle()
+        self._ahead, self._held = None, []
         out = SchedulerOutput()
         for seq in reversed(list(self.running)):
             self._preempt(seq, out)
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        """This step's batch: the plan sent ahead (plan_ahead), or one planned now."""
+        planned, self._ahead = self._ahead, None
+        if planned is None:
+            planned = self._send({})
+        return self._apply(planned) if planned is not None else SchedulerOutput()
+
+    def plan_ahead(self, pending: dict[int, int]) -> None:
+        """Async scheduling: send the next step's plan now, while the device runs this one and the
+        host waits for the step before it. `pending` counts, per sequence, the placeholder tokens it
+        will get before that step (its sample of the step just launched). Sequences that stop on the
+        token still in flight are in this plan; they are dropped from the batch when it is applied."""
+        self._ahead = self._send(pending)
+
+    def settle(self) -> None:
+        """Wait for a plan sent ahead (its reply is kept for the next schedule): before any other
+        call to the cache service, which must see them in order."""
+        if self._ahead is not None:
+            self._ahead.wait()
+
+    def _send(self, pending: dict[int, int]) -> _Planned | None:
         budget = self.max_num_batched_tokens
         req, self.news = self.news, PlanRequest()
         req.token_budget = budget
@@ -141,10 +179,11 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            n = min(seq.num_uncomputed, budget)
+            todo = seq.num_uncomputed + pending.get(seq.seq_id, 0)
+            n = min(todo, budget)
             if n == 0:  # async scheduling: its last token is still being sampled, and it is its last
                 continue
-            if n < seq.num_uncomputed and not self.enable_chunked_prefill:
+            if n < todo and not self.enable_chunked_prefill:
                 continue
             picked.append((seq, n))
             req.grows.append((seq.seq_id, seq.num_computed_tokens + n, n))
@@ -152,25 +191,41 @@ class Scheduler:
         # 2. waiting candidates: each admission takes at least one token and one sequence slot
         room = min(budget, self.max_num_seqs - len(self.running))
         for seq in list(self.waiting)[:max(room, 0)]:
+            if seq.token_ids[-1] == PLACEHOLDER:  # preempted with a sample in flight: the cache has not
+                break  # its token yet (a plan sent ahead); it and those behind it wait for the next plan
             req.waiting.append((seq.seq_id, seq.num_tokens, seq.computed_before_preemption))
         if not req.grows and not req.waiting:
             self.news = req  # nothing to run: the news waits for the next plan
             req.running = []
-            return out
-
+            return None
         self.plan_calls += 1
-        reply = self.cache.plan(req)
+        start = getattr(self.cache, "plan_async", None)  # the gRPC client: a future; in process: at once
+        return _Planned(picked, start(req) if start is not None else self.cache.plan(req))
 
+    def _apply(self, planned: _Planned) -> SchedulerOutput:
+        """The reply applied. A plan sent ahead may name sequences that stopped (or were aborted)
+        since: they are not run, and their blocks go back with the next plan (they are finished)."""
+        out = SchedulerOutput()
+        reply = planned.wait()
         by_id = {s.seq_id: s for s in self.running}
         for seq_id in reply.preempted:
-            self._preempt(by_id[seq_id], out)
+            seq = by_id.get(seq_id)
+            if seq is not None:
+                self._preempt(seq, out)
         gone = set(reply.preempted)
-        for seq, n in picked:
+        left = False  # a sequence the plan runs has stopped or was aborted since it was sent
+        for seq, n in planned.picked:
             if seq.seq_id not in gone:
-                self._emit(out, seq, n)
+                if seq.status == SeqStatus.RUNNING:
+                    self._emit(out, seq, n)
+                else:
+                    left = True
         waiting = {s.seq_id: s for s in self.waiting}
         for seq_id, hit, n in reply.admitted:
-            seq = waiting[seq_id]
+            seq = waiting.get(seq_id)
+            if seq is None:
+                left = True
+                continue
             self.waiting.remove(seq)
             seq.num_computed_tokens = hit
             if not seq.ever_scheduled:
@@ -181,6 +236,9 @@ class Scheduler:
             self.running.append(seq)
             self._emit(out, seq, n)
         out.tables = reply.tables
+        if left:  # the compute service must not get the tables of sequences that left back
+            ids = {s.seq.seq_id for s in out.scheduled}
+            out.tables = [d for d in reply.tables if d.seq_id in ids]
         return out
 
     def _emit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
@@ -188,12 +246,18 @@ class Scheduler:
         is_decode = n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
         (out.decodes if is_decode else out.prefills).append(item)
 
-    def update(self, out: SchedulerOutput) -> None:
+    def update(self, out: SchedulerOutput, hold: bool = False) -> None:
         """After the forward pass: advance computed counts; the cache publishes the full blocks
-        with the next plan."""
+        with the next plan. `hold` (async scheduling, before the step in flight's tokens are read):
+        the commits wait for release_commits, since they cover tokens the cache has not been sent."""
+        commits = self._held if hold else self.news.commits
         for item in out.scheduled:
             seq = item.seq
             if seq.status != SeqStatus.RUNNING:
                 continue  # async scheduling: stopped (blocks already freed) while this step ran
             seq.num_computed_tokens += item.num_new_tokens
-            self.news.commits.append((seq.seq_id, seq.num_computed_tokens))
+            commits.append((seq.seq_id, seq.num_computed_tokens))
+
+    def release_commits(self) -> None:
+        self.news.commits.extend(self._held)
+        self._held = []

@@ -47,8 +47,10 @@ def _both(kw, prompts):
     return local_outs, local_stats, split_outs, split_stats
 
 
-def test_split_equals_in_process_and_hf_under_a_tiny_pool(prompts, reference):
-    local_outs, ls, split_outs, ss = _both(TINY, prompts)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_split_equals_in_process_and_hf_under_a_tiny_pool(prompts, reference, async_scheduling):
+    # async: the host a step ahead, the next step's plan sent before the step in flight's tokens are read
+    local_outs, ls, split_outs, ss = _both(dict(TINY, async_scheduling=async_scheduling), prompts)
     expect = reference + reference[:2]
     assert [o.token_ids for o in split_outs] == expect
     assert [o.token_ids for o in local_outs] == expect
