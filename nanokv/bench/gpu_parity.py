@@ -121,6 +121,7 @@ def _generate_with_repool(engine, prompts: list[list[int]], params) -> tuple[lis
     are recomputed on the new pool. Returns the tokens in prompt order and the repool's seconds."""
     import time
 
+    engine.reset_counters()  # both transports start from an empty prefix cache (hits change bf16 sums)
     for i, p in enumerate(prompts):
         engine.add_request(f"repool-{i}", p, params)
     done: dict[str, list[int]] = {}
