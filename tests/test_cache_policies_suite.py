@@ -1,7 +1,9 @@
 """The policy claims of docs/cache-policies.md on the seeded workloads (issue #38).
 
 * leaf_lru is never below LRU on any workload at 1 / 5 / 10 / 25 % capacity (the Mooncake trace:
-  tests/test_cache_simulate.py), and >= 1.15x LRU at 5 % on multi-turn chat;
+  tests/test_cache_simulate.py), and >= 1.15x LRU at 5 % on multi-turn chat - on four of five
+  seeds; on seed 2 it is 1.11x, and no online policy can reach 1.15x there
+  (tests/test_cache_headroom.py);
 * the workload generators are deterministic and match the statistics they are calibrated to;
 * the adaptive controller, starting on leaf_lru, stays within 2 % of the best static policy on the
   phase-change workloads and never below LRU.
@@ -47,6 +49,18 @@ def test_leaf_lru_is_at_least_1_15x_lru_at_5_percent_on_multi_turn_chat() -> Non
     # ... and the policies that assume a new block must prove itself quickly lose there (the caveats)
     for p in ("sieve", "s3fifo", "lru_k"):
         assert replay(reqs, p, caps[1], keys=keys).block_hits < lru.block_hits, p
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_leaf_lru_at_5_percent_over_five_seeds_of_both_chat_workloads(seed: int) -> None:
+    # docs/cache-policies.md, "The headroom": 1.19 1.19 1.11 1.20 1.25 and 1.05 1.04 1.03 1.05 1.05
+    for name, floor in (("conversation", 1.15 if seed != 2 else 1.10), ("long_conversation", 1.03)):
+        reqs = SYNTHETIC[name](512, seed=seed)
+        keys = keys_of(reqs)
+        cap = parse_capacities("5%", len({h for r in reqs for h in r.hash_ids}))[0]
+        lru, ours = replay(reqs, "lru", cap, keys=keys), replay(reqs, "leaf_lru", cap, keys=keys)
+        assert ours.block_hit_ratio >= floor * lru.block_hit_ratio, (name, ours.block_hit_ratio, lru.block_hit_ratio)
+        assert ours.token_hits >= lru.token_hits, name
 
 
 def test_generators_are_deterministic_and_prefix_chained() -> None:

@@ -14,10 +14,11 @@ last one) is treated as a full cacheable block, and the query gets one extra tok
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass
 
 from nanokv.cache_service.manager import KVCacheManager
+from nanokv.cache_service.policies.base import EvictionPolicy
 from nanokv.sim.traces import TraceRequest
 
 
@@ -96,15 +97,23 @@ def replay(
     *,
     lru_k: int = 2,
     keys: Sequence[Sequence[bytes]] | None = None,
+    build: Callable[[int, Callable[[Hashable], float]], EvictionPolicy] | None = None,
 ) -> ReplayResult:
+    """``build(capacity, next_use)``, when given, makes a simulator-only policy that is not in the
+    registry (the oracles and probes of ``nanokv.sim.headroom``); ``policy`` is then only its label."""
     t0 = time.perf_counter()
     keys = keys_of(requests) if keys is None else keys
     kwargs: dict[str, object] = {}
     oracle = None
-    if policy == "belady":
+    if policy == "belady" or build is not None:
         oracle = NextUseOracle(keys)
         kwargs["oracle"] = oracle
-    cm = KVCacheManager(capacity, block_size, eviction_policy=policy, lru_k=lru_k, policy_kwargs=kwargs)
+    if build is None:
+        cm = KVCacheManager(capacity, block_size, eviction_policy=policy, lru_k=lru_k, policy_kwargs=kwargs)
+    else:
+        assert oracle is not None  # narrowing: built just above
+        cm = KVCacheManager(capacity, block_size, eviction_policy="lru")
+        cm.pool.policy = build(capacity, oracle)  # nothing is cached yet: the LRU placeholder holds no state
     b_hits = b_total = t_hits = t_total = 0
     for i, (req, hashes) in enumerate(zip(requests, keys)):
         if oracle is not None:
