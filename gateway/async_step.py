@@ -12,6 +12,10 @@ whose copy is done by now:
     launches can reuse them, and the stream runs those after the write;
   - a length limit is known ahead: a sequence on its last token gets no placeholder, so it is not
     scheduled again.
+  - the next step's plan goes to the cache service right after this step launches, before the
+    previous step's tokens are read (Scheduler.plan_ahead): over gRPC its round trip then overlaps
+    the wait for the device. A sequence that stops on those tokens is in that plan; it is dropped
+    from the batch when the reply is applied, and its blocks go back with the plan after.
 Steps whose requests want logprobs sample synchronously (the logprob tensors are read at once).
 """
 
