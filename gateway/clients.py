@@ -10,6 +10,7 @@ a pipelining gateway plan step N+1 while the compute service runs step N.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -25,8 +26,13 @@ STARTUP_TIMEOUT_S = 120.0
 
 
 class PlanFuture:
-    def __init__(self, future: grpc.Future):
+    def __init__(self, future: grpc.Future, client: CacheClient):
         self.future = future
+        sent = time.perf_counter()
+
+        def done(_: grpc.Future) -> None:  # (a gRPC thread) the round trip, hidden or not
+            client.plan_rtt_s += time.perf_counter() - sent
+        future.add_done_callback(done)
 
     def result(self) -> PlanReply:
         try:
@@ -45,6 +51,7 @@ class CacheClient:
 
     gateway_id = ""
     epoch = 0
+    plan_rtt_s = 0.0  # plans sent ahead: send to reply, summed (Engine.stats reports it)
 
     def plan(self, request: PlanRequest) -> PlanReply:
         request.epoch, request.gateway_id = self.epoch, self.gateway_id
@@ -53,7 +60,7 @@ class CacheClient:
     def plan_async(self, request: PlanRequest) -> PlanFuture:
         """The plan sent now, its reply read later (async scheduling plans the next step ahead)."""
         request.epoch, request.gateway_id = self.epoch, self.gateway_id
-        return PlanFuture(self.stub.Plan.future(codec.plan_request_to_pb(request), timeout=self.timeout))
+        return PlanFuture(self.stub.Plan.future(codec.plan_request_to_pb(request), timeout=self.timeout), self)
 
     def stats(self) -> dict[str, Any]:
         return codec.cache_stats_from_pb(call(self.stub.Stats, pb.Empty(), self.timeout, "stats"))

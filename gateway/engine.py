@@ -465,6 +465,8 @@ class Engine:
         self._batch_sizes.clear()
         self._last_batch_size = 0
         self.rpc = dict.fromkeys(self.rpc, 0) | {k: 0.0 for k in self.rpc if k.endswith("_s")}
+        if hasattr(self.cache, "plan_rtt_s"):
+            self.cache.plan_rtt_s = 0.0
 
     def stats(self) -> dict[str, Any]:
         cs = self.cache.stats()
@@ -485,7 +487,7 @@ class Engine:
             "batch_sizes": batch_sizes,
             "compression_error": comp["compression_error"],
             "adaptations": dict(self.controller.counts) if self.controller is not None else {},
-            "rpc": dict(self.rpc),
+            "rpc": dict(self.rpc, plan_rtt_s=getattr(self.cache, "plan_rtt_s", 0.0)),
             **self._counters,
         }
 
