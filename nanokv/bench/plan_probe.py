@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(30)
     summary = {k: {"median_ms": 1e3 * v[len(v) // 2], "p90_ms": 1e3 * v[int(0.9 * len(v))]} for k, v in res.items()}
     for k, v in summary.items():
-        print(f"[plan {k}] {args.num_seqs} decoding sequences: median {v['median_ms']:.2f} ms, p90 {v['p90_ms']:.2f} ms")
+        print(f"[plan {k}] {args.num_seqs} decoding sequences: "
+              f"median {v['median_ms']:.2f} ms, p90 {v['p90_ms']:.2f} ms")
     print(json.dumps(summary))
     return 0
 
