@@ -85,3 +85,41 @@ def test_split_rejects_in_process_only_features():
         EngineConfig.from_kwargs(compression_sparsity=0.5, cache_address="unix:/x", compute_address="unix:/y")
     with pytest.raises(ConfigError, match="compute_address"):
         EngineConfig.from_kwargs(cache_address="unix:/x")
+
+
+def _abort_run(llm: LLM, prompts) -> dict[str, list[int]]:
+    eng = llm.engine
+    p = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"r{i}", prompt, p)
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while eng.has_unfinished_requests():
+        steps += 1
+        if steps in (5, 9):  # with the next step's plan in flight (async): flush must wait for it
+            eng.abort(f"r{steps % 6}")
+        done.update({o.request_id: list(o.token_ids) for o in eng.step() if o.finished})
+    return done
+
+
+def test_split_async_aborts_with_a_plan_in_flight_leak_nothing():
+    """Async scheduling over gRPC sends each step's plan before the previous step's tokens are read:
+    aborts and stops land while a plan is in flight. Outputs equal the in-process engine's, every
+    block goes back, the compute service keeps no sequence."""
+    import random
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, 900) for _ in range(rng.randint(20, 60))] for _ in range(6)]
+    kw = dict(model="random:tiny-qwen3", block_size=16, num_gpu_blocks=40, max_num_batched_tokens=64,
+              async_scheduling=True)
+    want = _abort_run(LLM(**kw), prompts)
+    with start_services(EngineConfig.from_kwargs(**kw).to_dict()) as svc:
+        split = _split_llm(svc, **kw)
+        got = _abort_run(split, prompts)
+        split.engine.flush()
+        cs, ps = split.engine.cache.stats(), split.engine.compute.stats()
+        split.engine.shutdown()
+    assert set(got) == set(want) == {"r0", "r1", "r2", "r4"}
+    assert got == want
+    assert cs["kv_blocks_free"] == cs["kv_blocks_total"] and cs["num_seqs"] == 0
+    assert ps["num_seqs"] == 0
