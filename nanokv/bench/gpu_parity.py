@@ -104,7 +104,11 @@ def _split_parity(kw: dict, prompts: list[list[int]], local) -> dict:  # noqa: A
         got_repool, repool_s = _generate_with_repool(llm.engine, prompts, fast)
         repool_epoch = llm.engine.model_info.epoch
         llm.engine.shutdown()
-    want_repool, _ = _generate_with_repool(local.engine, prompts, fast)
+    # a fresh in-process engine: the long-lived one has served other runs (the split's engine is fresh too)
+    fresh = LLM(**kw)
+    want_repool, _ = _generate_with_repool(fresh.engine, prompts, fast)
+    fresh.engine.shutdown()
+    del fresh
     print(f"[parity split repool] pool 256 -> 192 blocks after 8 steps over CUDA IPC: {1e3 * repool_s:.0f} ms, "
           f"epoch {epoch} -> {repool_epoch}")
     same_repool = sum(a == b for a, b in zip(got_repool, want_repool))
