@@ -144,7 +144,7 @@ def test_spans_from_all_three_services_over_otlp(tmp_path):
         proc.wait(60)
     try:
         spans = rx.wait_for(lambda sp: {"nanokv-gateway", "nanokv-cache", "nanokv-compute"}
-                            <= {s["service"] for s in sp}, 20)
+                            <= {s["service"] for s in sp}, 60)
         time.sleep(0.5)  # the last process's export
         spans = list(rx.spans)
     finally:
