@@ -14,6 +14,7 @@ so that replies carry table deltas, not tables. Pure Python: no torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanokv.cache_service.manager import KVCacheManager
@@ -27,11 +28,15 @@ class _SeqState:
     cache_salt: str | None
     sent: int = 0  # table entries the compute service holds (0 after a free: it drops its copy)
     owner: str = ""  # the gateway that registered it (PlanRequest.gateway_id)
+    prompt_len: int = 0
 
 
 class Planner:
-    def __init__(self, manager: KVCacheManager):
+    def __init__(self, manager: KVCacheManager, on_admit: Callable[[list[bytes]], None] | None = None):
+        """on_admit: called with an admitted sequence's prompt block hashes, capped like a prefix match
+        (the adaptive controller's ghost caches, nanokv.cache_service.ghosts, replay them)."""
         self.manager = manager
+        self.on_admit = on_admit
         self._seqs: dict[int, _SeqState] = {}
 
     @property
@@ -50,7 +55,8 @@ class Planner:
         for ns in req.new_seqs:
             if ns.seq_id in self._seqs:
                 raise NanoKVError("new_seqs", f"sequence id {ns.seq_id} is already registered")
-            self._seqs[ns.seq_id] = _SeqState(list(ns.token_ids), ns.cache_salt, owner=req.gateway_id)
+            self._seqs[ns.seq_id] = _SeqState(list(ns.token_ids), ns.cache_salt, owner=req.gateway_id,
+                                              prompt_len=len(ns.token_ids))
         for seq_id, tok in req.appended:
             self._state(seq_id, "appended").token_ids.append(tok)
         for seq_id, num_computed in req.commits:
@@ -62,6 +68,7 @@ class Planner:
                 cm.free(seq_id)
         reply = PlanReply()
         if req.is_news_only:
+            reply.used_blocks = cm.num_used_blocks()
             return reply
 
         # ---- running sequences, in the scheduler's order; preempt the newest when blocks run out
@@ -107,6 +114,8 @@ class Planner:
                 running.append(seq_id)
                 scheduled.append(seq_id)
                 reply.admitted.append((seq_id, prefix.num_tokens, n))
+                if self.on_admit is not None:  # the prompt's blocks, as the gateway-side ghosts see them
+                    self.on_admit(prefix.block_hashes[:(st.prompt_len - 1) // cm.block_size])
                 budget -= n
 
         # ---- table deltas for every sequence that runs
@@ -121,6 +130,7 @@ class Planner:
                 start = min(start, len(table))
                 reply.tables.append(TableDelta(seq_id, start, table[start:]))
             st.sent = len(table)
+        reply.used_blocks = cm.num_used_blocks()
         return reply
 
     def _preempt(self, seq_id: int, running: list[int], preempted: set[int], reply: PlanReply) -> None:

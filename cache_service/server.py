@@ -56,6 +56,21 @@ class CacheServicer(pb_grpc.CacheServicer):
             self.svc.reset_prefix_cache(clear_stats=request.clear_stats)
             return pb.Empty()
 
+    def GhostWindow(self, request: pb.Empty, context: Any) -> pb.GhostWindowReply:
+        with rpc_errors(context, failed_precondition=(NotAttached,)):
+            return codec.ghost_window_to_pb(self.svc.ghost_window())
+
+    def RestartGhosts(self, request: pb.Empty, context: Any) -> pb.Empty:
+        with rpc_errors(context, failed_precondition=(NotAttached,)):
+            self.svc.restart_ghosts()
+            return pb.Empty()
+
+    def SetPolicy(self, request: pb.SetPolicyRequest, context: Any) -> pb.Empty:
+        with rpc_errors(context, failed_precondition=(NotAttached,)):
+            self.svc.set_policy(request.policy)
+            log.info("eviction policy switched to %s", request.policy)
+            return pb.Empty()
+
     def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.Empty:
         with rpc_errors(context):
             n = self.svc.release(request.gateway_id or None)
@@ -65,7 +80,7 @@ class CacheServicer(pb_grpc.CacheServicer):
 
 def serve(config: EngineConfig, listen: str, stop: threading.Event | None = None) -> None:
     remove_orphans()  # segments of a cache service that was killed (cache_service/segments.py)
-    svc = CacheService(config, shared=True)
+    svc = CacheService(config, shared=True, ghosts=True)
     if config.device != "cpu":
         _init_cuda()
     server, hs = make_server(listen)

@@ -8,6 +8,10 @@ gRPC server (nanokv.cache_service.server), so both run this code. Lifecycle:
                   comes back (epoch + 1 on every attach; a new attach drops the old pool)
   plan(request)   every step: one transaction on the blocks (nanokv.cache_service.planner)
   stats()         counters for /metrics
+
+With ``ghosts`` (the gRPC server, when the adaptive controller's policy rule is on) it also keeps
+the controller's ghost caches, fed from its own admissions: a gateway whose services run apart
+reads their evidence once a window (ghost_window) and switches the live policy warm (set_policy).
 """
 
 from __future__ import annotations
@@ -32,10 +36,16 @@ class NotAttached(PreconditionError):
 
 
 class CacheService:
-    def __init__(self, config: EngineConfig, *, shared: bool = False):
-        """shared: allocate the pool in shared memory (a compute service in another process maps it)."""
+    def __init__(self, config: EngineConfig, *, shared: bool = False, ghosts: bool = False):
+        """shared: allocate the pool in shared memory (a compute service in another process maps it).
+        ghosts: keep the adaptive controller's ghost caches here (when its policy rule is on)."""
         self.config = config
         self.shared = shared
+        self.ghosts: Any = None  # nanokv.cache_service.ghosts.GhostCaches, made at the first attach
+        self.live_policy: str | None = None  # set_policy's choice: a later pool (repool) keeps it
+        self._stats: Any = None  # the last pool's CacheStats, while none is attached
+        self._want_ghosts = ghosts and config.enable_prefix_caching and (
+            config.adaptive or config.eviction_policy == "adaptive")
         self.manager: KVCacheManager | None = None
         self.planner: Planner | None = None
         self.storage: Any = None  # nanokv.cache_service.storage.PoolStorage (imports torch: loaded on attach)
@@ -54,6 +64,7 @@ class CacheService:
         cfg = self.config
         with self.lock:
             self.epoch += 1
+            carried = self.manager.stats if self.manager is not None else self._stats
             if self.storage is not None and self.storage.reusable_for(layout):
                 self.storage.epoch = self.epoch  # same device segment, a new incarnation of its contents
             else:
@@ -63,11 +74,32 @@ class CacheService:
             self.manager = KVCacheManager(
                 layout.num_blocks, layout.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
                 # "adaptive": start from the default policy; the controller switches when it pays
-                eviction_policy="clock" if cfg.eviction_policy == "adaptive" else cfg.eviction_policy,
+                eviction_policy=self.live_policy or ("clock" if cfg.eviction_policy == "adaptive"
+                                                     else cfg.eviction_policy),
                 lru_k=cfg.lru_k, hash_algo=cfg.prefix_caching_hash_algo,
             )
-            self.planner = Planner(self.manager)
+            if carried is not None:  # counters stay monotonic across pools of one incarnation (/metrics)
+                carried.evictions_by_policy.setdefault(self.manager.policy_name, 0)
+                self.manager.stats = carried
+            self._attach_ghosts(layout)
+            self.planner = Planner(self.manager, self.ghosts.observe if self.ghosts is not None else None)
             return self.storage.handle()
+
+    def _attach_ghosts(self, layout: PoolLayout) -> None:
+        """The ghosts model the live pool: made once, then resized with it (a repool keeps their
+        history, as the in-process controller's ghosts keep theirs across a pool resize)."""
+        if not self._want_ghosts:
+            return
+        from nanokv.cache_service.ghosts import GhostCaches
+
+        if self.ghosts is None:
+            cfg = self.config
+            cands = [c.strip() for c in cfg.adaptive_policy_candidates.split(",") if c.strip()]
+            assert self.manager is not None  # made just before
+            self.ghosts = GhostCaches((*cands, self.manager.policy_name), layout.num_blocks, layout.block_size,
+                                      lru_k=cfg.lru_k)
+        elif self.ghosts.capacity != layout.num_blocks:
+            self.ghosts.resize(layout.num_blocks)
 
     def detach(self, epoch: int) -> None:
         """The compute service dropped its mapping of `epoch`'s pool (its shutdown). Plans fail until
@@ -75,6 +107,7 @@ class CacheService:
         with self.lock:
             if epoch == self.attached_epoch:
                 self.attached_epoch = 0
+                self._stats = self.manager.stats if self.manager is not None else self._stats
                 self.manager = self.planner = None
 
     def _drop_pool(self) -> None:
@@ -115,6 +148,33 @@ class CacheService:
             if clear_stats:
                 self.manager.stats.clear()
             return ok
+
+    # ---- the adaptive controller's policy rule (a gateway in another process) ----------------------
+    def ghost_window(self) -> Any:
+        """GhostCaches.window_scores(): (this window's, recent) evidence, or None."""
+        with self.lock:
+            return self._ghosts().window_scores()
+
+    def restart_ghosts(self) -> None:
+        with self.lock:
+            self._ghosts().restart_recent()
+
+    def set_policy(self, name: str) -> None:
+        """Switch the live eviction policy, warm from its ghost (every cached block stays)."""
+        with self.lock:
+            if self.manager is None:
+                raise NotAttached()
+            ghosts = self._ghosts()
+            if name not in ghosts.caches:
+                raise PreconditionError("policy", f"{name!r} has no ghost here; allowed: {', '.join(ghosts.caches)}")
+            self.manager.set_policy(name, donor=ghosts.caches[name])
+            self.live_policy = name
+
+    def _ghosts(self) -> Any:
+        if self.ghosts is None:
+            raise PreconditionError("ghosts", "the cache service keeps no ghost caches (the adaptive policy rule is "
+                                              "off in its config, or prefix caching is off, or no pool is attached)")
+        return self.ghosts
 
     def release(self, gateway_id: str | None = None) -> int:
         """A gateway went away (its lease ran out) or starts over: every sequence it held ends and

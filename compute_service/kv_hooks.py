@@ -8,7 +8,7 @@ In order:
   2. the layer format's rotation of q and k (nanokv.cache_service.kv.rotation), when the cache has `rotate`;
   3. measurement only: a FakeQuant simulating another format on a 16-bit cache;
   4. the compression monitor's sampled error of exactly the rows about to be stored;
-  5. the adaptive controller's error probe (nanokv.gateway.adaptive.probe), which also needs q;
+  5. the adaptive controller's error probe (nanokv.compute_service.error_probe), which also needs q;
   6. sparsity: feed the step's attention probe when the runner set one (md.extras["attn_probe"],
      nanokv.compute_service.sparsity.probe).
 int4 layers also rotate v (the format stores v R), unless the model's weights already do

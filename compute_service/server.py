@@ -84,6 +84,12 @@ class ComputeServicer(pb_grpc.ComputeServicer):
                 self.turn.notify_all()
             return codec.info_to_pb(info)
 
+    def ProbeErrors(self, request: pb.Empty, context: Any) -> pb.ProbeErrorsReply:
+        with rpc_errors(context):
+            with self.turn:  # between steps: the probe's sums are written by the forward pass
+                errors = self.svc.probe_errors()
+            return codec.probe_errors_to_pb(errors)
+
     def Reset(self, request: pb.Empty, context: Any) -> pb.Empty:
         with rpc_errors(context):
             with self.turn:
@@ -117,7 +123,7 @@ def serve(config: EngineConfig, listen: str, cache_address: str, stop: threading
     set_serving(hs, [SERVICE_NAME], False)
     server.start()  # health answers NOT_SERVING while the model loads
     attach = attach_via(cache_address, config.rpc_timeout_s)
-    svc = servicer._svc = ComputeService(config, attach_pool=attach)
+    svc = servicer._svc = ComputeService(config, attach_pool=attach, error_probe=True)
     set_serving(hs, [SERVICE_NAME], True)
     log.info("compute service on %s: %s, %d KV blocks (cache service %s)", listen, svc.model_name,
              svc.runner.num_blocks, cache_address)

@@ -24,6 +24,12 @@ from typing import Any
 import torch
 
 from nanokv.cache_service.kv.monitor import CompressionMonitor
+from nanokv.compute_service.adaptive_hooks import (
+    attach_error_probe,
+    check_repool_memory,
+    kv_bytes_per_block,
+    make_error_probe,
+)
 from nanokv.compute_service.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from nanokv.compute_service.runner.sampler import Sampler
 from nanokv.compute_service.runner.tp_protocol import TokenWindow
@@ -46,7 +52,10 @@ class Launched:
 
 
 class ComputeService:
-    def __init__(self, config: EngineConfig, attach_pool: Callable[[PoolLayout], PoolHandle] | None = None):
+    def __init__(self, config: EngineConfig, attach_pool: Callable[[PoolLayout], PoolHandle] | None = None,
+                 error_probe: bool = False):
+        """error_probe: measure the KV-width errors the adaptive controller's width rule reads
+        (probe_errors; the gRPC server, when that rule is on: in process the controller hooks its own)."""
         from nanokv.compute_service.model.loader import load_model, random_model
 
         self.config = cfg = config
@@ -74,6 +83,7 @@ class ComputeService:
         self.runner.capture_cudagraphs(self.max_model_len)
         # running K/V quantization error per layer (sampled on eager steps), read by stats()
         self.compression_monitor = CompressionMonitor().attach(self.runner.kv_caches)
+        self.error_probe = make_error_probe(cfg, self.runner) if error_probe else None
         self.sampler = Sampler(self.device)
         self._tables: dict[int, list[int]] = {}
         self._params: dict[int, SamplingParams] = {}
@@ -115,7 +125,13 @@ class ComputeService:
     def stats(self) -> dict[str, Any]:
         return {"compression_error": self.compression_monitor.snapshot(), "compute_steps": self.steps,
                 "forward_s": self.forward_ns / 1e9, "num_seqs": len(self._tables),
-                "epoch": getattr(self.runner, "pool_epoch", 0)}
+                "epoch": getattr(self.runner, "pool_epoch", 0),
+                "device_free_bytes": torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0,
+                "kv_bytes_per_block": kv_bytes_per_block(self.runner)}
+
+    def probe_errors(self) -> dict[int, dict[int, float]]:
+        """{layer: {bits: RMS attention-logit error}} since the last call ({} without the probe)."""
+        return self.error_probe.window_errors() if self.error_probe is not None else {}
 
     def reset_stats(self) -> None:
         self.compression_monitor.reset()
@@ -141,13 +157,16 @@ class ComputeService:
         if self._attach_pool is None or not hasattr(self.runner, "repool"):
             raise PreconditionError("compute", "this compute service cannot change its pool (no cache service "
                                                "attach, or tensor_parallel_size > 1)")
-        self.runner.check_repool(num_blocks, layer_bits)  # a bad layout changes nothing
+        n, bits = self.runner.check_repool(num_blocks, layer_bits)  # a bad layout changes nothing
+        check_repool_memory(self.config, self.runner, n, bits)  # nor one the device cannot hold
         self.drop_sequences()
         self.runner.repool(self._attach_pool, num_blocks, layer_bits)
         stage = getattr(self.runner, "stage", None)
         if stage is not None:
             stage.block_free = self._block_free
         self.compression_monitor = CompressionMonitor().attach(self.runner.kv_caches)
+        if self.error_probe is not None:  # the new layers are measured as the old ones were
+            attach_error_probe(self.error_probe, self.runner.kv_caches)
         return self.info()
 
     def _block_free(self, block: int) -> bool:

@@ -68,6 +68,16 @@ class CacheClient:
     def reset_prefix_cache(self, clear_stats: bool = False) -> None:
         call(self.stub.ResetPrefixCache, pb.ResetRequest(clear_stats=clear_stats), self.timeout, "reset")
 
+    def ghost_window(self) -> Any:
+        """The adaptive policy rule's evidence (CacheService.ghost_window), once a window."""
+        return codec.ghost_window_from_pb(call(self.stub.GhostWindow, pb.Empty(), self.timeout, "ghost_window"))
+
+    def restart_ghosts(self) -> None:
+        call(self.stub.RestartGhosts, pb.Empty(), self.timeout, "restart_ghosts")
+
+    def set_policy(self, name: str) -> None:
+        call(self.stub.SetPolicy, pb.SetPolicyRequest(policy=name), self.timeout, "set_policy")
+
     def release(self, gateway_id: str = "") -> None:
         call(self.stub.Release, pb.ReleaseRequest(gateway_id=gateway_id), self.timeout, "release")
 
@@ -116,6 +126,9 @@ class ComputeClient:
 
     def reset(self) -> None:
         call(self.stub.Reset, pb.Empty(), self.timeout, "reset")
+
+    def probe_errors(self) -> dict[int, dict[int, float]]:
+        return codec.probe_errors_from_pb(call(self.stub.ProbeErrors, pb.Empty(), self.timeout, "probe_errors"))
 
     def repool(self, num_blocks: int | None = None, layer_bits: list[int] | None = None) -> ModelInfo:
         req = pb.RepoolRequest(num_blocks=num_blocks or 0, layer_bits=layer_bits or [])

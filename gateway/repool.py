@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 
 def repool(eng: Engine, num_blocks: int | None = None, layer_bits: list[int] | None = None) -> list[Any]:
     """Change the pool; returns the outputs of the step that was in flight (async scheduling)."""
-    if eng.sparsity is not None or eng.controller is not None:
-        raise PreconditionError("repool", "block sparsity and the adaptive controller hold the pool in-process; "
+    if eng.sparsity is not None or (eng.controller is not None and eng.local_cache is not None):
+        # (across processes the controller changes the pool through this very function)
+        raise PreconditionError("repool", "block sparsity and the in-process adaptive controller hold the pool; "
                                           "they change it themselves")
     outputs: list[Any] = []
     if eng._async is not None and eng._async.pending is not None:  # 1. the step in flight lands

@@ -84,6 +84,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.used_blocks = 0  # blocks referenced after the last plan (the cache service says; a gauge)
         self.news = PlanRequest()  # what the cache service learns with the next plan
         self.plan_calls = 0
         self._ahead: _Planned | None = None  # the next step's plan, sent ahead (async scheduling)
@@ -124,26 +125,27 @@ class Scheduler:
         if self.has_news():
             req, self.news = self.news, PlanRequest()
             self.plan_calls += 1
-            self.cache.plan(req)
+            self.used_blocks = self.cache.plan(req).used_blocks
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, count: bool = True) -> None:
         self.running.remove(seq)
         seq.computed_before_preemption = max(seq.computed_before_preemption, seq.num_computed_tokens)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
-        self.num_preemptions += 1
+        self.num_preemptions += count
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
     def preempt_all(self) -> None:
         """Every running sequence back to waiting, oldest first, as a preemption would (a pool change:
-        nanokv.gateway.repool). A plan sent ahead is dropped: it was made on the old pool."""
+        nanokv.gateway.repool). A plan sent ahead is dropped: it was made on the old pool. Not counted
+        in num_preemptions: that counts memory pressure, which the adaptive controller reacts to."""
         self.settle()
         self._ahead, self._held = None, []
         out = SchedulerOutput()
         for seq in reversed(list(self.running)):
-            self._preempt(seq, out)
+            self._preempt(seq, out, count=False)
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -207,6 +209,7 @@ class Scheduler:
         since: they are not run, and their blocks go back with the next plan (they are finished)."""
         out = SchedulerOutput()
         reply = planned.wait()
+        self.used_blocks = reply.used_blocks
         by_id = {s.seq_id: s for s in self.running}
         for seq_id in reply.preempted:
             seq = by_id.get(seq_id)

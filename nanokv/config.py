@@ -14,6 +14,7 @@ from typing import Any
 
 from nanokv.errors import ConfigError
 
+KV_WIDTHS = (4, 8, 16)  # KV bit widths, narrowest first; 16 = the model dtype, no compression error
 EVICTION_POLICIES = ("lru", "lru_k", "clock", "arc", "s3fifo", "sieve", "depth_lru", "leaf_lru", "adaptive")
 SPARSITY_POLICIES = ("streaming", "interval", "attention", "hybrid")
 HASH_ALGOS = ("sha256", "blake2b")
@@ -196,12 +197,9 @@ class EngineConfig:
         lease = self.gateway_lease_s
         if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 < lease <= 86400:
             raise ConfigError("gateway_lease_s", f"got {lease!r}; must be a number of seconds in (0, 86400]")
-        if self.remote:
-            for name, bad in (("compression_sparsity", bool(self.compression_sparsity)),
-                              ("adaptive", self.adaptive or self.eviction_policy == "adaptive")):
-                if bad:
-                    raise ConfigError(name, "works only with the services in one process (cache_address and "
-                                            "compute_address null): it reaches into all three services")
+        if self.remote and self.compression_sparsity:
+            raise ConfigError("compression_sparsity", "works only with the services in one process (cache_address "
+                                                      "and compute_address null): it reaches into all three services")
 
     @property
     def remote(self) -> bool:

@@ -70,6 +70,7 @@ class PlanReply:
     preempted: list[int] = field(default_factory=list)  # in preemption order
     admitted: list[tuple[int, int, int]] = field(default_factory=list)  # (seq_id, prefix-hit tokens, new tokens)
     tables: list[TableDelta] = field(default_factory=list)  # for every sequence that runs this step
+    used_blocks: int = 0  # blocks referenced by sequences after the plan (the adaptive controller's gauge)
 
 
 @dataclass

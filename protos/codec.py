@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import Any
 
+from nanokv.cache_service.ghosts import GhostScores
 from nanokv.messages import (
     CudaIpcHandle,
     ModelInfo,
@@ -124,13 +125,14 @@ def _deltas_from_pb(deltas: Iterable[pb.TableDelta]) -> list[TableDelta]:
 
 
 def plan_reply_to_pb(r: PlanReply) -> pb.PlanReply:
-    return pb.PlanReply(preempted=pack(r.preempted), admitted=pack_tuples(r.admitted), tables=_deltas_to_pb(r.tables))
+    return pb.PlanReply(preempted=pack(r.preempted), admitted=pack_tuples(r.admitted), tables=_deltas_to_pb(r.tables),
+                        used_blocks=r.used_blocks)
 
 
 def plan_reply_from_pb(m: pb.PlanReply) -> PlanReply:
     return PlanReply(unpack(m.preempted, "preempted"),
                      unpack_tuples(m.admitted, "admitted", 3),  # type: ignore[arg-type]
-                     _deltas_from_pb(m.tables))
+                     _deltas_from_pb(m.tables), m.used_blocks)
 
 
 def cache_stats_to_pb(s: dict[str, Any]) -> pb.CacheStats:
@@ -141,6 +143,25 @@ def cache_stats_from_pb(m: pb.CacheStats) -> dict[str, Any]:
     out = {f.name: getattr(m, f.name) for f in pb.CacheStats.DESCRIPTOR.fields}
     out["evictions_by_policy"] = dict(m.evictions_by_policy)
     return out
+
+
+def ghost_scores_to_pb(g: GhostScores) -> pb.GhostScores:
+    return pb.GhostScores(hits=g.hits, queries=g.queries,
+                          pair_sq=[pb.PairSq(a=a, b=b, sq=sq) for (a, b), sq in g.pair_sq.items()])
+
+
+def ghost_scores_from_pb(m: pb.GhostScores) -> GhostScores:
+    return GhostScores(dict(m.hits), m.queries, {(p.a, p.b): p.sq for p in m.pair_sq})
+
+
+def ghost_window_to_pb(w: tuple[GhostScores, GhostScores] | None) -> pb.GhostWindowReply:
+    if w is None:
+        return pb.GhostWindowReply(empty=True)
+    return pb.GhostWindowReply(window=ghost_scores_to_pb(w[0]), recent=ghost_scores_to_pb(w[1]))
+
+
+def ghost_window_from_pb(m: pb.GhostWindowReply) -> tuple[GhostScores, GhostScores] | None:
+    return None if m.empty else (ghost_scores_from_pb(m.window), ghost_scores_from_pb(m.recent))
 
 
 # ---- compute service ----------------------------------------------------------------------------
@@ -227,9 +248,20 @@ def step_result_from_pb(m: pb.StepResult) -> StepResult:
 def compute_stats_to_pb(s: dict[str, Any]) -> pb.ComputeStats:
     return pb.ComputeStats(compression_error={int(k): float(v) for k, v in s["compression_error"].items()},
                            compute_steps=s["compute_steps"], forward_s=s["forward_s"],
-                           num_seqs=s.get("num_seqs", 0), epoch=s.get("epoch", 0))
+                           num_seqs=s.get("num_seqs", 0), epoch=s.get("epoch", 0),
+                           device_free_bytes=s.get("device_free_bytes", 0),
+                           kv_bytes_per_block=s.get("kv_bytes_per_block", 0))
 
 
 def compute_stats_from_pb(m: pb.ComputeStats) -> dict[str, Any]:
     return {"compression_error": dict(sorted(m.compression_error.items())), "compute_steps": m.compute_steps,
-            "forward_s": m.forward_s, "num_seqs": m.num_seqs, "epoch": m.epoch}
+            "forward_s": m.forward_s, "num_seqs": m.num_seqs, "epoch": m.epoch,
+            "device_free_bytes": m.device_free_bytes, "kv_bytes_per_block": m.kv_bytes_per_block}
+
+
+def probe_errors_to_pb(errors: dict[int, dict[int, float]]) -> pb.ProbeErrorsReply:
+    return pb.ProbeErrorsReply(layers=[pb.LayerErrors(layer=i, rms_by_bits=e) for i, e in sorted(errors.items())])
+
+
+def probe_errors_from_pb(m: pb.ProbeErrorsReply) -> dict[int, dict[int, float]]:
+    return {e.layer: dict(e.rms_by_bits) for e in m.layers}

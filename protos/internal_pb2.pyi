@@ -133,14 +133,16 @@ class TableDelta(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., blocks: _Optional[bytes] = ...) -> None: ...
 
 class PlanReply(_message.Message):
-    __slots__ = ("preempted", "admitted", "tables")
+    __slots__ = ("preempted", "admitted", "tables", "used_blocks")
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     preempted: bytes
     admitted: bytes
     tables: _containers.RepeatedCompositeFieldContainer[TableDelta]
-    def __init__(self, preempted: _Optional[bytes] = ..., admitted: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ...) -> None: ...
+    used_blocks: int
+    def __init__(self, preempted: _Optional[bytes] = ..., admitted: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., used_blocks: _Optional[int] = ...) -> None: ...
 
 class CacheStats(_message.Message):
     __slots__ = ("kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "prefix_queries_tokens", "prefix_hits_tokens", "evictions_by_policy", "eviction_policy", "recomputed_tokens", "cache_preemptions", "num_seqs", "epoch", "plan_calls", "attached_epoch")
@@ -186,6 +188,70 @@ class ResetRequest(_message.Message):
     CLEAR_STATS_FIELD_NUMBER: _ClassVar[int]
     clear_stats: bool
     def __init__(self, clear_stats: _Optional[bool] = ...) -> None: ...
+
+class GhostScores(_message.Message):
+    __slots__ = ("hits", "queries", "pair_sq")
+    class HitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PAIR_SQ_FIELD_NUMBER: _ClassVar[int]
+    hits: _containers.ScalarMap[str, float]
+    queries: float
+    pair_sq: _containers.RepeatedCompositeFieldContainer[PairSq]
+    def __init__(self, hits: _Optional[_Mapping[str, float]] = ..., queries: _Optional[float] = ..., pair_sq: _Optional[_Iterable[_Union[PairSq, _Mapping]]] = ...) -> None: ...
+
+class PairSq(_message.Message):
+    __slots__ = ("a", "b", "sq")
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    SQ_FIELD_NUMBER: _ClassVar[int]
+    a: str
+    b: str
+    sq: float
+    def __init__(self, a: _Optional[str] = ..., b: _Optional[str] = ..., sq: _Optional[float] = ...) -> None: ...
+
+class GhostWindowReply(_message.Message):
+    __slots__ = ("empty", "window", "recent")
+    EMPTY_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
+    empty: bool
+    window: GhostScores
+    recent: GhostScores
+    def __init__(self, empty: _Optional[bool] = ..., window: _Optional[_Union[GhostScores, _Mapping]] = ..., recent: _Optional[_Union[GhostScores, _Mapping]] = ...) -> None: ...
+
+class SetPolicyRequest(_message.Message):
+    __slots__ = ("policy",)
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    def __init__(self, policy: _Optional[str] = ...) -> None: ...
+
+class LayerErrors(_message.Message):
+    __slots__ = ("layer", "rms_by_bits")
+    class RmsByBitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    RMS_BY_BITS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    rms_by_bits: _containers.ScalarMap[int, float]
+    def __init__(self, layer: _Optional[int] = ..., rms_by_bits: _Optional[_Mapping[int, float]] = ...) -> None: ...
+
+class ProbeErrorsReply(_message.Message):
+    __slots__ = ("layers",)
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerErrors]
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerErrors, _Mapping]]] = ...) -> None: ...
 
 class RepoolRequest(_message.Message):
     __slots__ = ("num_blocks", "layer_bits")
@@ -325,7 +391,7 @@ class StepResult(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., logprob_rows: _Optional[_Iterable[bool]] = ..., forward_ns: _Optional[int] = ...) -> None: ...
 
 class ComputeStats(_message.Message):
-    __slots__ = ("compression_error", "compute_steps", "forward_s", "num_seqs", "epoch")
+    __slots__ = ("compression_error", "compute_steps", "forward_s", "num_seqs", "epoch", "device_free_bytes", "kv_bytes_per_block")
     class CompressionErrorEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -338,9 +404,13 @@ class ComputeStats(_message.Message):
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     compression_error: _containers.ScalarMap[int, float]
     compute_steps: int
     forward_s: float
     num_seqs: int
     epoch: int
-    def __init__(self, compression_error: _Optional[_Mapping[int, float]] = ..., compute_steps: _Optional[int] = ..., forward_s: _Optional[float] = ..., num_seqs: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    device_free_bytes: int
+    kv_bytes_per_block: int
+    def __init__(self, compression_error: _Optional[_Mapping[int, float]] = ..., compute_steps: _Optional[int] = ..., forward_s: _Optional[float] = ..., num_seqs: _Optional[int] = ..., epoch: _Optional[int] = ..., device_free_bytes: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ...) -> None: ...

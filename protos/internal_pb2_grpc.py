@@ -65,6 +65,21 @@ class CacheStub:
                 request_serializer=nanokv_dot_protos_dot_internal__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
                 _registered_method=True)
+        self.GhostWindow = channel.unary_unary(
+                '/nanokv.internal.v1.Cache/GhostWindow',
+                request_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+                response_deserializer=nanokv_dot_protos_dot_internal__pb2.GhostWindowReply.FromString,
+                _registered_method=True)
+        self.RestartGhosts = channel.unary_unary(
+                '/nanokv.internal.v1.Cache/RestartGhosts',
+                request_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+                response_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+                _registered_method=True)
+        self.SetPolicy = channel.unary_unary(
+                '/nanokv.internal.v1.Cache/SetPolicy',
+                request_serializer=nanokv_dot_protos_dot_internal__pb2.SetPolicyRequest.SerializeToString,
+                response_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -111,6 +126,28 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GhostWindow(self, request, context):
+        """The adaptive controller's eviction-policy rule (a gateway whose services run apart): the cache
+        service feeds one ghost cache per candidate policy from its own admissions. GhostWindow closes a
+        window of their evidence; RestartGhosts drops the recent horizon (a phase change); SetPolicy
+        switches the live policy, warm from its ghost.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestartGhosts(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPolicy(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +179,21 @@ def add_CacheServicer_to_server(servicer, server):
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
                     request_deserializer=nanokv_dot_protos_dot_internal__pb2.ReleaseRequest.FromString,
+                    response_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+            ),
+            'GhostWindow': grpc.unary_unary_rpc_method_handler(
+                    servicer.GhostWindow,
+                    request_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+                    response_serializer=nanokv_dot_protos_dot_internal__pb2.GhostWindowReply.SerializeToString,
+            ),
+            'RestartGhosts': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestartGhosts,
+                    request_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+                    response_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+            ),
+            'SetPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPolicy,
+                    request_deserializer=nanokv_dot_protos_dot_internal__pb2.SetPolicyRequest.FromString,
                     response_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
             ),
     }
@@ -318,6 +370,87 @@ class Cache:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def GhostWindow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanokv.internal.v1.Cache/GhostWindow',
+            nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+            nanokv_dot_protos_dot_internal__pb2.GhostWindowReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestartGhosts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanokv.internal.v1.Cache/RestartGhosts',
+            nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+            nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanokv.internal.v1.Cache/SetPolicy',
+            nanokv_dot_protos_dot_internal__pb2.SetPolicyRequest.SerializeToString,
+            nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class ComputeStub:
     """---------------------------------------------------------------- compute service
@@ -363,6 +496,11 @@ class ComputeStub:
                 '/nanokv.internal.v1.Compute/Repool',
                 request_serializer=nanokv_dot_protos_dot_internal__pb2.RepoolRequest.SerializeToString,
                 response_deserializer=nanokv_dot_protos_dot_internal__pb2.ModelInfo.FromString,
+                _registered_method=True)
+        self.ProbeErrors = channel.unary_unary(
+                '/nanokv.internal.v1.Compute/ProbeErrors',
+                request_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+                response_deserializer=nanokv_dot_protos_dot_internal__pb2.ProbeErrorsReply.FromString,
                 _registered_method=True)
 
 
@@ -418,6 +556,14 @@ class ComputeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeErrors(self, request, context):
+        """The adaptive controller's KV-width rule: per layer, the RMS attention-logit error each width it
+        may use would cause, sampled since the last call (the call resets it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ComputeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -455,6 +601,11 @@ def add_ComputeServicer_to_server(servicer, server):
                     servicer.Repool,
                     request_deserializer=nanokv_dot_protos_dot_internal__pb2.RepoolRequest.FromString,
                     response_serializer=nanokv_dot_protos_dot_internal__pb2.ModelInfo.SerializeToString,
+            ),
+            'ProbeErrors': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeErrors,
+                    request_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+                    response_serializer=nanokv_dot_protos_dot_internal__pb2.ProbeErrorsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -647,6 +798,33 @@ class Compute:
             '/nanokv.internal.v1.Compute/Repool',
             nanokv_dot_protos_dot_internal__pb2.RepoolRequest.SerializeToString,
             nanokv_dot_protos_dot_internal__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeErrors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanokv.internal.v1.Compute/ProbeErrors',
+            nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+            nanokv_dot_protos_dot_internal__pb2.ProbeErrorsReply.FromString,
             options,
             channel_credentials,
             insecure,

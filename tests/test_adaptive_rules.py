@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+from nanokv.cache_service.ghosts import GhostScores
 from nanokv.cache_service.manager import KVCacheManager
 from nanokv.gateway.adaptive import AdaptiveController, AdaptiveSettings
-from nanokv.gateway.adaptive.ghosts import GhostScores
 from nanokv.gateway.adaptive.rules import ConcurrencyRule, PolicyRule, PrecisionRule
 from nanokv.gateway.adaptive.settings import PATIENCE_WINDOWS
 from nanokv.gateway.adaptive.window import WindowStats

@@ -19,8 +19,8 @@ import warnings
 import pytest
 
 from nanokv.cache_service import KVCacheManager
+from nanokv.cache_service.ghosts import replay_request
 from nanokv.cache_service.policies import PolicyCaveatWarning
-from nanokv.gateway.adaptive.ghosts import replay_request
 from nanokv.gateway.adaptive.replay import replay_adaptive
 from nanokv.gateway.adaptive.settings import AdaptiveSettings
 from nanokv.sim.replay import keys_of, replay

@@ -53,7 +53,9 @@ def test_repool_in_process_keeps_greedy_tokens(prompts, reference):
     assert eng.num_blocks == 18 and eng.model_info.epoch > epoch
     stats = eng.stats()
     assert stats["kv_blocks_total"] == 18 and stats["kv_cache_usage"] == 0.0
-    assert stats["preemptions"] >= 1  # the requests in flight were taken back and recomputed
+    # the requests in flight were taken back and recomputed; not counted as preemptions (memory
+    # pressure, which the adaptive controller reacts to)
+    assert stats["recomputed_tokens"] > 0 and stats["preemptions"] == 0
 
 
 def test_repool_refuses_a_bad_layout_and_changes_nothing(prompts, reference):

@@ -74,7 +74,7 @@ class LayerKVCache:
     fake_quant: Any = None  # measurement only (nanokv.cache_service.kv.fakequant): simulate a format on a 16-bit cache
     # hybrid sparsity, int8 layers: this layer's INT4 demotion store, read for table entries <= -2 (kv.demote)
     demoted: DemotedBlocks | None = None
-    probe: Any = None  # nanokv.gateway.adaptive.probe.ErrorProbe: called with (layer, q, k, v) on each store
+    probe: Any = None  # nanokv.compute_service.error_probe.ErrorProbe: called with (layer, q, k, v) on each store
     # int4: the step's decode kernel already quantized the blocks this step filled (the CUDA decode,
     # nanokv.kernels.cuda_decode_int4); read and cleared by nanokv.compute_service.kv_hooks.after_attention
     filled_in_step: bool = False

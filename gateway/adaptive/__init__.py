@@ -1,7 +1,8 @@
 """Self-tuning: a controller in the engine loop that reads windowed figures and adapts the engine.
 
-Torch-free modules (usable by ``nanokv simulate``): settings, window, ghosts, rules, controller,
-replay, plot. Torch modules (engine only): probe, reformat, precision, engine_glue, and the
+Torch-free modules (usable by ``nanokv simulate``): settings, window, rules, controller, remote,
+replay, plot (the ghost caches are the cache service's: nanokv.cache_service.ghosts). Torch modules
+(engine only): reformat, precision, pool, engine_glue (the error probe is the compute service's), and the
 ``python -m nanokv.eval.adaptive_quality`` measurement.
 See docs/adaptive.md.
 """

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from nanokv.cache_service.ghosts import GhostCaches
 from nanokv.cache_service.hashing import hash_full_blocks
-from nanokv.gateway.adaptive.ghosts import GhostCaches
 from nanokv.gateway.adaptive.pool_rule import PoolControl, PoolRule
 from nanokv.gateway.adaptive.rules import ConcurrencyRule, PolicyRule, PrecisionRule, Proposal
 from nanokv.gateway.adaptive.settings import AdaptiveSettings
@@ -69,19 +69,23 @@ class WindowRecord:
 class AdaptiveController:
     def __init__(self, settings: AdaptiveSettings, *, cache: Any = None, scheduler: Any = None,
                  precision: PrecisionControl | None = None, pool: PoolControl | None = None,
-                 policy_rule: bool = True,
+                 policy_rule: bool = True, ghosts: Any = None,
                  concurrency_rule: bool = True, history: int = 4096) -> None:
+        """ghosts: the policy rule's evidence kept elsewhere (nanokv.gateway.adaptive.remote: the cache
+        service's ghost caches); None: GhostCaches in this process, fed from the scheduler's admissions."""
         if settings.mode not in ("act", "recommend"):
             raise ValueError(f"mode must be 'act' or 'recommend', got {settings.mode!r}")
         self.settings = settings
         self.cache = cache  # nanokv.cache_service.manager.KVCacheManager
         self.scheduler = scheduler  # nanokv.gateway.scheduler.Scheduler
         self.precision = precision
-        self.ghosts: GhostCaches | None = None
+        self.ghosts: Any = None  # GhostCaches, or a remote view with the same window_scores / restart_recent
         self.policy_rule: PolicyRule | None = None
         if policy_rule and cache is not None and cache.enable_prefix_caching:
-            cands = (*settings.policy_candidates, cache.policy_name)  # the active policy needs a ghost too
-            self.ghosts = GhostCaches(cands, cache.num_blocks, cache.block_size, lru_k=cache.lru_k)
+            if ghosts is None:
+                cands = (*settings.policy_candidates, cache.policy_name)  # the active policy needs a ghost too
+                ghosts = GhostCaches(cands, cache.num_blocks, cache.block_size, lru_k=cache.lru_k)
+            self.ghosts = ghosts
             self.policy_rule = PolicyRule(settings)
         self.concurrency_rule = ConcurrencyRule(settings) if concurrency_rule and scheduler is not None else None
         self.precision_rule = PrecisionRule(settings) if precision is not None else None
@@ -141,7 +145,7 @@ class AdaptiveController:
         Returns the decisions taken at a window's end (usually none)."""
         self.step += 1
         if out is not None:
-            if self.ghosts is not None:
+            if isinstance(self.ghosts, GhostCaches):  # (remote ghosts see the admissions themselves)
                 self._observe_admissions(out, self.ghosts)
             self._computed += out.num_tokens if computed_tokens is None else computed_tokens
         elif computed_tokens:

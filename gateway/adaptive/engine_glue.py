@@ -1,6 +1,7 @@
 """Build the controller an Engine runs (called from Engine.__init__ when adaptive is on).
 
-Which rules run:
+With the services in other processes the same controller runs over their RPCs
+(nanokv.gateway.adaptive.remote). Which rules run:
   * eviction policy - with prefix caching on, when ``adaptive`` is set or ``eviction_policy`` is
     "adaptive" (then it is the only rule, starting from clock);
   * max_num_seqs    - when ``adaptive`` is set;
@@ -26,6 +27,12 @@ log = logging.getLogger("nanokv.gateway.adaptive")
 def build_controller(engine: Any) -> AdaptiveController:
     cfg = engine.config
     full = bool(cfg.adaptive)
+    if engine.local_cache is None:  # the services run apart: the same controller over their RPCs
+        from nanokv.gateway.adaptive.remote import remote_parts
+
+        return _log(AdaptiveController(AdaptiveSettings.from_config(cfg), scheduler=engine.scheduler,
+                                       policy_rule=True, concurrency_rule=full, **remote_parts(engine, full)), cfg,
+                    "over the services' RPCs")
     precision = None
     runner = engine.runner
     if full and any(b < 16 for b in getattr(runner, "layer_bits", [])):
@@ -47,10 +54,14 @@ def build_controller(engine: Any) -> AdaptiveController:
     ctl = AdaptiveController(AdaptiveSettings.from_config(cfg), cache=engine.cache_manager,
                              scheduler=engine.scheduler, precision=precision, pool=_pool_actuator(engine),
                              policy_rule=True, concurrency_rule=full)
+    return _log(ctl, cfg, "in process")
+
+
+def _log(ctl: AdaptiveController, cfg: Any, where: str) -> AdaptiveController:
     rules = [r.kind for r in (ctl.policy_rule, ctl.concurrency_rule, ctl.precision_rule) if r is not None]
     rules += ["pool"] if ctl.pool_rule is not None else []
-    log.info("adaptive controller (%s mode, window %d steps): rules %s", cfg.adaptive_mode,
-             cfg.adaptive_window_steps, ", ".join(rules) or "none")
+    log.info("adaptive controller (%s mode, window %d steps, %s): rules %s", cfg.adaptive_mode,
+             cfg.adaptive_window_steps, where, ", ".join(rules) or "none")
     return ctl
 
 

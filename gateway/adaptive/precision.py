@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from nanokv.cache_service.kv.cache import bytes_per_block
-from nanokv.gateway.adaptive.probe import ErrorProbe
+from nanokv.compute_service.error_probe import ErrorProbe
 from nanokv.gateway.adaptive.reformat import CHUNK_BLOCKS, reformat_layer
 from nanokv.gateway.adaptive.rules import LADDER
 

@@ -12,9 +12,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from nanokv.cache_service.ghosts import replay_request
 from nanokv.cache_service.manager import KVCacheManager
 from nanokv.gateway.adaptive.controller import AdaptiveController, Decision
-from nanokv.gateway.adaptive.ghosts import replay_request
 from nanokv.gateway.adaptive.settings import AdaptiveSettings
 from nanokv.sim.replay import ReplayResult, block_tokens, keys_of
 from nanokv.sim.traces import TraceRequest

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nanokv.gateway.adaptive.ghosts import GhostScores
+from nanokv.cache_service.ghosts import GhostScores
+from nanokv.config import KV_WIDTHS
 from nanokv.gateway.adaptive.settings import (
     ALARM_Z,
     LOWER_FACTOR,
@@ -33,7 +34,7 @@ from nanokv.gateway.adaptive.settings import (
 )
 from nanokv.gateway.adaptive.window import WindowStats
 
-LADDER = (4, 8, 16)  # KV bit widths, narrowest first; 16 = the model dtype, no compression error
+LADDER = KV_WIDTHS  # KV bit widths, narrowest first; 16 = the model dtype, no compression error
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Any
 
 # Fixed knobs (not in EngineConfig: they shape the hysteresis, not the policy):
 PATIENCE_WINDOWS = 2  # a change that needs no alarm (steady regret, recovery) waits this many windows
-# A ghost's lead counts when it is this many standard deviations (paired test, nanokv.gateway.adaptive.ghosts):
+# A ghost's lead counts when it is this many standard deviations (paired test, nanokv.cache_service.ghosts):
 SIGNIFICANCE_Z = 2.0  # ... on its own (then it must also last PATIENCE_WINDOWS windows)
 ALARM_Z = 2.0  # ... when the live hit rate is falling while evictions rise (then it acts at once)
 RECOVER_RATIO = 0.5  # a backed-off layer returns only when the narrower width's error < this x bound

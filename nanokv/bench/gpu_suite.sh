@@ -2,11 +2,14 @@
 # One device call that checks and times everything the GPU benchmarks measure.
 #   bash nanokv/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf] [pool] [ncu]
 #                                  [pairs] [rotab] [breakdown] [variants] [hostprof] [swap4] [int4next]
-#                                  [ipc] [split] [splitlong]
+#                                  [ipc] [split] [splitlong] [splitadapt]
 # ipc: the CUDA IPC tests and GPU parity through the three services (fp32 == CPU reference, bf16 split ==
 # bf16 in-process); split: the nanovllm workload through the services and in-process, side by side;
 # (REPEAT=n: n pairs, each in its own process);
 # splitlong: the long-context workload through the services in bf16, int8 and int4 (the ratios);
+# splitadapt: the adaptive controller through the services (pool grow/shrink and KV-width back-off over
+# CUDA IPC, a policy switch over RPC: nanokv.bench.gpu_adaptive_split), then the nanovllm workload with
+# the controller on, through the services and in-process side by side;
 # pairs: int8 then bf16 on the long-context workload, PAIRS times (the int8 / bf16 ratio, same machine);
 # rotab: int8 with TritonConfig.qk_rotation_in_rope on, then off, PAIRS times; breakdown: run_breakdown
 # of int8 and bf16 with host ops (the longest idle gaps and what overlaps them); variants: the int8
@@ -111,6 +114,10 @@ for ph in $phases; do
       for i in $(seq "${REPEAT:-1}"); do
         run nanovllm_split$i $BENCH --workload nanovllm --transport both --out "$OUT/nanovllm_split$i.json"
       done ;;
+    splitadapt)
+      run adaptive_split python3 -m nanokv.bench.gpu_adaptive_split --out "$OUT/adaptive_split.json"
+      run nanovllm_split_adaptive $BENCH --workload nanovllm --transport both --adaptive \
+        --out "$OUT/nanovllm_split_adaptive.json" ;;
     splitlong)
       run longctx_split_bf16 $BENCH --workload longctx --transport split --out "$OUT/longctx_split_bf16.json"
       run longctx_split_int8 $BENCH --workload longctx --transport split --enable-compression \

@@ -71,3 +71,4 @@ class ErrorProbe:
         for (layer, bits), total in sq.items():
             out.setdefault(layer, {})[bits] = (float(total) / n[(layer, bits)]) ** 0.5
         return out
+

@@ -1,0 +1,72 @@
+"""What a compute service in its own process does for a gateway's adaptive controller.
+
+In process the controller's actuators reach into the runner (nanokv.gateway.adaptive.precision,
+.pool); across processes the gateway only has RPCs, so the compute service itself keeps the
+KV-width error probe (read by Compute.ProbeErrors), reports what a block costs (Compute.Stats)
+and refuses a pool change the device cannot hold (Compute.Repool) before it drops anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from nanokv.cache_service.kv.cache import bytes_per_block
+from nanokv.compute_service.error_probe import ErrorProbe
+from nanokv.config import KV_WIDTHS
+from nanokv.errors import PreconditionError
+
+log = logging.getLogger(__name__)
+
+
+def make_error_probe(cfg: Any, runner: Any) -> ErrorProbe | None:
+    """The probe a compute service in its own process keeps for a gateway's KV-width rule: every
+    layer planned below 16 bits is measured at each width from its planned one up to 8 (as the
+    in-process PrecisionActuator does). None when that rule is off: adaptive off, no compressed
+    layer, tensor parallelism (ranks hold their own shards), or hybrid sparsity's demotion store."""
+    bits = list(getattr(runner, "layer_bits", []))
+    if not cfg.adaptive or not any(b < 16 for b in bits):
+        return None
+    if cfg.tensor_parallel_size > 1 or any(getattr(c, "demoted", None) is not None for c in runner.kv_caches):
+        log.warning("adaptive: no KV-width error probe with tensor parallelism or hybrid sparsity")
+        return None
+    widths = {i: tuple(w for w in KV_WIDTHS if b <= w < 16) for i, b in enumerate(bits) if b < 16}
+    probe = ErrorProbe(widths)
+    attach_error_probe(probe, runner.kv_caches)
+    return probe
+
+
+def attach_error_probe(probe: ErrorProbe, kv_caches: list[Any]) -> None:
+    """Hook ``probe`` into the layers it measures (also after a repool, at any width: a layer backed
+    off to 16 bits is still measured at its narrower widths, so the rule can narrow it again)."""
+    for i in probe.widths:
+        kv_caches[i].probe = probe
+
+
+def kv_bytes_per_block(runner: Any) -> int:
+    """One block in every layer at its current width (what a pool grow costs per block; 0 where the
+    runner does not say, e.g. a tensor-parallel one)."""
+    if not hasattr(runner, "head_dim") or not hasattr(runner, "kv_caches"):
+        return 0
+    return sum(bytes_per_block(c.bits, c.num_kv_heads, c.block_size, runner.head_dim, runner.dtype)
+               for c in runner.kv_caches)
+
+
+def check_repool_memory(cfg: Any, runner: Any, num_blocks: int, bits: list[int]) -> None:
+    """Refuse (PreconditionError, nothing changed) a larger CUDA pool than the device can hold now.
+    The old pool's memory stays reserved in the cache service's allocator, so a larger pool needs
+    all of its bytes free, less ``adaptive_pool_margin_bytes``; a smaller one reuses the old."""
+    if runner.device.type != "cuda":
+        return
+    c = runner.kv_caches[0]
+    need = num_blocks * sum(bytes_per_block(b, c.num_kv_heads, c.block_size, runner.head_dim, runner.dtype)
+                            for b in bits)
+    if need <= runner.num_blocks * kv_bytes_per_block(runner):
+        return
+    free = torch.cuda.mem_get_info(runner.device)[0]
+    if need > free - cfg.adaptive_pool_margin_bytes:
+        raise PreconditionError("repool", f"the new pool needs {need / 2**20:.0f} MiB of device memory; "
+                                          f"{free / 2**20:.0f} MiB are free and adaptive_pool_margin_bytes "
+                                          f"({cfg.adaptive_pool_margin_bytes / 2**20:.0f} MiB) stay free")

@@ -1,0 +1,163 @@
+"""The adaptive controller through the three services on the GPU (python -m nanokv.bench.gpu_adaptive_split).
+
+Three checks, each through cache + compute processes with the pool shared by CUDA IPC:
+  pool   fp32, a small pool under a burst: the pool rule grows it through the attach protocol
+         (Compute.Repool -> Cache.Attach, a new epoch, CUDA graphs captured again) and shrinks it
+         back when idle; greedy tokens == the CPU fp32 reference; seconds per repool.
+  width  bf16, every layer int4, an error bound below what int4 and int8 measure: the KV-width
+         rule widens the layers through the same protocol; the requests finish; what it measured.
+  policy bf16, a scan over documents larger than the pool between hits on a hot prefix: the
+         policy rule switches the cache service's policy (Cache.SetPolicy, warm from its ghost);
+         milliseconds per GhostWindow call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from typing import Any
+
+
+def _timed(obj: Any, name: str, into: list[float], after: Any = None) -> None:
+    """Wrap obj.name so that each call's seconds land in `into` (the controller calls it by name);
+    after(): called after each call."""
+    fn = getattr(obj, name)
+
+    def wrapper(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            into.append(time.perf_counter() - t0)
+            if after is not None:
+                after()
+    setattr(obj, name, wrapper)
+
+
+def _split(kw: dict[str, Any]) -> Any:
+    from nanokv.config import EngineConfig
+    from nanokv.launch import start_services
+
+    return start_services(EngineConfig.from_kwargs(**kw).to_dict())
+
+
+def check_pool(model: str, prompts: list[list[int]], device: str) -> dict[str, Any]:
+    from nanokv.gateway.adaptive.settings import PATIENCE_WINDOWS
+    from nanokv.gateway.llm import LLM
+    from nanokv.sampling import SamplingParams
+
+    p = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    common: dict[str, Any] = dict(model=model, max_model_len=1024, block_size=16, dtype="float32")
+    cpu = LLM(device="cpu", attention_backend="torch", batch_invariant=False, num_gpu_blocks=256, **common)
+    want = [o.token_ids for o in cpu.generate(prompts, p, use_tqdm=False)]
+    del cpu
+    # the reserve caps the growth at 1 GiB (on CUDA the device's free memory also counts)
+    kw: dict[str, Any] = dict(common, device=device, num_gpu_blocks=48, adaptive=True, adaptive_window_steps=4,
+              adaptive_pool_grow_fraction=1.0, adaptive_pool_reserve_bytes=1 << 30)
+    repools: list[float] = []
+    with _split(kw) as svc:
+        llm = LLM(cache_address=svc.cache_address, compute_address=svc.compute_address, **kw)
+        eng = llm.engine
+        sizes: list[int] = []
+        _timed(eng, "repool", repools, lambda: sizes.append(eng.num_blocks))
+        t0 = time.perf_counter()
+        got = [o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+        run_s = time.perf_counter() - t0
+        grown = max(sizes, default=48)  # (the pool may shrink again before the run ends: its tail is idle)
+        for _ in range(2 * (PATIENCE_WINDOWS + 1)):
+            eng.tick_idle()
+        stats = eng.stats()
+        res = {"identical_to_cpu_reference": f"{sum(a == b for a, b in zip(got, want))}/{len(prompts)}",
+               "grows": stats["adaptations"].get("pool_grow", 0), "shrinks": stats["adaptations"].get("pool_shrink", 0),
+               "blocks_start": 48, "blocks_largest": grown, "sizes": sizes, "blocks_end": stats["kv_blocks_total"],
+               "preemptions": stats["preemptions"], "repool_s": repools, "run_s": run_s,
+               "blocks_left_in_use": stats["kv_cache_usage"]}
+        eng.shutdown()
+    print(f"[adaptive split pool fp32] greedy == CPU reference {res['identical_to_cpu_reference']}; pool 48 -> "
+          f"{grown} blocks at most ({res['grows']} grows) -> {res['blocks_end']} at the end "
+          f"({res['shrinks']} shrinks); "
+          f"{res['preemptions']} preemptions; "
+          f"repools {', '.join(f'{1e3 * s:.0f}' for s in repools)} ms")
+    return res
+
+
+def check_width(model: str, prompts: list[list[int]], device: str) -> dict[str, Any]:
+    from nanokv.gateway.llm import LLM
+    from nanokv.sampling import SamplingParams
+
+    p = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    kw: dict[str, Any] = dict(model=model, max_model_len=1024, num_gpu_blocks=256, block_size=32, device=device,
+              dtype="bfloat16", enable_compression=True, quantization_bitwidth=4, adaptive=True,
+              adaptive_window_steps=4, adaptive_compression_error_bound=1e-6)
+    repools: list[float] = []
+    with _split(kw) as svc:
+        llm = LLM(cache_address=svc.cache_address, compute_address=svc.compute_address, **kw)
+        eng = llm.engine
+        before = list(eng.model_info.layer_bits)
+        _timed(eng, "repool", repools)
+        outs = llm.generate(prompts, p, use_tqdm=False)
+        ctl = eng.controller
+        errors = {layer: round(e, 4) for layer, e in sorted(ctl.logit_error.items())}
+        res = {"bits_before": before, "bits_after": list(eng.compute.info().layer_bits),
+               "finished": f"{sum(len(o.token_ids) == 32 for o in outs)}/{len(prompts)}",
+               "kv_bits_decisions": [(d.step, d.action, d.applied, d.note) for d in ctl.decisions
+                                     if d.kind == "kv_bits"],
+               "logit_error_at_current_width": errors, "repool_s": repools,
+               "blocks_left_in_use": eng.stats()["kv_cache_usage"]}
+        eng.shutdown()
+    print(f"[adaptive split width bf16] layers {sorted(set(before))} -> {sorted(set(res['bits_after']))} bits in "
+          f"{len(res['kv_bits_decisions'])} decisions; finished {res['finished']}; repools "
+          f"{', '.join(f'{1e3 * s:.0f}' for s in repools)} ms")
+    return res
+
+
+def check_policy(model: str, device: str, vocab: int) -> dict[str, Any]:
+    from nanokv.gateway.llm import LLM
+    from nanokv.sampling import SamplingParams
+
+    rng = random.Random(1)
+    docs = [[rng.randrange(0, vocab) for _ in range(80)] for _ in range(6)]  # 5 blocks each: 30 > the pool
+    hot = [rng.randrange(0, vocab) for _ in range(48)]
+    prompts = [q for r in range(8) for i, d in enumerate(docs) for q in (d + [10 + r, 11 + i], hot + [20 + r, 30 + i])]
+    p = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    kw: dict[str, Any] = dict(model=model, max_model_len=1024, num_gpu_blocks=24, block_size=16, device=device,
+              dtype="bfloat16", eviction_policy="adaptive", adaptive_window_steps=4)
+    windows: list[float] = []
+    with _split(kw) as svc:
+        llm = LLM(cache_address=svc.cache_address, compute_address=svc.compute_address, **kw)
+        eng = llm.engine
+        _timed(eng.cache, "ghost_window", windows)
+        for q in prompts:
+            llm.generate([q], p, use_tqdm=False)
+        stats = eng.stats()
+        res = {"policy_decisions": [(d.step, d.action, d.applied) for d in eng.controller.decisions
+                                    if d.kind == "eviction_policy"],
+               "live_policy": stats["eviction_policy"], "prefix_hits_tokens": stats["prefix_hits_tokens"],
+               "ghost_window_ms": [1e3 * s for s in windows]}
+        eng.shutdown()
+    ms = sorted(res["ghost_window_ms"])
+    print(f"[adaptive split policy bf16] {res['policy_decisions']}; live policy {res['live_policy']}; "
+          f"GhostWindow median {ms[len(ms) // 2]:.2f} ms over {len(ms)} windows")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:qwen3-0.6b")
+    ap.add_argument("--out", default="adaptive_split.json")
+    ap.add_argument("--smoke", action="store_true", help="a tiny random model on the CPU (checks the script)")
+    args = ap.parse_args(argv)
+    model, device, vocab = ("random:tiny-qwen3", "cpu", 500) if args.smoke else (args.model, "cuda", 10000)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(0, vocab) for _ in range(rng.randint(40, 300))] for _ in range(12)]
+    res = {"pool": check_pool(model, prompts, device), "width": check_width(model, prompts, device),
+           "policy": check_policy(model, device, vocab)}
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
