@@ -90,6 +90,8 @@ class AsyncStepper:
                     o = eng._on_token(seq, tok, lp, finished_only)
                     if o is not None:
                         outputs.append(o)
+            if eng.controller is not None:
+                eng.controller.on_step(out)
             return outputs
         # the commits cover the tokens `prev` sampled, which the cache learns after _finish
         eng.scheduler.update(out, hold=True)
@@ -107,4 +109,6 @@ class AsyncStepper:
             self.pending = Pending(seqs, placeholder, launched)
         else:
             eng.compute.collect(launched)
+        if eng.controller is not None:  # (services apart only: a pool change lands the step in flight first)
+            eng.controller.on_step(out)
         return outputs

@@ -94,6 +94,7 @@ class Engine:
         self.eos_token_ids = eos
         self._seqs: dict[str, Sequence] = {}
         self._finished_ids: list[int] = []  # ended sequences the compute service has yet to forget
+        self.stashed: list[RequestOutput] = []  # a step a repool landed mid-step: the next step returns them
         self._ids = itertools.count()
         self._step_ids = itertools.count()
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0}
@@ -105,9 +106,9 @@ class Engine:
                     "tokens_s": 0.0}
         self._async: AsyncStepper | None = None
         tp = cfg.tensor_parallel_size
+        adaptive_here = (cfg.adaptive or cfg.eviction_policy == "adaptive") and not cfg.remote
         if cfg.async_scheduling or (cfg.async_scheduling is None and self.device_type == "cuda" and tp == 1
-                                    and self.sparsity is None and not cfg.adaptive
-                                    and cfg.eviction_policy != "adaptive"):
+                                    and self.sparsity is None and not adaptive_here):
             self._async = AsyncStepper(self)
         self.controller: Any = None  # nanokv.gateway.adaptive.AdaptiveController: self-tuning, off unless asked
         warm_up(self)  # CUDA: compile what a chunked prompt needs now, not mid-request (nanokv.gateway.warmup)
@@ -259,10 +260,16 @@ class Engine:
         (batch use: LLM.generate) only those of requests that finished, skipping the per-token
         output objects (about 4 us each, a millisecond a step at batch 256)."""
         with traces.step_span(self):  # its own trace, linked to the requests it serves
+            # a repool outside a step lands the step in flight (its tokens come before this step's); one
+            # the controller makes at this step's end lands the step just launched (they come after)
+            before, self.stashed = self.stashed, []
             if self._async is not None:
                 outputs = self._async.step(finished_only)
             else:
                 outputs = self._sync_step(finished_only)
+            if before or self.stashed:
+                after, self.stashed = self.stashed, []
+                outputs = [o for o in (*before, *outputs, *after) if o.finished or not finished_only]
             if not self.has_unfinished_requests():
                 self.flush()  # idle: ended sequences' blocks go back now, not with the next request
         return outputs

@@ -35,8 +35,13 @@ def repool(eng: Engine, num_blocks: int | None = None, layer_bits: list[int] | N
     if eng._async is not None and eng._async.pending is not None:  # 1. the step in flight lands
         prev, eng._async.pending = eng._async.pending, None
         outputs = eng._async._finish(prev, False)
-    info = eng.compute.repool(num_blocks, layer_bits)  # 2. (a bad layout raises here: nothing changed)
     sch = eng.scheduler
+    sch.settle()  # a plan sent ahead is answered before the cache service attaches the new pool
+    try:
+        info = eng.compute.repool(num_blocks, layer_bits)  # 2. (a bad layout raises here: nothing changed)
+    except Exception:
+        eng.stashed.extend(outputs)  # the landed step's outputs still go out, with the next step
+        raise
     sch.preempt_all()  # 3. running ones back to the front of the queue, oldest first
     sch.news = PlanRequest()  # what the old pool's cache would have learned: it is gone
     eng._finished_ids = []

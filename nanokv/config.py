@@ -70,7 +70,7 @@ class EngineConfig:
     # None = on for a compressed cache on the CPU, where rounding otherwise changes greedy tokens
     batch_invariant: bool | None = None
     # host schedules step N+1 while the device runs step N (nanokv/engine/async_step.py);
-    # None = on where it pays: a CUDA device, one process, no sparsity, no adaptive controller
+    # None = on where it pays: a CUDA device, one process, no sparsity, no in-process adaptive controller
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     # services (docs/services.md): None = in this process; else the address of a running
@@ -162,10 +162,13 @@ class EngineConfig:
             raise ConfigError("batch_invariant", f"must be true, false or null (auto), got {self.batch_invariant!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ConfigError("async_scheduling", f"must be true, false or null (auto), got {self.async_scheduling!r}")
-        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.compression_sparsity or self.adaptive
-                                      or self.eviction_policy == "adaptive"):
-            raise ConfigError("async_scheduling", "needs tensor_parallel_size 1, compression_sparsity 0 and the "
-                                                  "adaptive controller off; set it false or null (auto)")
+        # (in process the controller re-formats and resizes the KV tensors in place, under no step in
+        # flight; across processes it changes the pool through Engine.repool, which lands that step first)
+        adaptive_here = (self.adaptive or self.eviction_policy == "adaptive") and not self.remote
+        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.compression_sparsity or adaptive_here):
+            raise ConfigError("async_scheduling", "needs tensor_parallel_size 1, compression_sparsity 0 and, with "
+                                                  "the services in this process, the adaptive controller off; set "
+                                                  "it false or null (auto)")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_compression",
                      "enforce_eager", "adaptive"):
             if not isinstance(getattr(self, name), bool):

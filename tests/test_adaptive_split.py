@@ -40,28 +40,48 @@ def run_one_by_one(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[
     return [llm.generate([q], p, use_tqdm=False)[0].token_ids for q in prompts]
 
 
+def stream(eng, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Every request's tokens as streamed, one output per token (a token lost in a repool shows)."""
+    for i, q in enumerate(prompts):
+        eng.add_request(str(i), q, params)
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+            if o.finished:
+                assert o.token_ids == got[o.request_id]
+    return [got[str(i)] for i in range(len(prompts))]
+
+
 def split(svc, kw) -> LLM:
     return LLM(**kw, cache_address=svc.cache_address, compute_address=svc.compute_address)
 
 
-def test_policy_rule_over_rpc_decides_as_in_process():
+ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
+@ASYNC
+def test_policy_rule_over_rpc_decides_as_in_process(async_scheduling):
     kw = dict(TINY, num_gpu_blocks=24, eviction_policy="adaptive", adaptive_window_steps=4)
     prompts = scan_and_hot()
-    local = LLM(**kw)
+    local = LLM(**kw)  # (in process the controller needs synchronous steps)
     want = run_one_by_one(local, prompts, 2)
     lc = local.engine.controller
     with start_services(EngineConfig.from_kwargs(**kw).to_dict()) as svc:
-        llm = split(svc, kw)
+        llm = split(svc, dict(kw, async_scheduling=async_scheduling))
         got = run_one_by_one(llm, prompts, 2)
         sc = llm.engine.controller
         stats = llm.engine.stats()
         llm.engine.shutdown()
     assert got == want
+    assert any(d.kind == "eviction_policy" and d.applied for d in sc.decisions)  # it switched, over RPC
+    if async_scheduling:  # a pipelined step closes its windows at other steps: the same switch, not the same step
+        assert stats["eviction_policy"] == local.engine.cache_manager.policy_name
+        return
     # the cache service's ghosts saw the very admissions the gateway-side ghosts saw
     assert [h.ghost_hit_ratios for h in sc.history] == [h.ghost_hit_ratios for h in lc.history]
     assert [(d.step, d.kind, d.action, d.applied) for d in sc.decisions] == \
         [(d.step, d.kind, d.action, d.applied) for d in lc.decisions]
-    assert any(d.kind == "eviction_policy" and d.applied for d in sc.decisions)  # it switched, over RPC
     assert stats["eviction_policy"] == local.engine.cache_manager.policy_name != "clock"
     ls = local.engine.stats()
     assert stats["prefix_hits_tokens"] == ls["prefix_hits_tokens"] > 0
@@ -78,7 +98,8 @@ def burst(n: int) -> list[list[int]]:
     return [PREFIX + torch.randint(200, 900, (int(10 + 3 * i),), generator=g).tolist() for i in range(n)]
 
 
-def test_pool_rule_grows_and_shrinks_through_the_attach_protocol():
+@ASYNC
+def test_pool_rule_grows_and_shrinks_through_the_attach_protocol(async_scheduling):
     """A burst of 8 prompts on a 10-block pool with room for 20 more: the pool grows through
     Compute.Repool -> Cache.Attach (a new epoch), live sequences are recomputed, and the greedy
     output equals a run that never resized; idle, it shrinks back."""
@@ -87,11 +108,11 @@ def test_pool_rule_grows_and_shrinks_through_the_attach_protocol():
     kw = dict(TINY, num_gpu_blocks=10, adaptive=True, adaptive_window_steps=2, adaptive_pool_grow_fraction=0.5,
               adaptive_pool_reserve_bytes=20 * BLOCK_BYTES)
     with start_services(EngineConfig.from_kwargs(**kw).to_dict()) as svc:
-        llm = split(svc, kw)
+        # async: the step in flight lands before each repool, and its tokens still reach the outputs
+        llm = split(svc, dict(kw, async_scheduling=async_scheduling))
         eng = llm.engine
         epoch = eng.compute.info().epoch
-        got = [o.token_ids for o in llm.generate(burst(8), params, use_tqdm=False)]
-        assert got == ref
+        assert stream(eng, burst(8), params) == ref
         stats = eng.stats()
         assert stats["adaptations"]["pool_grow"] >= 1 and stats["adaptations"]["pool_shrink"] == 0
         grown = stats["kv_blocks_total"]
@@ -109,7 +130,8 @@ def test_pool_rule_grows_and_shrinks_through_the_attach_protocol():
         eng.shutdown()
 
 
-def test_kv_width_rule_widens_layers_through_the_attach_protocol():
+@ASYNC
+def test_kv_width_rule_widens_layers_through_the_attach_protocol(async_scheduling):
     """Every layer planned int4 with an error bound below int4's error on this model (~0.07 logits)
     and above int8's: the compute service's probe measures it, the gateway widens the layers to
     int8 through Compute.Repool, and the requests finish on the re-attached pool."""
@@ -119,7 +141,7 @@ def test_kv_width_rule_widens_layers_through_the_attach_protocol():
     prompts = [[(7 * i + 3 + j) % 997 + 2 for i in range(40)] for j in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with start_services(EngineConfig.from_kwargs(**kw).to_dict()) as svc:
-        llm = split(svc, kw)
+        llm = split(svc, dict(kw, async_scheduling=async_scheduling))
         eng = llm.engine
         assert eng.compute.info().layer_bits == [4, 4]
         outs = llm.generate(prompts, params, use_tqdm=False)

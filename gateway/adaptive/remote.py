@@ -98,9 +98,10 @@ class RemoteGhosts:
 
 
 def _repool(engine: Any, **change: Any) -> str:
-    """Engine.repool; '' on success, else why not (a refused layout changes nothing)."""
+    """Engine.repool; '' on success, else why not (a refused layout changes nothing). With async
+    scheduling the step in flight lands first: its outputs go out with the engine's next step."""
     try:
-        engine.repool(**change)
+        engine.stashed.extend(engine.repool(**change))
     except NanoKVError as e:
         return str(e)
     return ""
