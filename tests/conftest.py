@@ -46,6 +46,26 @@ def chat_ids(llm):
     return [llm.engine.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
 
 
+# The gRPC API's tests share one `nanokv serve` (tests/helpers_grpc.py); imported here only when a test
+# asks for it, so runs without gRPC tests start no server and load no stubs.
+@pytest.fixture(scope="module")
+def grpc_server():
+    from tests.helpers_grpc import shared_server
+
+    return shared_server()
+
+
+@pytest.fixture(scope="module")
+def grpc_channel(grpc_server):
+    with grpc_server.channel() as ch:
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def grpc_stub(grpc_server, grpc_channel):
+    return grpc_server.stub(grpc_channel)
+
+
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     import torch
 

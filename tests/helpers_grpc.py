@@ -2,7 +2,8 @@
 
 Small CPU configuration (the embedded SmolLM2, fp32, 256 KV blocks of 16 tokens, 32 running
 sequences, 48 waiting), two API keys (two tenants). `free_blocks_settle` is how the tests prove a
-request left no trace: every block allocatable again, nothing running or waiting.
+request left no trace: every block allocatable again, nothing running or waiting. Tests get it
+through the fixtures grpc_server, grpc_channel and grpc_stub of tests/conftest.py.
 """
 
 from __future__ import annotations

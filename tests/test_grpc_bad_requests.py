@@ -19,7 +19,7 @@ import pytest
 
 from nanokv.protos import nanokv_v1_pb2 as pb
 from nanokv.protos.kserve import grpc_service_pb2 as ks
-from tests.helpers_grpc import KEY_A, NUM_BLOCKS, auth, collect, free_blocks_settle, shared_server
+from tests.helpers_grpc import KEY_A, NUM_BLOCKS, auth, collect, free_blocks_settle
 
 GEN = "/nanokv.v1.Generation/"
 KS = "/inference.GRPCInferenceService/"
@@ -214,32 +214,20 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def server():
-    return shared_server()
-
-
-@pytest.fixture(scope="module")
-def channel(server):
-    with server.channel() as ch:
-        yield ch
-
-
-@pytest.fixture(scope="module")
-def good_alone(server, channel):
+def good_alone(grpc_stub):
     """The good request's greedy answer with nothing else running."""
-    stub = server.stub(channel)
-    assert free_blocks_settle(stub).num_running == 0
-    return collect(stub.Generate(GOOD, metadata=auth(), timeout=120))[:2]
+    assert free_blocks_settle(grpc_stub).num_running == 0
+    return collect(grpc_stub.Generate(GOOD, metadata=auth(), timeout=120))[:2]
 
 
 @pytest.fixture(scope="module")
-def good_beside(server, good_alone):
+def good_beside(grpc_server, good_alone):
     """Runs the good request over and over, on its own channel, while the bad cases are sent."""
     stop, results, errors = threading.Event(), [], []
 
     def loop() -> None:
-        with server.channel() as ch:
-            stub = server.stub(ch)
+        with grpc_server.channel() as ch:
+            stub = grpc_server.stub(ch)
             while not stop.is_set():
                 try:
                     t0 = time.monotonic()
@@ -274,8 +262,8 @@ def test_table_is_big_enough():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_bad_request(channel, good_beside, case):
-    err = send(channel, case)
+def test_bad_request(grpc_channel, good_beside, case):
+    err = send(grpc_channel, case)
     assert err.code() == case.code, f"{case.name}: {err.code()} {err.details()!r}"
     details = err.details() or ""
     for s in case.says:
@@ -283,22 +271,23 @@ def test_bad_request(channel, good_beside, case):
     assert "Traceback" not in details and "internal error" not in details
 
 
-def test_message_just_under_the_size_limit_is_read(channel):
+def test_message_just_under_the_size_limit_is_read(grpc_channel):
     """The oversized case above is refused by size; one just under --max-body-bytes (1 MiB) is parsed
     and refused for its content, so the limit is the documented one."""
     body = pb.GenerateRequest(text="x" * ((1 << 20) - 64)).SerializeToString()
     assert len(body) < 1 << 20  # just under --max-body-bytes: accepted, then refused for its length
-    err = send(channel, Case("just-under", GEN + "Generate", body, I, ()))
+    err = send(grpc_channel, Case("just-under", GEN + "Generate", body, I, ()))
     assert err.code() == I and "text" in err.details() and "max_model_len" in err.details()
 
 
-def test_kserve_stream_answers_a_bad_request_and_goes_on(server, channel, good_alone):
+def test_kserve_stream_answers_a_bad_request_and_goes_on(grpc_server, grpc_channel, good_alone):
     """In ModelStreamInfer a bad request gets an error_message and the stream serves the next one."""
     bad = ks.ModelInferRequest.FromString(infer(params={"top_p": 0.0}))
     good = ks.ModelInferRequest.FromString(infer(inputs=[("text_input", "BYTES", [1], [GOOD.text.encode()])],
                                                  params={"max_tokens": 24, "temperature": 0.0}))
-    call = channel.stream_stream(KS + "ModelStreamInfer", request_serializer=ks.ModelInferRequest.SerializeToString,
-                                 response_deserializer=ks.ModelStreamInferResponse.FromString)
+    call = grpc_channel.stream_stream(KS + "ModelStreamInfer",
+                                      request_serializer=ks.ModelInferRequest.SerializeToString,
+                                      response_deserializer=ks.ModelStreamInferResponse.FromString)
     responses = list(call(iter([bad, good]), metadata=auth(), timeout=120))
     errors = [r.error_message for r in responses if r.error_message]
     assert len(errors) == 1 and "INVALID_ARGUMENT" in errors[0] and "parameters['top_p']" in errors[0]
@@ -310,7 +299,7 @@ def test_kserve_stream_answers_a_bad_request_and_goes_on(server, channel, good_a
     assert ids == good_alone[0]
 
 
-def test_good_stream_beside_the_bad_ones_and_no_leak(server, channel, good_alone, good_beside):
+def test_good_stream_beside_the_bad_ones_and_no_leak(grpc_server, grpc_channel, good_alone, good_beside):
     stop, thread, results, errors = good_beside
     stop.set()
     thread.join(180)
@@ -318,6 +307,6 @@ def test_good_stream_beside_the_bad_ones_and_no_leak(server, channel, good_alone
     assert all(answer == good_alone for _, _, answer in results), (good_alone, results)
     beside = [t for t in SENT if any(t0 <= t <= t1 for t0, t1, _ in results)]
     assert len(beside) >= len(CASES) // 2, (len(beside), len(SENT))  # most bad cases met a running good one
-    info = free_blocks_settle(server.stub(channel))
+    info = free_blocks_settle(grpc_server.stub(grpc_channel))
     assert info.num_running == 0 and info.num_waiting == 0
     assert info.kv_blocks_free == info.kv_blocks_total, info

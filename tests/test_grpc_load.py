@@ -23,7 +23,7 @@ import pytest
 
 from nanokv.protos import nanokv_v1_pb2 as pb
 from nanokv.protos import nanokv_v1_pb2_grpc as pb_grpc
-from tests.helpers_grpc import auth, collect, free_blocks_settle, shared_server, start_server
+from tests.helpers_grpc import auth, collect, free_blocks_settle, start_server
 
 CLIENTS, CANCELLERS, CHANNELS = 200, 100, 4
 PROMPTS = [f"Item {i}: the quick brown fox jumps over the lazy dog number" for i in range(8)]
@@ -35,20 +35,9 @@ def request(i: int, max_tokens: int) -> pb.GenerateRequest:
 
 
 @pytest.fixture(scope="module")
-def server():
-    return shared_server()
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    with server.channel() as ch:
-        yield server.stub(ch)
-
-
-@pytest.fixture(scope="module")
-def alone(stub):
+def alone(grpc_stub):
     """Each prompt's greedy 4-token answer with nothing else running."""
-    return [collect(stub.Generate(request(i, 4), metadata=auth(), timeout=60))[0] for i in range(len(PROMPTS))]
+    return [collect(grpc_stub.Generate(request(i, 4), metadata=auth(), timeout=60))[0] for i in range(len(PROMPTS))]
 
 
 async def many(address: str, n: int, client) -> list:
@@ -87,9 +76,9 @@ async def cancel_after_first(stub: pb_grpc.GenerationStub, i: int) -> str:
         return e.code().name
 
 
-def test_200_concurrent_streams_complete_or_are_told_to_back_off(server, stub, alone):
+def test_200_concurrent_streams_complete_or_are_told_to_back_off(grpc_server, grpc_stub, alone):
     t0 = time.monotonic()
-    results = asyncio.run(many(server.grpc_address, CLIENTS, complete))
+    results = asyncio.run(many(grpc_server.grpc_address, CLIENTS, complete))
     elapsed = time.monotonic() - t0
     kinds = Counter(kind for kind, _ in results)
     assert set(kinds) <= {"ok", "RESOURCE_EXHAUSTED"}, kinds
@@ -101,21 +90,21 @@ def test_200_concurrent_streams_complete_or_are_told_to_back_off(server, stub, a
             details, retry_after, pushback = detail
             assert "48 requests are already waiting" in details and "retry after 1 s" in details
             assert (retry_after, pushback) == ("1", "1000")
-    info = free_blocks_settle(stub)
+    info = free_blocks_settle(grpc_stub)
     assert info.num_running == 0 and info.num_waiting == 0
     assert info.kv_blocks_free == info.kv_blocks_total, info
     print(f"\n{CLIENTS} clients: {dict(kinds)} in {elapsed:.1f} s")
 
 
-def test_100_clients_cancelling_mid_stream_leave_no_trace(server, stub, alone):
+def test_100_clients_cancelling_mid_stream_leave_no_trace(grpc_server, grpc_stub, alone):
     t0 = time.monotonic()
-    results = asyncio.run(many(server.grpc_address, CANCELLERS, cancel_after_first))
+    results = asyncio.run(many(grpc_server.grpc_address, CANCELLERS, cancel_after_first))
     kinds = Counter(results)
     assert set(kinds) <= {"cancelled", "RESOURCE_EXHAUSTED"} and kinds["cancelled"] >= 32, kinds
-    info = free_blocks_settle(stub)
+    info = free_blocks_settle(grpc_stub)
     assert info.num_running == 0 and info.num_waiting == 0
     assert info.kv_blocks_free == info.kv_blocks_total, info
-    again = [collect(stub.Generate(request(i, 4), metadata=auth(), timeout=60))[0] for i in range(len(PROMPTS))]
+    again = [collect(grpc_stub.Generate(request(i, 4), metadata=auth(), timeout=60))[0] for i in range(len(PROMPTS))]
     assert again == alone
     print(f"\n{CANCELLERS} cancelling clients: {dict(kinds)} in {time.monotonic() - t0:.1f} s")
 

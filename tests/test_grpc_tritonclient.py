@@ -11,26 +11,19 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from nanokv.protos import nanokv_v1_pb2 as pb
-from tests.helpers_grpc import KEY_A, ROOT, auth, collect, free_blocks_settle, shared_server
+from tests.helpers_grpc import KEY_A, ROOT, auth, collect, free_blocks_settle
 
 PROMPT = "Water boils at 100 degrees Celsius. Water freezes at"
 MAX_TOKENS = 10
 
 
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
-
-
-def test_tritonclient_live_ready_metadata_infer_and_stream(server):
-    with server.channel() as ch:
-        stub = server.stub(ch)
+def test_tritonclient_live_ready_metadata_infer_and_stream(grpc_server):
+    with grpc_server.channel() as ch:
+        stub = grpc_server.stub(ch)
         req = pb.GenerateRequest(text=PROMPT, sampling_params=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
         ids, text, last = collect(stub.Generate(req, metadata=auth(), timeout=120))
-        r = subprocess.run([sys.executable, "-m", "tests.helpers_tritonclient", server.grpc_address, KEY_A, PROMPT,
+        r = subprocess.run([sys.executable, "-m", "tests.helpers_tritonclient", grpc_server.grpc_address, KEY_A, PROMPT,
                             str(MAX_TOKENS)], cwd=ROOT, capture_output=True, text=True, timeout=180)
         assert r.returncode == 0, r.stderr[-3000:]
         got = json.loads(r.stdout)

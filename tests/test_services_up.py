@@ -3,39 +3,16 @@ the gateway, the cache counters in /metrics read from the cache service over gRP
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.helpers_up import nanokv_up
 
 
 def test_up_serves_completions_and_cache_metrics(tmp_path):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "nanokv.cli", "up", "--port", str(port), "--run-dir", str(tmp_path),
-                             "--num-gpu-blocks", "256", "--grpc-port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")[-3000:]  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    with nanokv_up(tmp_path, "--grpc-port", "0") as base:
         assert (tmp_path / "cache.sock").exists() and (tmp_path / "compute.sock").exists()
         prompt = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
         body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 4, "temperature": 0}
@@ -45,9 +22,6 @@ def test_up_serves_completions_and_cache_metrics(tmp_path):
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
         hits = re.search(r"^nanokv_prefix_cache_hit_tokens_total ([0-9.e+]+)$", metrics, re.M)
         assert hits is not None and float(hits.group(1)) >= 16  # the second request hit the first's blocks
-    finally:
-        proc.terminate()
-        proc.wait(30)
     # the services die with it (SIGTERM: uvicorn re-raises it, so no cleanup code of `up` runs)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and _services_of(tmp_path):

@@ -5,9 +5,6 @@ receiver in this test, the context crossing the gRPC links as traceparent metada
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -21,6 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from nanokv import tracing  # noqa: E402
 from nanokv.sampling import SamplingParams  # noqa: E402
+from tests.helpers_up import nanokv_up  # noqa: E402
 
 SHARED = "The capital of France is Paris. The capital of Italy is Rome. The capital of Germany is Berlin. "
 
@@ -88,12 +86,6 @@ def test_span_tree_in_process(llm, memory_spans):
     assert all(s.parent is None or s.parent.span_id in by_id for s in spans)  # no dangling parents
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _step_tree(spans: list[dict], step: dict) -> dict[str, list[dict]]:
     """The spans under one gateway step span, by name (a step may hold several calls of one method:
     the last step of a request also flushes the ended sequence, an empty Plan and Step)."""
@@ -114,34 +106,17 @@ def test_spans_from_all_three_services_over_otlp(tmp_path):
     from otlp_receiver import Receiver
 
     rx = Receiver()
-    port = _free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OTEL_TRACES_EXPORTER": "otlp",
-           "OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "600000"}
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint,
+           "OTEL_BSP_SCHEDULE_DELAY": "600000"}
     env.pop("OTEL_SERVICE_NAME", None)  # each process names itself: nanokv-gateway / -cache / -compute
-    proc = subprocess.Popen([sys.executable, "-m", "nanokv.cli", "up", "--port", str(port), "--run-dir", str(tmp_path),
-                             "--num-gpu-blocks", "256"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
     traceparent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"  # the caller's trace: the API span continues it
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")[-3000:]  # type: ignore[union-attr]
-            assert time.monotonic() < deadline, "gateway not healthy"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    with nanokv_up(tmp_path, env=env, stop_timeout_s=60) as base:
         body = {"model": "SmolLM2-135M-Instruct", "prompt": SHARED + "The capital of Spain is", "max_tokens": 4,
                 "temperature": 0}
         r = httpx.post(f"{base}/v1/completions", json=body, headers={"traceparent": traceparent}, timeout=120)
         assert r.status_code == 200 and "Madrid" in r.json()["choices"][0]["text"]
         time.sleep(0.5)
         assert not rx.spans, "spans exported before shutdown: the batch delay was not read from OTEL_BSP_*"
-    finally:
-        proc.terminate()
-        proc.wait(60)
     try:
         spans = rx.wait_for(lambda sp: {"nanokv-gateway", "nanokv-cache", "nanokv-compute"}
                             <= {s["service"] for s in sp}, 60)

@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from nanokv.cache_service.policies.base import EvictionPolicy
+from nanokv.errors import NanoKVError
 from nanokv.sim.headroom_policies import DeadOracle, EvictionAges, IdleGapEnd, NextUse, ReusedAgesSlower
 from nanokv.sim.replay import keys_of, replay
 from nanokv.sim.simulate import parse_capacities
+from nanokv.sim.suite import parse_workloads
 from nanokv.sim.traces import SYNTHETIC
 
 BUILDERS: dict[str, Callable[[int, NextUse], EvictionPolicy]] = {
@@ -95,10 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(list(argv) if argv is not None else None)
-    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SYNTHETIC]
-    if unknown:
-        print(f"error: --workloads: unknown {unknown}; allowed: {', '.join(SYNTHETIC)}", file=sys.stderr)
+    try:
+        names = parse_workloads(args.workloads)
+    except NanoKVError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()]

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from nanokv.errors import NanoKVError
 from nanokv.sim.replay import ideal
 from nanokv.sim.simulate import ADAPTIVE, parse_capacities, parse_policies, run
 from nanokv.sim.traces import SYNTHETIC, TraceRequest, read_mooncake
@@ -27,6 +28,16 @@ CAPACITIES = "1%,5%,10%,25%"
 POLICIES = ("lru", "clock", "lru_k", "arc", "s3fifo", "sieve", "depth_lru", "leaf_lru", "belady")
 WORKLOADS = ("conversation", "long_conversation", "tool_agent", "shared_prompt", "rag", "multi_turn",
              "phase_change", "mixed_phases")
+
+
+def parse_workloads(text: str) -> list[str]:
+    """A ``--workloads`` comma list -> generator names; raises NanoKVError naming the flag and the allowed
+    names when one is not in ``SYNTHETIC``."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SYNTHETIC]
+    if unknown:
+        raise NanoKVError("--workloads", f"unknown {unknown}; allowed: {', '.join(SYNTHETIC)}")
+    return names
 
 
 def load_workloads(names: Sequence[str], mooncake: str | None = None, block_size: int = 512,
@@ -146,10 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(list(argv) if argv is not None else None)
-    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SYNTHETIC]
-    if unknown:
-        print(f"error: unknown workloads {unknown}; allowed: {', '.join(SYNTHETIC)}", file=sys.stderr)
+    try:
+        names = parse_workloads(args.workloads)
+    except NanoKVError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     policies = parse_policies(args.policies)
     if "lru" not in policies:
