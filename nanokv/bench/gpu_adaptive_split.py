@@ -66,7 +66,7 @@ def check_pool(model: str, prompts: list[list[int]], device: str) -> dict[str, A
         got = [o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
         run_s = time.perf_counter() - t0
         grown = max(sizes, default=48)  # (the pool may shrink again before the run ends: its tail is idle)
-        for _ in range(2 * (PATIENCE_WINDOWS + 1)):
+        for _ in range(kw["adaptive_window_steps"] * (PATIENCE_WINDOWS + 1)):  # idle windows: it shrinks back
             eng.tick_idle()
         stats = eng.stats()
         res = {"identical_to_cpu_reference": f"{sum(a == b for a, b in zip(got, want))}/{len(prompts)}",
