@@ -154,3 +154,17 @@ def test_kv_width_rule_widens_layers_through_the_attach_protocol(async_schedulin
         assert eng.controller.logit_error and all(e > 0 for e in eng.controller.logit_error.values())
         assert stats["kv_cache_usage"] == 0.0 and eng.cache.stats()["num_seqs"] == 0
         eng.shutdown()
+
+
+def test_a_cache_service_without_the_controller_turns_the_policy_rule_off(caplog):
+    """The gateway asks for the controller, the services were started without it: the policy rule is
+    off with a warning saying why, the other rules run, and requests are served."""
+    kw = dict(TINY, num_gpu_blocks=24)
+    with start_services(EngineConfig.from_kwargs(**kw).to_dict()) as svc:
+        llm = split(svc, dict(kw, adaptive=True, adaptive_window_steps=2))
+        ctl = llm.engine.controller
+        assert ctl.policy_rule is None and ctl.concurrency_rule is not None
+        assert "keeps no ghost caches" in caplog.text
+        got = run_one_by_one(llm, scan_and_hot()[:6], 2)
+        assert all(len(t) == 2 for t in got) and ctl.step > 2
+        llm.engine.shutdown()

@@ -31,7 +31,7 @@ def build_controller(engine: Any) -> AdaptiveController:
         from nanokv.gateway.adaptive.remote import remote_parts
 
         return _log(AdaptiveController(AdaptiveSettings.from_config(cfg), scheduler=engine.scheduler,
-                                       policy_rule=True, concurrency_rule=full, **remote_parts(engine, full)), cfg,
+                                       concurrency_rule=full, **remote_parts(engine, full)), cfg,
                     "over the services' RPCs")
     precision = None
     runner = engine.runner

@@ -174,7 +174,16 @@ def remote_parts(engine: Any, full: bool) -> dict[str, Any]:
     """The controller's keyword arguments for a gateway with remote services."""
     cfg = engine.config
     cache = RemoteCache(engine)
-    parts: dict[str, Any] = {"cache": cache, "ghosts": RemoteGhosts(engine.cache), "precision": None, "pool": None}
+    parts: dict[str, Any] = {"cache": cache, "ghosts": RemoteGhosts(engine.cache), "policy_rule": True,
+                             "precision": None, "pool": None}
+    if not cfg.enable_prefix_caching:
+        parts.update(ghosts=None, policy_rule=False)
+    else:
+        try:
+            engine.cache.ghost_window()  # (an empty window: nothing was admitted yet)
+        except NanoKVError as e:  # a cache service started without the controller in its config
+            log.warning("adaptive: eviction-policy rule off: the cache service keeps no ghost caches (%s)", e)
+            parts.update(ghosts=None, policy_rule=False)
     if not full:
         return parts
     if any(b < 16 for b in engine.model_info.layer_bits):
