@@ -18,7 +18,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,22 +32,15 @@ from nanokv.compute_service.adaptive_hooks import (
 from nanokv.compute_service.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from nanokv.compute_service.runner.sampler import Sampler
 from nanokv.compute_service.runner.tp_protocol import TokenWindow
+from nanokv.compute_service.step_io import HostCopies, Launched
 from nanokv.compute_service.step_trace import forward_span
+from nanokv.compute_service.warmup import warm_logits
 from nanokv.config import EngineConfig
 from nanokv.errors import NanoKVError, PreconditionError
 from nanokv.messages import PLACEHOLDER, ModelInfo, PoolHandle, PoolLayout, StepRequest, StepResult
 from nanokv.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Launched:
-    """A step whose sampled ids the host may not have yet."""
-    step_id: int
-    result: StepResult | None  # ready (synchronous sampling: logprobs wanted, or nothing sampled)
-    host: torch.Tensor | None = None  # [n] int64, valid once `event` completes
-    event: Any = None  # torch.cuda.Event on CUDA
 
 
 class ComputeService:
@@ -88,8 +80,7 @@ class ComputeService:
         self._tables: dict[int, list[int]] = {}
         self._params: dict[int, SamplingParams] = {}
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # previous step's samples on the device
-        self._pinned: list[torch.Tensor] = []  # two alternating pinned buffers (step N and N+1)
-        self._flip = 0
+        self._host = HostCopies(cfg.max_num_seqs)  # where the sampled ids land on the host
         self._next_step = 0
         self.forward_ns = 0
         self.steps = 0
@@ -97,7 +88,7 @@ class ComputeService:
         if stage is not None:  # int4 staging may reclaim slots of open blocks no sequence holds any more
             stage.block_free = self._block_free
         self._gc_freezes = 2 if self.device.type == "cuda" else 0
-        _warm_logits(self)
+        warm_logits(self)
 
     # ---- what the gateway asks once ----------------------------------------------------------------
     def info(self) -> ModelInfo:
@@ -247,55 +238,19 @@ class ComputeService:
             return Launched(req.step_id, StepResult(req.step_id, res.token_ids, res.logprobs, ns))
         tokens = self.sampler.sample(logits, params, seq_ids)
         self._last = (tokens, {s: r for r, s in enumerate(seq_ids)})
-        host, event = self._to_host(tokens)
+        host, event = self._host.to_host(tokens)
         ns = time.perf_counter_ns() - t0
         self.forward_ns += ns
         return Launched(req.step_id, None, host, event)
 
     def collect(self, launched: Launched) -> StepResult:
-        if launched.result is not None:
-            return launched.result
-        if launched.event is not None:
-            launched.event.synchronize()
-        assert launched.host is not None  # a launch without a result always has its host copy
-        return StepResult(launched.step_id, launched.host.tolist())
+        return launched.wait()
 
     def step(self, req: StepRequest) -> StepResult:
         return self.collect(self.launch(req))
-
-    def _to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        if not tokens.is_cuda:
-            return tokens, None
-        n = tokens.shape[0]
-        if not self._pinned or self._pinned[0].shape[0] < n:
-            size = max(n, self.config.max_num_seqs)
-            self._pinned = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self._flip ^= 1
-        host = self._pinned[self._flip][:n]
-        host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
 
     def shutdown(self) -> None:
         """Release what outlives a step: the tensor-parallel worker processes (no-op at tp 1)."""
         stop = getattr(getattr(self, "runner", None), "shutdown", None)
         if stop is not None:
             stop()
-
-
-def _warm_logits(svc: ComputeService) -> None:
-    """The LM head and the greedy pick for every row count a step can sample (1 .. max_num_seqs).
-    The head's GEMM runs eagerly on the step's sampling rows, a new count in almost every prefill
-    step and as decodes finish; the first use of each of cuBLAS's kernels for those shapes loads it,
-    host time inside a step (docs/kernels.md). One rank only: with tensor parallelism the head
-    gathers across ranks."""
-    if svc.device.type != "cuda" or svc.config.tensor_parallel_size != 1:
-        return
-    model = svc.runner.model
-    dtype = next(model.parameters()).dtype
-    hidden = torch.zeros(svc.config.max_num_seqs, svc.model_config.hidden_size, dtype=dtype, device=svc.device)
-    with torch.inference_mode():
-        for m in range(1, hidden.shape[0] + 1):
-            model.compute_logits(hidden[:m], False).argmax(dim=-1)
-    torch.cuda.synchronize(svc.device)

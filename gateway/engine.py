@@ -12,43 +12,23 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from nanokv.config import EngineConfig
 from nanokv.errors import RequestError
-from nanokv.gateway import traces
+from nanokv.gateway import engine_stats, traces
 from nanokv.gateway.async_step import AsyncStepper
-from nanokv.gateway.detokenizer import check_stop_strings, detokenize_step
+from nanokv.gateway.outputs import RequestOutput, on_token  # RequestOutput: callers import it from here too
+from nanokv.gateway.prompts import chat_prompt, check_fits, load_gateway_tokenizer, tokenize
 from nanokv.gateway.scheduler import Scheduler, SchedulerOutput
-from nanokv.gateway.sequence import RequestMetrics, Sequence
+from nanokv.gateway.sequence import Sequence
+from nanokv.gateway.step_request import build_step_request
 from nanokv.gateway.warmup import warm_up
 from nanokv.messages import StepRequest
-from nanokv.model_files import load_tokenizer
 from nanokv.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every output token so far; while unfinished a live view (copy to keep)
-    new_token_ids: list[int]
-    text: str
-    delta_text: str
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int
-    logprobs: list[dict[str, Any]] | None
-    metrics: RequestMetrics
-    error: str | None = None
-    stop_reason: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine:
@@ -77,7 +57,7 @@ class Engine:
         self.device_type = info.device
         # the model's own config in-process (tools and tests read it); its essentials otherwise
         self.model_config: Any = self.local_compute.model_config if self.local_compute is not None else info
-        self.tokenizer = self._load_tokenizer()
+        self.tokenizer, self._tokenizer_dir = load_gateway_tokenizer(cfg, self.compute)
         self.scheduler = Scheduler(self.cache, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    enable_chunked_prefill=cfg.enable_chunked_prefill)
@@ -116,23 +96,6 @@ class Engine:
             from nanokv.gateway.adaptive.engine_glue import build_controller
             self.controller = build_controller(self)
 
-    def _load_tokenizer(self) -> Any:
-        """The model's tokenizer: from its files in process; from the compute service otherwise (the
-        gateway needs no model files), loaded without torch."""
-        model = self.config.model
-        if model is not None and model.startswith("random:"):
-            return None
-        if not self.config.remote:
-            return load_tokenizer(model)
-        files = self.compute.tokenizer_files()
-        self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="nanokv-tokenizer-")
-        for name, data in files.items():
-            if os.path.basename(name) != name:
-                raise ValueError(f"tokenizer file name {name!r}")
-            with open(os.path.join(self._tokenizer_dir.name, name), "wb") as f:
-                f.write(data)
-        return load_tokenizer(self._tokenizer_dir.name, without_torch=True, kind="hf_tokenizer")
-
     # ---- the in-process services' internals (tools, tests, sparsity, the adaptive controller) ------
     @property
     def runner(self) -> Any:
@@ -162,34 +125,10 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        if self.tokenizer is None:
-            raise RequestError("messages", "this model has no tokenizer; send token ids")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages", "must be a non-empty list of {role, content} objects")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-                raise RequestError(f"messages[{i}].content", "must be a string")
-            if m.get("role") not in ("system", "user", "assistant"):
-                raise RequestError(f"messages[{i}].role", "allowed roles: system, user, assistant")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return chat_prompt(self.tokenizer, messages)
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("prompt", "this model has no tokenizer; send token ids")
-            if not prompt:
-                raise RequestError("prompt", "must not be empty")
-            return list(self.tokenizer(prompt)["input_ids"])
-        if not isinstance(prompt, list) or not prompt:
-            raise RequestError("prompt", "must be a non-empty string or a non-empty list of token ids")
-        V = self.model_config.vocab_size
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
-                raise RequestError("prompt", f"token id {t!r} out of range; allowed: integers in [0, {V})")
-        return list(prompt)
+        return tokenize(self.tokenizer, prompt, self.model_config.vocab_size)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
                     cache_salt: str | None = None, arrival_time: float | None = None) -> None:
@@ -197,23 +136,9 @@ class Engine:
         if request_id in self._seqs:
             raise RequestError("request_id", f"{request_id!r} is already in use")
         ids = self._tokenize(prompt)
-        n, L = len(ids), self.max_model_len
-        if n >= L:
-            raise RequestError("prompt", f"prompt has {n} tokens; the context is {L} tokens "
-                                         f"(max_model_len), so at most {L - 1} are allowed")
-        max_tokens = params.max_tokens if params.max_tokens is not None else L - n
-        if n + max_tokens > L:
-            raise RequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the "
-                                             f"context of {L} tokens; allowed: at most {L - n}")
-        bs = self.model_info.block_size
-        need = (n + max_tokens + bs - 1) // bs
-        if need > self.num_kv_blocks:
-            cap = self.num_kv_blocks * bs  # tokens the whole cache holds
-            if n >= cap:
-                raise RequestError("prompt", f"prompt has {n} tokens; the whole KV cache holds {cap}, so at most "
-                                             f"{cap - 1} are allowed")
-            raise RequestError("max_tokens", f"prompt + max_tokens needs {need} KV blocks but the whole cache "
-                                             f"has {self.num_kv_blocks}; allowed: at most {cap - n}")
+        n = len(ids)
+        max_tokens = check_fits(n, params.max_tokens, self.max_model_len, self.model_info.block_size,
+                                self.num_kv_blocks)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError("cache_salt", "must be a string")
         seq = Sequence(next(self._ids), request_id, ids, params, max_tokens, cache_salt=cache_salt)
@@ -327,32 +252,10 @@ class Engine:
         return res
 
     def step_request(self, out: SchedulerOutput) -> StepRequest:
-        """The compute service's view of a scheduled step: rows prefills first, each row's input
-        tokens, the rows that sample, and what changed since the last step."""
-        sched = out.scheduled
-        traces.link_step(out)
-        req = StepRequest(next(self._step_ids), num_prefills=len(out.prefills), tables=out.tables,
-                          preempted=[s.seq_id for s in out.preempted])
-        now = time.monotonic()
-        tokens = req.tokens
-        for r, s in enumerate(sched):
-            seq = s.seq
-            start, n = seq.num_computed_tokens, s.num_new_tokens
-            req.seq_ids.append(seq.seq_id)
-            req.num_computed.append(start)
-            req.num_new.append(n)
-            if n == 1:
-                tokens.append(seq.token_ids[start])
-            else:
-                tokens.extend(seq.token_ids[start:start + n])
-            if start + n == seq.num_tokens:
-                req.sample_rows.append(r)
-            if not seq.params_sent:
-                req.new_seqs.append((seq.seq_id, seq.params))
-                seq.params_sent = True
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = now
-        req.finished, self._finished_ids = self._finished_ids, []
+        """The compute service's view of a scheduled step (nanokv.gateway.step_request); the ended
+        sequences it carries are then off the engine's list."""
+        req = build_step_request(out, next(self._step_ids), self._finished_ids)
+        self._finished_ids = []
         return req
 
     def repool(self, num_blocks: int | None = None, layer_bits: list[int] | None = None) -> list[RequestOutput]:
@@ -376,11 +279,7 @@ class Engine:
             self._finished_ids = []
 
     def _count_step(self, out: Any) -> None:
-        self._counters["computed_tokens"] += out.num_tokens
-        self._last_batch_size = len(out.scheduled)
-        self._batch_sizes.append(len(out.scheduled))
-        if len(self._batch_sizes) > 10000:
-            del self._batch_sizes[:5000]
+        engine_stats.count_step(self, out)
 
     def tick_idle(self) -> None:
         """Nothing to run: the controller still counts a step, so its windows keep closing while the
@@ -393,55 +292,8 @@ class Engine:
 
     def _on_token(self, seq: Sequence, tok: int, lp: tuple[float, dict[int, float]] | None,
                   finished_only: bool = False, replace: bool = False) -> RequestOutput | None:
-        """The sampled token `tok` joins `seq` (replace: it takes the async placeholder's place);
-        stop checks; the request's output unless `finished_only` and it goes on."""
-        now = time.monotonic()
-        if replace:
-            seq.set_last_token(tok)
-        else:
-            seq.append_token(tok)
-        self.scheduler.note_token(seq, tok)
-        self._counters["generation_tokens"] += 1
-        if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = now
-        if lp is not None:
-            seq.logprobs.append({"token_id": tok, "logprob": lp[0], "top": lp[1]})
-        p = seq.params
-        reason = None
-        before = len(seq.text)
-        delta_len = 0
-        if self.tokenizer is not None:
-            delta_len = len(detokenize_step(self.tokenizer, seq))
-        if not p.ignore_eos and tok in self.eos_token_ids:
-            reason = "stop"
-        elif tok in p.stop_token_ids:
-            reason, seq.stop_reason = "stop", tok
-        elif check_stop_strings(seq, delta_len):
-            reason = "stop"
-        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            seq.finish_reason = reason
-            seq.metrics.finish_time = now
-            self.scheduler.finish(seq)
-            self._finished_ids.append(seq.seq_id)
-            self._seqs.pop(seq.request_id, None)
-            traces.end_request(seq)
-        elif finished_only:
-            return None
-        new_tokens = seq.output_token_ids[seq.sent_tokens:]
-        seq.sent_tokens = seq.num_output_tokens
-        delta_text = seq.text[min(before, len(seq.text)):] if reason is None else seq.text[seq.sent_text_len:]
-        seq.sent_text_len = len(seq.text)
-        return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-            # copying the whole output on every token is O(n^2) per request: only the final one is a copy
-            token_ids=list(seq.output_token_ids) if reason is not None else seq.output_token_ids,
-            new_token_ids=new_tokens, text=seq.text,
-            delta_text=delta_text, finished=reason is not None, finish_reason=reason,
-            num_cached_tokens=seq.num_cached_tokens, logprobs=list(seq.logprobs) if p.logprobs is not None else None,
-            metrics=seq.metrics, stop_reason=seq.stop_reason,
-        )
+        """The sampled token `tok` joins `seq`: stop checks and its output (nanokv.gateway.outputs)."""
+        return on_token(self, seq, tok, lp, finished_only, replace)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -463,40 +315,12 @@ class Engine:
 
     # ---- observability ------------------------------------------------------------------------
     def reset_counters(self) -> None:
-        """Every counter stats() reports back to zero (start-up only: nanokv.gateway.warmup)."""
-        self.flush()
-        self.cache.reset_prefix_cache(clear_stats=True)
-        self.compute.reset_stats()
-        self.scheduler.num_preemptions = 0
-        self._counters = dict.fromkeys(self._counters, 0)
-        self._batch_sizes.clear()
-        self._last_batch_size = 0
-        self.rpc = dict.fromkeys(self.rpc, 0) | {k: 0.0 for k in self.rpc if k.endswith("_s")}
-        if hasattr(self.cache, "plan_rtt_s"):
-            self.cache.plan_rtt_s = 0.0
+        """Every counter stats() reports back to zero (nanokv.gateway.engine_stats)."""
+        engine_stats.reset_counters(self)
 
     def stats(self) -> dict[str, Any]:
-        cs = self.cache.stats()
-        comp = self.compute.stats()
-        batch_sizes, self._batch_sizes = self._batch_sizes, []
-        return {
-            "kv_cache_usage": cs["kv_cache_usage"],
-            "kv_blocks_total": cs["kv_blocks_total"],  # changes when the adaptive pool rule resizes
-            "num_running": self.num_running(),
-            "num_waiting": self.num_waiting(),
-            "prefix_queries_tokens": cs["prefix_queries_tokens"],
-            "prefix_hits_tokens": cs["prefix_hits_tokens"],
-            "evictions_by_policy": cs["evictions_by_policy"],
-            "eviction_policy": cs["eviction_policy"],  # the live one (the controller may switch)
-            "recomputed_tokens": cs["recomputed_tokens"],
-            "preemptions": self.scheduler.num_preemptions,
-            "last_batch_size": self._last_batch_size,
-            "batch_sizes": batch_sizes,
-            "compression_error": comp["compression_error"],
-            "adaptations": dict(self.controller.counts) if self.controller is not None else {},
-            "rpc": dict(self.rpc, plan_rtt_s=getattr(self.cache, "plan_rtt_s", 0.0)),
-            **self._counters,
-        }
+        """One snapshot of the engine and its services (nanokv.gateway.engine_stats)."""
+        return engine_stats.stats(self)
 
 
 class _Device:
