@@ -8,7 +8,6 @@ when the server stops.
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from typing import Any
 
@@ -19,7 +18,7 @@ from nanokv.lease import start_reaper
 from nanokv.protos import codec
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
-from nanokv.rpc import add_servicer, make_server, rpc_errors, set_serving
+from nanokv.rpc import add_servicer, make_server, rpc_errors, set_serving, stop_on_signals
 
 log = logging.getLogger("nanokv.cache_service")
 SERVICE_NAME = "nanokv.internal.v1.Cache"
@@ -90,9 +89,7 @@ def serve(config: EngineConfig, listen: str, stop: threading.Event | None = None
     log.info("cache service on %s (policy %s)", listen, config.eviction_policy)
     stop = stop or threading.Event()
     start_reaper(svc.leases, svc.release, stop)  # a dead gateway's sequences go (nanokv.lease)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     try:
         stop.wait()
     finally:

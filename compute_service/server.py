@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import signal
 import threading
 from typing import Any
 
@@ -26,7 +25,16 @@ from nanokv.messages import PoolHandle, PoolLayout
 from nanokv.protos import codec
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
-from nanokv.rpc import add_servicer, call, channel, make_server, rpc_errors, set_serving, wait_serving
+from nanokv.rpc import (
+    add_servicer,
+    call,
+    channel,
+    make_server,
+    rpc_errors,
+    set_serving,
+    stop_on_signals,
+    wait_serving,
+)
 from nanokv.trace_grpc import intercept_channel
 
 log = logging.getLogger("nanokv.compute_service")
@@ -132,9 +140,7 @@ def serve(config: EngineConfig, listen: str, cache_address: str, stop: threading
     if hasattr(svc.runner, "remap_pool"):  # (tensor parallel: the ranks' pools do not follow a restart)
         CacheWatch(cache_address, servicer, attach, lambda ok: set_serving(hs, [SERVICE_NAME], ok), stop,
                    config.rpc_timeout_s).start()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     try:
         stop.wait()
     finally:

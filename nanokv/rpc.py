@@ -8,6 +8,8 @@ its service's name), SERVING once it can take work.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -167,3 +169,24 @@ def call(fn: Callable[..., Any], request: Any, timeout: float, what: str) -> Any
         return fn(request, timeout=timeout)
     except grpc.RpcError as e:
         raise remote_error(e, what) from None
+
+
+def stop_on_signals(stop: threading.Event) -> None:
+    """SIGTERM and SIGINT set `stop` (a service's main loop waits on it); main thread only.
+
+    Only the first signal acts. A handler runs on the main thread between bytecodes, so a second
+    signal (a parent's SIGTERM and the parent-death SIGTERM arrive together) can land while the first
+    handler is inside stop.set(), holding the event's lock: set() again there would wait on that lock
+    forever, and the service would never exit."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    fired: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if fired:
+            return
+        fired.append(signum)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
