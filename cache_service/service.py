@@ -94,10 +94,9 @@ class CacheService:
 
         if self.ghosts is None:
             cfg = self.config
-            cands = [c.strip() for c in cfg.adaptive_policy_candidates.split(",") if c.strip()]
             assert self.manager is not None  # made just before
-            self.ghosts = GhostCaches((*cands, self.manager.policy_name), layout.num_blocks, layout.block_size,
-                                      lru_k=cfg.lru_k)
+            self.ghosts = GhostCaches((*cfg.policy_candidates, self.manager.policy_name), layout.num_blocks,
+                                      layout.block_size, lru_k=cfg.lru_k)
         elif self.ghosts.capacity != layout.num_blocks:
             self.ghosts.resize(layout.num_blocks)
 

@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 from nanokv.cache_service.kv.cache import bytes_per_block
-from nanokv.compute_service.error_probe import ErrorProbe
-from nanokv.config import KV_WIDTHS
+from nanokv.compute_service.error_probe import ErrorProbe, probe_widths
 from nanokv.errors import PreconditionError
 
 log = logging.getLogger(__name__)
@@ -32,8 +31,7 @@ def make_error_probe(cfg: Any, runner: Any) -> ErrorProbe | None:
     if cfg.tensor_parallel_size > 1 or any(getattr(c, "demoted", None) is not None for c in runner.kv_caches):
         log.warning("adaptive: no KV-width error probe with tensor parallelism or hybrid sparsity")
         return None
-    widths = {i: tuple(w for w in KV_WIDTHS if b <= w < 16) for i, b in enumerate(bits) if b < 16}
-    probe = ErrorProbe(widths)
+    probe = ErrorProbe(probe_widths(bits))
     attach_error_probe(probe, runner.kv_caches)
     return probe
 

@@ -22,6 +22,13 @@ from __future__ import annotations
 import torch
 
 from nanokv.cache_service.kv.monitor import roundtrip, spread_rows
+from nanokv.config import KV_WIDTHS
+
+
+def probe_widths(bits: list[int]) -> dict[int, tuple[int, ...]]:
+    """{layer: widths to measure} for the layers planned below 16 bits: from the planned width up to 8
+    (a layer never goes below its plan; 16 bits has no compression error to measure)."""
+    return {i: tuple(w for w in KV_WIDTHS if b <= w < 16) for i, b in enumerate(bits) if b < 16}
 
 
 class ErrorProbe:

@@ -205,6 +205,11 @@ class EngineConfig:
                                                       "and compute_address null): it reaches into all three services")
 
     @property
+    def policy_candidates(self) -> tuple[str, ...]:
+        """adaptive_policy_candidates as names (validated at construction)."""
+        return tuple(c.strip() for c in self.adaptive_policy_candidates.split(",") if c.strip())
+
+    @property
     def remote(self) -> bool:
         """The gateway talks to cache and compute services in other processes, over gRPC."""
         return self.cache_address is not None

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from nanokv.cache_service.kv.cache import bytes_per_block
-from nanokv.compute_service.error_probe import ErrorProbe
+from nanokv.compute_service.error_probe import ErrorProbe, probe_widths
 from nanokv.gateway.adaptive.reformat import CHUNK_BLOCKS, reformat_layer
 from nanokv.gateway.adaptive.rules import LADDER
 
@@ -37,7 +37,7 @@ class PrecisionActuator:
         self.runner = runner
         self.recapture = recapture
         self.base_bits: list[int] = [c.bits for c in runner.kv_caches]
-        widths = {i: tuple(w for w in LADDER if b <= w < 16) for i, b in enumerate(self.base_bits) if b < 16}
+        widths = probe_widths(self.base_bits)
         self.probe = ErrorProbe(widths, every=every, rows=rows)
         for i in widths:
             runner.kv_caches[i].probe = self.probe

@@ -34,7 +34,7 @@ class AdaptiveSettings:
     @classmethod
     def from_config(cls, cfg: Any) -> AdaptiveSettings:
         """From a validated nanokv.config.EngineConfig (duck-typed: no import of the config here)."""
-        cands = tuple(c.strip() for c in cfg.adaptive_policy_candidates.split(",") if c.strip())
+        cands = cfg.policy_candidates
         return cls(mode=cfg.adaptive_mode, window_steps=cfg.adaptive_window_steps,
                    hit_rate_threshold=cfg.adaptive_hit_rate_threshold,
                    policy_switch_margin=cfg.adaptive_policy_switch_margin, policy_candidates=cands,
