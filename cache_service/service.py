@@ -24,7 +24,7 @@ from nanokv.cache_service.manager import KVCacheManager
 from nanokv.cache_service.plan_trace import plan_span
 from nanokv.cache_service.planner import Planner
 from nanokv.cache_service.validate import validate_plan
-from nanokv.config import EngineConfig
+from nanokv.config import ADAPTIVE_START_POLICY, EngineConfig
 from nanokv.errors import PreconditionError, StaleEpoch
 from nanokv.lease import Leases
 from nanokv.messages import PlanReply, PlanRequest, PoolHandle, PoolLayout
@@ -73,8 +73,8 @@ class CacheService:
             self.attached_epoch = self.epoch
             self.manager = KVCacheManager(
                 layout.num_blocks, layout.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
-                # "adaptive": start from the default policy; the controller switches when it pays
-                eviction_policy=self.live_policy or ("clock" if cfg.eviction_policy == "adaptive"
+                # "adaptive": start from leaf_lru; the controller switches when it pays
+                eviction_policy=self.live_policy or (ADAPTIVE_START_POLICY if cfg.eviction_policy == "adaptive"
                                                      else cfg.eviction_policy),
                 lru_k=cfg.lru_k, hash_algo=cfg.prefix_caching_hash_algo,
             )

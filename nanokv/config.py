@@ -16,6 +16,10 @@ from nanokv.errors import ConfigError
 
 KV_WIDTHS = (4, 8, 16)  # KV bit widths, narrowest first; 16 = the model dtype, no compression error
 EVICTION_POLICIES = ("lru", "lru_k", "clock", "arc", "s3fifo", "sieve", "depth_lru", "leaf_lru", "adaptive")
+# eviction_policy="adaptive" starts on leaf_lru (never below LRU on the workloads of docs/cache-policies.md) and
+# keeps ghosts of these; the simulator's "adaptive" replays exactly this pair
+ADAPTIVE_START_POLICY = "leaf_lru"
+ADAPTIVE_POLICY_CANDIDATES = "leaf_lru,lru_k,arc,s3fifo"
 SPARSITY_POLICIES = ("streaming", "interval", "attention", "hybrid")
 HASH_ALGOS = ("sha256", "blake2b")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -89,7 +93,7 @@ class EngineConfig:
     adaptive_window_steps: int = 64
     adaptive_hit_rate_threshold: float = 0.85  # "falling": window hit rate < this x the previous window's
     adaptive_policy_switch_margin: float = 0.01  # best ghost policy must beat the active one by this
-    adaptive_policy_candidates: str = "clock,lru_k,depth_lru,arc,s3fifo"
+    adaptive_policy_candidates: str = ADAPTIVE_POLICY_CANDIDATES
     adaptive_compression_error_bound: float = 1.0  # RMS attention-logit error of a layer's stored keys
     adaptive_preemption_threshold: int = 1  # preemptions per window that lower max_num_seqs
     # KV pool grow / shrink (docs/adaptive.md, "KV pool size"): grow by a step under pressure while

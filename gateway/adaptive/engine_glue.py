@@ -3,7 +3,7 @@
 With the services in other processes the same controller runs over their RPCs
 (nanokv.gateway.adaptive.remote). Which rules run:
   * eviction policy - with prefix caching on, when ``adaptive`` is set or ``eviction_policy`` is
-    "adaptive" (then it is the only rule, starting from clock);
+    "adaptive" (then it is the only rule, starting from leaf_lru: nanokv.config.ADAPTIVE_START_POLICY);
   * max_num_seqs    - when ``adaptive`` is set;
   * KV bit width    - when ``adaptive`` is set, some layer is compressed, and the runner is a
     single-process ModelRunner (tensor-parallel workers hold their own shards: not supported yet)

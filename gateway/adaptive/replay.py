@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 
 from nanokv.cache_service.ghosts import replay_request
 from nanokv.cache_service.manager import KVCacheManager
+from nanokv.config import ADAPTIVE_START_POLICY
 from nanokv.gateway.adaptive.controller import AdaptiveController, Decision
 from nanokv.gateway.adaptive.settings import AdaptiveSettings
 from nanokv.sim.replay import ReplayResult, block_tokens, keys_of
 from nanokv.sim.traces import TraceRequest
 
-INITIAL_POLICY = "clock"  # the engine default; "adaptive" starts here and moves when it pays
+INITIAL_POLICY = ADAPTIVE_START_POLICY  # eviction_policy="adaptive" starts here and moves when it pays
 
 
 @dataclass

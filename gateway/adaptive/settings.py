@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nanokv.config import ADAPTIVE_POLICY_CANDIDATES
+
 # Fixed knobs (not in EngineConfig: they shape the hysteresis, not the policy):
 PATIENCE_WINDOWS = 2  # a change that needs no alarm (steady regret, recovery) waits this many windows
 # A ghost's lead counts when it is this many standard deviations (paired test, nanokv.cache_service.ghosts):
@@ -21,7 +23,7 @@ class AdaptiveSettings:
     window_steps: int = 64
     hit_rate_threshold: float = 0.85
     policy_switch_margin: float = 0.01
-    policy_candidates: tuple[str, ...] = ("clock", "lru_k", "depth_lru", "arc", "s3fifo")
+    policy_candidates: tuple[str, ...] = tuple(ADAPTIVE_POLICY_CANDIDATES.split(","))
     compression_error_bound: float = 1.0
     preemption_threshold: int = 1
     max_num_seqs: int = 256  # the configured ceiling the concurrency rule returns to

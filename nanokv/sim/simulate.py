@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 
 from nanokv.cache_service.policies import POLICY_NAMES, policy_caveat
+from nanokv.config import ADAPTIVE_POLICY_CANDIDATES, ADAPTIVE_START_POLICY
 from nanokv.errors import NanoKVError
 from nanokv.sim.replay import ReplayResult, ideal, keys_of, replay
 from nanokv.sim.report import format_table, plot, write_json
@@ -27,10 +28,10 @@ DEFAULT_CAPACITIES = "1%,5%,10%,25%,50%"
 # Rough relative cost, to start the slow jobs first and keep both cores busy to the end.
 _COST = {"adaptive": 12, "belady": 4, "lru_k": 3, "depth_lru": 2, "leaf_lru": 2, "s3fifo": 2, "arc": 2}
 ADAPTIVE = "adaptive"  # not a policy: the adaptive controller switching policies (nanokv/adaptive)
-# What "adaptive" replays: the controller starting on leaf_lru with these ghosts (docs/cache-policies.md,
-# "Adaptive"). The engine does the same with eviction_policy="adaptive" once its config defaults match.
-ADAPTIVE_INITIAL = "leaf_lru"
-ADAPTIVE_CANDIDATES = ("leaf_lru", "lru_k", "arc", "s3fifo")
+# What "adaptive" replays: the engine's eviction_policy="adaptive" - the controller starting on leaf_lru
+# with these ghosts (docs/cache-policies.md, "Adaptive")
+ADAPTIVE_INITIAL = ADAPTIVE_START_POLICY
+ADAPTIVE_CANDIDATES = tuple(ADAPTIVE_POLICY_CANDIDATES.split(","))
 
 
 def parse_capacities(spec: str, unique_blocks: int) -> list[int]:
