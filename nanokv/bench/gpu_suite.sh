@@ -2,7 +2,7 @@
 # One device call that checks and times everything the GPU benchmarks measure.
 #   bash nanokv/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf] [pool] [ncu]
 #                                  [pairs] [rotab] [breakdown] [variants] [hostprof] [swap4] [int4next]
-#                                  [ipc] [split] [splitlong] [splitadapt]
+#                                  [ipc] [split] [splitlong] [splitadapt] [repoolprobe]
 # ipc: the CUDA IPC tests and GPU parity through the three services (fp32 == CPU reference, bf16 split ==
 # bf16 in-process); split: the nanovllm workload through the services and in-process, side by side;
 # (REPEAT=n: n pairs, each in its own process);
@@ -114,6 +114,8 @@ for ph in $phases; do
       for i in $(seq "${REPEAT:-1}"); do
         run nanovllm_split$i $BENCH --workload nanovllm --transport both --out "$OUT/nanovllm_split$i.json"
       done ;;
+    repoolprobe)  # does a bf16 repool depend on what the engine served before? (graphs on/off, histories)
+      run repool_probe python3 -m nanokv.bench.repool_probe --out "$OUT/repool_probe.json" ;;
     splitadapt)
       run adaptive_split python3 -m nanokv.bench.gpu_adaptive_split --out "$OUT/adaptive_split.json"
       run nanovllm_split_adaptive $BENCH --workload nanovllm --transport both --adaptive \
