@@ -16,7 +16,9 @@ The only module of the cache service that imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import weakref
 
 import torch
 
@@ -82,11 +84,23 @@ def pool_nbytes(layout: PoolLayout) -> int:
     return -(-carver.offset // _ALIGN) * _ALIGN
 
 
+def rank_layouts(layout: PoolLayout) -> list[PoolLayout]:
+    """Tensor parallelism: the layouts of ranks 1..N-1's pools (rank 0's is `layout` itself): the
+    same blocks and widths over each rank's own KV heads, on its own device."""
+    if len(layout.rank_kv_heads) != len(layout.rank_devices):
+        raise ValueError("rank_kv_heads and rank_devices: one entry per rank after rank 0")
+    return [dataclasses.replace(layout, num_kv_heads=heads, device=device, rank_kv_heads=[], rank_devices=[])
+            for heads, device in zip(layout.rank_kv_heads, layout.rank_devices)]
+
+
 class PoolStorage:
-    """The segment the cache service owns: allocated on attach, removed on close."""
+    """The segment the cache service owns: allocated on attach, removed on close. Under tensor
+    parallelism it also owns one segment per further rank (`ranks`), always shareable: those ranks
+    are other processes even when the cache service runs in rank 0's."""
 
     def __init__(self, layout: PoolLayout, shared: bool, epoch: int):
         self.layout = layout
+        self.ranks = [PoolStorage(r, True, epoch) for r in rank_layouts(layout)]
         self.nbytes = pool_nbytes(layout)
         self.epoch = epoch
         self.path = ""
@@ -102,6 +116,8 @@ class PoolStorage:
             with open(self.path, "wb") as f:
                 f.truncate(self.nbytes)  # a sparse file of zeros: pages appear as they are written
             self.buffer = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
+            # the file goes with this object too (an in-process cache service is never closed) and at exit
+            self._unlink = weakref.finalize(self, _unlink, self.path)
 
     def reusable_for(self, layout: PoolLayout) -> bool:
         """A device segment is handed out again to a new attach of the same layout (a restarted
@@ -110,22 +126,32 @@ class PoolStorage:
         return self.cuda_ipc and layout == self.layout
 
     def handle(self) -> PoolHandle:
+        ranks = []
+        for r in self.ranks:
+            r.epoch = self.epoch  # (a reused segment gets the new epoch on rank 0's storage)
+            ranks.append(r.handle())
         if self.cuda_ipc:
             from nanokv.cache_service.cuda_ipc import export
 
-            return PoolHandle("cuda_ipc", self.nbytes, self.epoch, cuda=export(self.buffer))
+            return PoolHandle("cuda_ipc", self.nbytes, self.epoch, cuda=export(self.buffer), ranks=ranks)
         if self.path:
-            return PoolHandle("shm", self.nbytes, self.epoch, path=self.path)
-        return PoolHandle("local", self.nbytes, self.epoch, buffer=self.buffer)
+            return PoolHandle("shm", self.nbytes, self.epoch, path=self.path, ranks=ranks)
+        return PoolHandle("local", self.nbytes, self.epoch, buffer=self.buffer, ranks=ranks)
 
     def close(self) -> None:
         """Remove the file; mappings already made stay valid until their owners drop them."""
+        for r in self.ranks:
+            r.close()
         if self.path:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            self._unlink()
             self.path = ""
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def map_handle(handle: PoolHandle) -> torch.Tensor:

@@ -137,7 +137,7 @@ def serve(config: EngineConfig, listen: str, cache_address: str, stop: threading
              svc.runner.num_blocks, cache_address)
     stop = stop or threading.Event()
     start_reaper(servicer.leases, servicer.release_gateway, stop)
-    if hasattr(svc.runner, "remap_pool"):  # (tensor parallel: the ranks' pools do not follow a restart)
+    if getattr(svc.runner, "follows_cache_pool", True):  # (not torchrun's ranks: they allocate their own)
         CacheWatch(cache_address, servicer, attach, lambda ok: set_serving(hs, [SERVICE_NAME], ok), stop,
                    config.rpc_timeout_s).start()
     stop_on_signals(stop)

@@ -145,9 +145,9 @@ class ComputeService:
     def repool(self, num_blocks: int | None = None, layer_bits: list[int] | None = None) -> ModelInfo:
         """A pool change (Compute.Repool): every sequence goes (the gateway took them back, to be
         recomputed), the runner attaches a pool of the new layout and captures its graphs again."""
-        if self._attach_pool is None or not hasattr(self.runner, "repool"):
+        if self._attach_pool is None or not getattr(self.runner, "follows_cache_pool", True):
             raise PreconditionError("compute", "this compute service cannot change its pool (no cache service "
-                                               "attach, or tensor_parallel_size > 1)")
+                                               "attach, or tensor-parallel ranks started by torchrun)")
         n, bits = self.runner.check_repool(num_blocks, layer_bits)  # a bad layout changes nothing
         check_repool_memory(self.config, self.runner, n, bits)  # nor one the device cannot hold
         self.drop_sequences()

@@ -73,7 +73,7 @@ class EngineConfig:
     # (chunking, prefix hits, batch size, preemption): kernels/cpu_invariant.py.
     # None = on for a compressed cache on the CPU, where rounding otherwise changes greedy tokens
     batch_invariant: bool | None = None
-    # host schedules step N+1 while the device runs step N (nanokv/engine/async_step.py);
+    # host schedules step N+1 while the device runs step N (gateway/async_step.py);
     # None = on where it pays: a CUDA device, one process, no sparsity, no in-process adaptive controller
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1

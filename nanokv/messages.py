@@ -113,6 +113,10 @@ class PoolLayout:
     dtype: str  # torch dtype name of full-precision KV ("float32", "bfloat16", ...)
     stage_slots: int = 0  # int4 staging slots (0 without int4 layers)
     device: str = "cpu"
+    # tensor parallelism: this layout is rank 0's; ranks 1..N-1 hold these KV heads on these
+    # devices, and the cache service allocates and exports one pool for each (PoolHandle.ranks)
+    rank_kv_heads: list[int] = field(default_factory=list)
+    rank_devices: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -142,6 +146,7 @@ class PoolHandle:
     path: str = ""
     buffer: object = None
     cuda: CudaIpcHandle | None = None
+    ranks: list[PoolHandle] = field(default_factory=list)  # ranks 1..N-1's pools (tensor parallelism)
 
 
 @dataclass

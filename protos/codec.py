@@ -64,12 +64,12 @@ def unpack_tuples(data: bytes, field: str, width: int) -> list[tuple[int, ...]]:
 def layout_to_pb(x: PoolLayout) -> pb.PoolLayout:
     return pb.PoolLayout(num_blocks=x.num_blocks, block_size=x.block_size, num_kv_heads=x.num_kv_heads,
                          head_dim=x.head_dim, layer_bits=x.layer_bits, dtype=x.dtype, stage_slots=x.stage_slots,
-                         device=x.device)
+                         device=x.device, rank_kv_heads=x.rank_kv_heads, rank_devices=x.rank_devices)
 
 
 def layout_from_pb(m: pb.PoolLayout) -> PoolLayout:
     return PoolLayout(m.num_blocks, m.block_size, m.num_kv_heads, m.head_dim, list(m.layer_bits), m.dtype,
-                      m.stage_slots, m.device)
+                      m.stage_slots, m.device, list(m.rank_kv_heads), list(m.rank_devices))
 
 
 def handle_to_pb(h: PoolHandle) -> pb.PoolHandle:
@@ -81,6 +81,7 @@ def handle_to_pb(h: PoolHandle) -> pb.PoolHandle:
             storage_offset=c.storage_offset, ref_counter_handle=c.ref_counter_handle,
             ref_counter_offset=c.ref_counter_offset, event_handle=c.event_handle,
             event_sync_required=c.event_sync_required))
+    m.ranks.extend(handle_to_pb(r) for r in h.ranks)
     return m
 
 
@@ -90,7 +91,7 @@ def handle_from_pb(m: pb.PoolHandle) -> PoolHandle:
         c = m.cuda
         cuda = CudaIpcHandle(c.device_uuid, c.device_index, c.handle, c.storage_bytes, c.storage_offset,
                              c.ref_counter_handle, c.ref_counter_offset, c.event_handle, c.event_sync_required)
-    return PoolHandle(m.kind, m.nbytes, m.epoch, path=m.path, cuda=cuda)
+    return PoolHandle(m.kind, m.nbytes, m.epoch, path=m.path, cuda=cuda, ranks=[handle_from_pb(r) for r in m.ranks])
 
 
 def plan_request_to_pb(r: PlanRequest) -> pb.PlanRequest:

@@ -11,7 +11,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolLayout(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "num_kv_heads", "head_dim", "layer_bits", "dtype", "stage_slots", "device")
+    __slots__ = ("num_blocks", "block_size", "num_kv_heads", "head_dim", "layer_bits", "dtype", "stage_slots", "device", "rank_kv_heads", "rank_devices")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class PoolLayout(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     STAGE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RANK_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    RANK_DEVICES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     num_kv_heads: int
@@ -28,7 +30,9 @@ class PoolLayout(_message.Message):
     dtype: str
     stage_slots: int
     device: str
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_bits: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., stage_slots: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    rank_kv_heads: _containers.RepeatedScalarFieldContainer[int]
+    rank_devices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_bits: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., stage_slots: _Optional[int] = ..., device: _Optional[str] = ..., rank_kv_heads: _Optional[_Iterable[int]] = ..., rank_devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("layout",)
@@ -37,18 +41,20 @@ class AttachRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ...) -> None: ...
 
 class PoolHandle(_message.Message):
-    __slots__ = ("kind", "nbytes", "epoch", "path", "cuda")
+    __slots__ = ("kind", "nbytes", "epoch", "path", "cuda", "ranks")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     nbytes: int
     epoch: int
     path: str
     cuda: CudaIpcHandle
-    def __init__(self, kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., epoch: _Optional[int] = ..., path: _Optional[str] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[PoolHandle]
+    def __init__(self, kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., epoch: _Optional[int] = ..., path: _Optional[str] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[PoolHandle, _Mapping]]] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("device_uuid", "device_index", "handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")

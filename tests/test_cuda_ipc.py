@@ -98,3 +98,42 @@ def test_pool_shared_between_processes():
     finally:
         p.kill()
         p.wait()
+
+
+_RANK_WRITER = textwrap.dedent("""
+    import sys, torch
+    from nanokv.cache_service.storage import map_handle
+    from nanokv.protos import codec, internal_pb2 as pb
+    seg = map_handle(codec.handle_from_pb(pb.PoolHandle.FromString(bytes.fromhex(sys.argv[1]))))
+    seg[:4096] = 5
+    if seg.is_cuda:
+        torch.cuda.synchronize()
+    print(seg.numel(), flush=True)
+""")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_rank_pools_are_exported_even_by_an_in_process_cache_service(device):
+    """Tensor parallelism: the cache service allocates one pool per further rank, with that rank's KV
+    heads, always shareable (the ranks are other processes): another process maps rank 1's pool and
+    its write is seen here; closing the storage removes a shared-memory file."""
+    from nanokv.cache_service.service import CacheService
+    from nanokv.cache_service.storage import pool_nbytes
+    from nanokv.config import EngineConfig
+
+    svc = CacheService(EngineConfig(device=device))  # the in-process transport: rank 0's pool is "local"
+    layout = PoolLayout(64, 16, 2, 64, [16, 8], "bfloat16", 0, device, rank_kv_heads=[1], rank_devices=[device])
+    h = svc.attach(layout)
+    assert h.kind == "local" and len(h.ranks) == 1
+    rank1 = h.ranks[0]
+    assert rank1.kind == ("cuda_ipc" if device == "cuda" else "shm") and rank1.epoch == h.epoch
+    assert rank1.nbytes == pool_nbytes(PoolLayout(64, 16, 1, 64, [16, 8], "bfloat16", 0, device)) < h.nbytes
+    out = subprocess.run([sys.executable, "-c", _RANK_WRITER, codec.handle_to_pb(rank1).SerializeToString().hex()],
+                         capture_output=True, text=True, env=os.environ.copy(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == rank1.nbytes
+    buf = svc.storage.ranks[0].buffer
+    assert bool((buf[:4096] == 5).all()) and not bool((buf[4096:8192] != 0).any())
+    path = svc.storage.ranks[0].path
+    svc.close()
+    assert device == "cuda" or not os.path.exists(path)

@@ -19,13 +19,36 @@ from nanokv.cache_service.kv.cache import LayerKVCache, bytes_per_block
 from nanokv.cache_service.kv.resize import resize_layer_cache
 from nanokv.cache_service.kv.rotation import rotation_matrix
 from nanokv.cache_service.kv.staging import StageTable, staging_slots
-from nanokv.cache_service.storage import carve_layer_caches, map_handle
+from nanokv.cache_service.storage import carve_layer_caches, map_handle, pool_nbytes
 from nanokv.compute_service.attention.backend import AttentionBackend
 from nanokv.compute_service.runner.cuda_graph import DecodeGraphs
 from nanokv.config import DEFAULT_CPU_KV_BYTES, ConfigError, EngineConfig
 from nanokv.messages import PoolHandle, PoolLayout
 
 log = logging.getLogger(__name__)
+
+
+class RankPools:
+    """attach_pool for tensor-parallel ranks 1..N-1: the pools the cache service allocated with rank
+    0's (PoolHandle.ranks, in rank order), sent to them by rank 0. Each rank takes its own and checks
+    that it is the size its own layout needs (a mismatch would carve views past the segment)."""
+
+    def __init__(self, handles: list[PoolHandle]):
+        self.handles = handles
+
+    def __call__(self, layout: PoolLayout) -> PoolHandle:
+        from nanokv.compute_service.distributed import get_tp_rank
+
+        rank = get_tp_rank()
+        if not 1 <= rank <= len(self.handles):
+            raise RuntimeError(f"tensor-parallel rank {rank}: the cache service exported {len(self.handles)} "
+                               "pools for ranks after rank 0")
+        handle = self.handles[rank - 1]
+        need = pool_nbytes(layout)
+        if handle.nbytes != need:
+            raise RuntimeError(f"tensor-parallel rank {rank}: its KV layout needs {need} bytes, the cache "
+                               f"service's pool for it has {handle.nbytes}")
+        return handle
 
 
 class KVPool:
@@ -53,12 +76,15 @@ class KVPool:
         """The epoch of the pool mapped now (0: none, the cache service went away)."""
         return self.pool_handle.epoch if self.pool_handle is not None and self.kv_caches else 0
 
-    def release_pool(self) -> None:
+    def release_pool(self, collect: bool = False) -> None:
         """Drop every view of the cache service's segment (it died, or is about to hand out a new
-        one): the graphs captured on it and the layer caches. Steps fail until remap_pool."""
+        one): the graphs captured on it and the layer caches. Steps fail until remap_pool.
+        collect: and let the mapping go now (a CUDA IPC open or an mmap goes with its last view)."""
         self.graphs = None
         self.kv_caches = []
         self.pool_handle = None
+        if collect:
+            gc.collect()
 
     def remap_pool(self, attach_pool: Callable[[PoolLayout], PoolHandle], stage: StageTable | None = None) -> None:
         """Attach again (a restarted cache service) and carve the layers from the new segment. The
@@ -105,20 +131,24 @@ class KVPool:
         and capture the decode graphs again. The contents do not move: the caller has taken every
         sequence back (they are recomputed)."""
         n, bits = self.check_repool(num_blocks, layer_bits)
-        self.release_pool()
-        gc.collect()  # the old segment's mapping (a CUDA IPC open, or an mmap) goes with its last view
+        self.release_pool(collect=True)  # before the new pool is allocated: the old one's memory goes first
         old = self.stage
         self.num_blocks, self.layer_bits = n, bits
-        self.stage = None
+        stage = None
         if 4 in bits:
-            self.stage = StageTable(n, min(self._stage_slots(), n), self.block_size, self.device)
+            stage = StageTable(n, min(self._stage_slots(), n), self.block_size, self.device)
             if old is not None:
-                self.stage.block_free = old.block_free
-        lay = self.pool_layout
-        self.pool_layout = PoolLayout(n, lay.block_size, lay.num_kv_heads, lay.head_dim, bits, lay.dtype,
-                                      self.stage.num_slots if self.stage is not None else 0, lay.device)
-        self.stage, stage = None, self.stage  # remap_pool rebuilds an existing table from the old layout
+                stage.block_free = old.block_free
+        self.pool_layout = self.layout_for(n, bits)
+        self.stage = None  # remap_pool rebuilds an existing table from the old layout; this one is new
         self.remap_pool(attach_pool, stage)
+
+    def layout_for(self, num_blocks: int, layer_bits: list[int]) -> PoolLayout:
+        """The layout of a pool of `num_blocks` blocks at these widths over this runner's KV heads."""
+        lay = self.pool_layout
+        slots = min(self._stage_slots(), num_blocks) if 4 in layer_bits else 0
+        return PoolLayout(num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim, list(layer_bits), lay.dtype,
+                          slots, lay.device)
 
     def fold_value_rotations(self) -> None:
         """For each layer whose format stores values rotated (int4), fold the rotation into the model's

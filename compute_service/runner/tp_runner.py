@@ -18,6 +18,7 @@ Failure handling, the part that keeps a TP engine from hanging:
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import inspect
 import os
 import weakref
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from nanokv.compute_service.distributed import init_tensor_parallel
+from nanokv.compute_service.runner.kv_pool import RankPools
 from nanokv.compute_service.runner.model_runner import ModelRunner
 from nanokv.compute_service.runner.tp_comm import (
     TensorParallelError,
@@ -44,18 +46,21 @@ from nanokv.compute_service.runner.tp_comm import (
 from nanokv.compute_service.runner.tp_procs import WorkerProcesses
 from nanokv.compute_service.runner.tp_protocol import send_call, send_step, send_stop
 from nanokv.config import EngineConfig
-from nanokv.errors import ConfigError
+from nanokv.errors import ConfigError, PreconditionError
+from nanokv.messages import PoolHandle, PoolLayout
 
 # ModelRunner methods that never run the model, safe to call on rank 0 alone
-_RANK0_ONLY_METHODS = frozenset({"bytes_per_block_all_layers", "build_metadata"})
+_RANK0_ONLY_METHODS = frozenset({"bytes_per_block_all_layers", "build_metadata", "check_repool", "layout_for"})
 
 
 class TPModelRunner:
     def __init__(self, cfg: EngineConfig, model: Any, model_config, device: torch.device,
                  dtype: torch.dtype, attach_pool: Any = None):
-        """attach_pool: rank 0's KV pool from the cache service (ModelRunner); the other ranks'
-        shards allocate their own."""
+        """attach_pool: the KV pools from the cache service, one per rank: rank 0 asks for all of
+        them (PoolLayout.rank_kv_heads) and sends the others theirs. Under torchrun (ranks may sit on
+        other hosts) only rank 0's comes from the cache service; the other ranks allocate their own."""
         self.world = world = cfg.tensor_parallel_size
+        self._mc, self._device = model_config, device
         self._workers: WorkerProcesses | None = None  # spawn mode; torchrun owns its processes
         self._ctrl: Any = None
         self._closed = False
@@ -64,6 +69,8 @@ class TPModelRunner:
         self._nccl = device.type == "cuda"
         env = torchrun_env()
         _check_launch(cfg, model, device, env)
+        self._attach = attach_pool if env is None else None  # every rank's pool from the cache service
+        self._rank_handles: list[PoolHandle] | None = None
         self._atexit = _atexit_hook(weakref.ref(self))  # weak: the hook must not keep us alive
         atexit.register(self._atexit)
         # NCCL collectives do not notice a dead peer (gloo ones fail at once): abort them
@@ -81,10 +88,11 @@ class TPModelRunner:
             init_tensor_parallel(0, world, make_data_group(device))
             _, kv_heads = model_config.heads_per_rank(world, 0)
             self.local = ModelRunner(cfg, model, model_config, device, dtype, num_kv_heads_local=kv_heads,
-                                     attach_pool=attach_pool)
-            # rank 0 sized the cache; every rank allocates that many blocks (each over its own kv
-            # heads; rank 0 holds the most, so its count fits the others when heads split unevenly)
+                                     attach_pool=self._attach_all if self._attach is not None else attach_pool)
+            # rank 0 sized the cache; every rank gets that many blocks (each over its own kv heads;
+            # rank 0 holds the most, so its count fits the others when heads split unevenly)
             broadcast_int(self.local.num_blocks)
+            broadcast_object(self._rank_handles)  # None: the workers allocate their own
             dist.barrier()  # every worker has its shard and its cache
         except BaseException as e:
             raise self._fatal(e, "start-up") from e
@@ -101,7 +109,7 @@ class TPModelRunner:
         if inspect.ismethod(value) and name not in _RANK0_ONLY_METHODS:
             raise AttributeError(f"TPModelRunner.{name}: a runner method that may run the model must run on "
                                  f"every rank: use runner.call_all({name!r}, ...) or add a wrapper to "
-                                 "nanokv/runner/tp_runner.py")
+                                 "compute_service/runner/tp_runner.py")
         return value
 
     def worker_pids(self) -> list[int]:
@@ -141,6 +149,51 @@ class TPModelRunner:
         in lock step: the adaptive pool rule (nanokv.gateway.adaptive.pool). A failure there, out of memory
         included, is fatal for the group like any other."""
         self.call_all("resize_kv", num_blocks)
+
+    # ---- the KV pools (one per rank, from the cache service) ------------------------------------
+    def _with_ranks(self, layout: PoolLayout) -> PoolLayout:
+        """Rank 0's layout plus what the other ranks' pools hold: their KV heads, their devices
+        (spawned rank r runs on cuda:r, tp_worker._device)."""
+        r = range(1, self.world)
+        return dataclasses.replace(
+            layout, rank_kv_heads=[self._mc.heads_per_rank(self.world, i)[1] for i in r],
+            rank_devices=[str(self._device) if self._device.type == "cpu" else f"cuda:{i}" for i in r])
+
+    def _attach_all(self, layout: PoolLayout) -> PoolHandle:
+        assert self._attach is not None  # (only installed with one)
+        handle = self._attach(self._with_ranks(layout))
+        self._rank_handles = handle.ranks
+        return handle
+
+    def repool(self, attach_pool: Callable[[PoolLayout], PoolHandle], num_blocks: int | None = None,
+               layer_bits: list[int] | None = None) -> None:
+        """ModelRunner.repool on every rank: all drop their views of the old pools, rank 0 attaches
+        the new layout for all of them, then each carves its own and captures its graphs, in lock step."""
+        local = self._usable()
+        if self._attach is None:
+            raise PreconditionError("compute", "a pool change needs every rank's pool from the cache service; "
+                                               "tensor-parallel ranks started by torchrun allocate their own")
+        n, bits = local.check_repool(num_blocks, layer_bits)  # a bad layout changes nothing
+        self.call_all("release_pool", True)  # the old pools' memory goes before the new ones are allocated
+        try:
+            handle = attach_pool(self._with_ranks(local.layout_for(n, bits)))
+            self._rank_handles = handle.ranks
+            send_call(self._ctrl, "repool", (RankPools(handle.ranks), n, bits), {})
+            local.repool(lambda _layout: handle, n, bits)
+        except BaseException as e:
+            raise self._fatal(e, "a repool") from e
+
+    def remap_pool(self, attach_pool: Callable[[PoolLayout], PoolHandle]) -> None:
+        """A restarted cache service: every rank maps a new pool of the same layout (its contents are lost)."""
+        self.repool(attach_pool)
+
+    def release_pool(self, collect: bool = False) -> None:
+        self.call_all("release_pool", collect)
+
+    @property
+    def follows_cache_pool(self) -> bool:
+        """Every rank's pool comes from the cache service, so it can follow a restart or a repool."""
+        return self._attach is not None
 
     def _usable(self) -> ModelRunner:
         if self._closed or self.local is None:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from nanokv.compute_service.distributed import init_tensor_parallel
+from nanokv.compute_service.runner.kv_pool import RankPools
 from nanokv.compute_service.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from nanokv.compute_service.runner.tp_comm import (
     broadcast_int,
@@ -85,7 +86,9 @@ def serve(rank: int, world: int, local_rank: int, store: dist.TCPStore | None) -
     model, mc = load_shard(cfg, device, dtype, rank, world)
     # rank 0 sized the cache; every rank allocates exactly that many blocks so block ids agree
     cfg = dataclasses.replace(cfg, num_gpu_blocks=broadcast_int(0))
-    runner = ModelRunner(cfg, model, mc, device, dtype, num_kv_heads_local=mc.heads_per_rank(world, rank)[1])
+    handles = broadcast_object(None)  # this rank's pool from the cache service, via rank 0 (None: our own)
+    runner = ModelRunner(cfg, model, mc, device, dtype, num_kv_heads_local=mc.heads_per_rank(world, rank)[1],
+                         attach_pool=RankPools(handles) if handles is not None else None)
     dist.barrier()
     while (msg := recv(ctrl)) is not None:
         if isinstance(msg, Step):

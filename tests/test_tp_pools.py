@@ -1,0 +1,130 @@
+"""Tensor parallelism over the cache service's pools: it allocates one per rank (rank 1's in
+shared memory, since that rank is another process, even when the cache service runs in rank 0's),
+the ranks map them, and a pool change or a cache-service restart re-allocates all of them under a
+new epoch, with the greedy tokens of tp=1 (CPU, gloo, fp32; spawned ranks, not torchrun's, which
+allocate their own)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from nanokv.cache_service.segments import PREFIX, owner_pid, shm_dir
+from nanokv.config import EngineConfig
+from nanokv.errors import NanoKVError, ServiceUnavailable
+from nanokv.gateway.engine import Engine
+from nanokv.gateway.llm import LLM
+from nanokv.launch import service_command, start_services
+from nanokv.rpc import wait_serving
+from nanokv.sampling import SamplingParams
+from tests.test_tp_engine import TINY, _tiny_prompts, no_leftover_processes  # noqa: F401 - an autouse fixture
+
+
+def _greedy_run(engine, prompts, repool_after: int | None = None, **repool_kw) -> dict[str, list[int]]:
+    """Greedy tokens per request; after `repool_after` steps a pool change (Engine.repool)."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps += 1
+        if steps == repool_after:
+            outs += engine.repool(**repool_kw)
+        done.update({o.request_id: o.token_ids for o in outs if o.finished})
+    return done
+
+
+POOLS = dict(TINY, model="random:tiny-qwen3-kv3", num_gpu_blocks=24, max_num_batched_tokens=64, max_num_seqs=4)
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir(shm_dir()) if n.startswith(PREFIX)}
+
+
+def test_tp2_ranks_map_the_cache_services_pools_and_follow_a_repool():
+    """The cache service allocates every rank's pool (rank 1: its own KV heads, in shared memory,
+    since the rank is another process); the worker writes its KV there; a repool re-allocates all of
+    them under a new epoch and the greedy tokens stay those of tp=1."""
+    prompts = _tiny_prompts()
+    before = _segments()
+    ref = _greedy_run(LLM(**POOLS).engine, prompts)
+    eng = LLM(**POOLS, tensor_parallel_size=2).engine
+    try:
+        storage = eng.local_cache.storage
+        (rank1,) = storage.ranks
+        assert rank1.layout.num_kv_heads == 1 and storage.layout.num_kv_heads == 2  # 3 KV heads, uneven
+        assert _greedy_run(eng, prompts) == ref
+        assert int((rank1.buffer != 0).sum()) > 0  # written by the worker process, through its mapping
+        with pytest.raises(NanoKVError, match="num_blocks"):
+            eng.repool(num_blocks=-3)  # refused on rank 0 before any rank drops its pool
+        epoch, old_path = eng.model_info.epoch, rank1.path
+        assert _greedy_run(eng, prompts, repool_after=4, num_blocks=18) == ref
+        (rank1,) = eng.local_cache.storage.ranks
+        assert eng.model_info.epoch > epoch and rank1.layout.num_blocks == 18
+        assert not os.path.exists(old_path) and os.path.exists(rank1.path)
+    finally:
+        eng.shutdown()
+    del eng, storage, rank1
+    gc.collect()
+    assert _segments() <= before  # the in-process cache service's rank segments go with it
+
+
+def test_tp2_through_three_processes_with_a_repool():
+    """`nanokv compute --tensor-parallel-size 2`: its worker maps the pool the cache process
+    exported for rank 1, and a pool change goes through the same protocol."""
+    prompts = _tiny_prompts()
+    ref = _greedy_run(LLM(**POOLS).engine, prompts)
+    kw = dict(POOLS, tensor_parallel_size=2)
+    with start_services(EngineConfig.from_kwargs(**kw).to_dict()) as svc:
+        pids = {p.pid for p in svc.procs}
+        eng = LLM(**kw, cache_address=svc.cache_address, compute_address=svc.compute_address).engine
+        assert _greedy_run(eng, prompts) == ref
+        epoch = eng.model_info.epoch
+        assert _greedy_run(eng, prompts, repool_after=4, num_blocks=18) == ref
+        cache = eng.cache.stats()
+        assert eng.model_info.epoch > epoch and cache["attached_epoch"] == eng.model_info.epoch
+        assert cache["kv_blocks_total"] == 18
+        eng.shutdown()
+    assert not {n for n in _segments() if owner_pid(n) in pids}  # the cache process removed its segments
+
+
+def test_tp2_follows_a_cache_service_restart():
+    """The cache process is killed: the step fails at once, the restarted one removes the dead one's
+    segments (both ranks'), the compute service re-attaches every rank to new pools, and the same
+    prompt gives the same tokens."""
+    kw = dict(POOLS, tensor_parallel_size=2, rpc_timeout_s=30.0)
+    config = EngineConfig.from_kwargs(**kw).to_dict()
+    prompt = _tiny_prompts()[3]
+    with start_services(config) as svc:
+        eng = Engine(EngineConfig.from_kwargs(**kw, cache_address=svc.cache_address,
+                                              compute_address=svc.compute_address))
+        before = _greedy_run(eng, [prompt])
+        cache = svc.procs[0]
+        dead = {n for n in _segments() if owner_pid(n) == cache.pid}
+        assert len(dead) == 2  # rank 0's pool and rank 1's
+        os.kill(cache.pid, signal.SIGKILL)
+        cache.wait()
+        eng.add_request("cut", [1, 2, 3], SamplingParams(max_tokens=4))
+        with pytest.raises(ServiceUnavailable):
+            for _ in range(100):
+                eng.step()
+        eng.recovery.on_failure(RuntimeError("cache killed"))
+        with open(os.path.join(svc.run_dir, "cache2.log"), "ab") as log:
+            svc.procs[0] = subprocess.Popen(service_command("cache", config, svc.cache_address), stdout=log,
+                                            stderr=subprocess.STDOUT)
+        wait_serving(svc.cache_address, 60)
+        deadline = time.monotonic() + 60
+        while not eng.recovery.try_attach():
+            assert time.monotonic() < deadline, eng.recovery.reason
+            time.sleep(0.2)
+        assert not dead & _segments()
+        assert len({n for n in _segments() if owner_pid(n) == svc.procs[0].pid}) == 2
+        assert _greedy_run(eng, [prompt]) == before
+        eng.shutdown()
