@@ -24,12 +24,13 @@ def make_error_probe(cfg: Any, runner: Any) -> ErrorProbe | None:
     """The probe a compute service in its own process keeps for a gateway's KV-width rule: every
     layer planned below 16 bits is measured at each width from its planned one up to 8 (as the
     in-process PrecisionActuator does). None when that rule is off: adaptive off, no compressed
-    layer, tensor parallelism (ranks hold their own shards), or hybrid sparsity's demotion store."""
+    layer, or hybrid sparsity's demotion store. Under tensor parallelism it measures rank 0's KV
+    heads (the most of any rank), and a width change goes to every rank through Compute.Repool."""
     bits = list(getattr(runner, "layer_bits", []))
     if not cfg.adaptive or not any(b < 16 for b in bits):
         return None
-    if cfg.tensor_parallel_size > 1 or any(getattr(c, "demoted", None) is not None for c in runner.kv_caches):
-        log.warning("adaptive: no KV-width error probe with tensor parallelism or hybrid sparsity")
+    if any(getattr(c, "demoted", None) is not None for c in runner.kv_caches):
+        log.warning("adaptive: no KV-width error probe with hybrid sparsity")
         return None
     probe = ErrorProbe(probe_widths(bits))
     attach_error_probe(probe, runner.kv_caches)
@@ -44,8 +45,8 @@ def attach_error_probe(probe: ErrorProbe, kv_caches: list[Any]) -> None:
 
 
 def kv_bytes_per_block(runner: Any) -> int:
-    """One block in every layer at its current width (what a pool grow costs per block; 0 where the
-    runner does not say, e.g. a tensor-parallel one)."""
+    """One block in every layer at its current width (what a pool grow costs per block; under tensor
+    parallelism rank 0's, the largest; 0 where the runner does not say)."""
     if not hasattr(runner, "head_dim") or not hasattr(runner, "kv_caches"):
         return 0
     return sum(bytes_per_block(c.bits, c.num_kv_heads, c.block_size, runner.head_dim, runner.dtype)

@@ -128,3 +128,46 @@ def test_tp2_follows_a_cache_service_restart():
         assert len({n for n in _segments() if owner_pid(n) == svc.procs[0].pid}) == 2
         assert _greedy_run(eng, [prompt]) == before
         eng.shutdown()
+
+
+def test_tp2_adaptive_widths_and_pool_through_the_services():
+    """The adaptive controller across processes at tp=2: the compute service's probe measures int4
+    above the error bound on rank 0's heads, the gateway widens every layer on both ranks through
+    Compute.Repool, and the pool rule grows every rank's pool the same way; all requests finish."""
+    kw = dict(model="random:tiny-llama", num_gpu_blocks=12, block_size=16, max_num_batched_tokens=256,
+              adaptive=True, enable_compression=True, quantization_bitwidth=4, adaptive_window_steps=2,
+              adaptive_compression_error_bound=0.03, adaptive_pool_grow_fraction=0.5,
+              adaptive_pool_reserve_bytes=1 << 20, tensor_parallel_size=2)
+    prompts = [[(7 * i + 3 + j) % 997 + 2 for i in range(40)] for j in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with start_services(EngineConfig.from_kwargs(**kw).to_dict()) as svc:
+        llm = LLM(**kw, cache_address=svc.cache_address, compute_address=svc.compute_address)
+        eng = llm.engine
+        epoch = eng.model_info.epoch
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.token_ids) == 8 for o in outs)
+        kinds = {d.kind for d in eng.controller.decisions if d.applied}
+        assert "kv_bits" in kinds and "pool_grow" in kinds, eng.controller.decisions
+        info = eng.compute.info()
+        assert max(info.layer_bits) == 8 and info.num_blocks > 12 and info.epoch > epoch
+        assert eng.cache.stats()["kv_blocks_total"] == info.num_blocks
+        assert eng.stats()["kv_cache_usage"] == 0.0 and eng.cache.stats()["num_seqs"] == 0
+        eng.shutdown()
+
+
+def test_tp2_int4_pool_grows_and_keeps_its_tokens():
+    """tp=2 folds no value rotation into the weights (its int4 layers rotate in the hooks): a pool
+    change that keeps them int4 is allowed, and greedy tokens equal a run that never resized."""
+    kw = dict(POOLS, model="random:tiny-llama", enable_compression=True, quantization_bitwidth=4,
+              tensor_parallel_size=2)
+    prompts = _tiny_prompts()
+    eng = LLM(**kw).engine
+    try:
+        ref = _greedy_run(eng, prompts)
+        assert _greedy_run(eng, prompts, repool_after=3, num_blocks=30) == ref
+        assert eng.model_info.layer_bits == [4, 4] and eng.num_blocks == 30
+        with pytest.raises(NanoKVError, match="did not start as int4"):
+            eng.repool(layer_bits=[8, 4])  # allowed (a widening) ...
+            eng.repool(layer_bits=[4, 4])  # ... but layer 0 cannot go back: no rotation in its weights
+    finally:
+        eng.shutdown()

@@ -110,12 +110,13 @@ class KVPool:
     def check_repool(self, num_blocks: int | None, layer_bits: list[int] | None) -> tuple[int, list[int]]:
         """The new layout's block count and widths, or a ConfigError naming the field (nothing changed).
         A layer may go to int4 only if its value rotation is already in the weights (it started as
-        int4): folding again would rotate them twice."""
+        int4): folding again would rotate them twice. A layer that is int4 now may stay so either
+        way (tensor-parallel ranks fold nothing: their int4 layers rotate values in the hooks)."""
         bits = list(self.layer_bits if layer_bits is None else layer_bits)
         if len(bits) != self.num_layers or any(b not in (4, 8, 16) for b in bits):
             raise ConfigError("layer_bits", f"one width per layer ({self.num_layers} layers), each 4, 8 or 16")
         folded: set[int] = getattr(self, "_folded_layers", set())
-        unfolded = [i for i, b in enumerate(bits) if b == 4 and i not in folded]
+        unfolded = [i for i, b in enumerate(bits) if b == 4 and i not in folded and self.layer_bits[i] != 4]
         if unfolded:
             raise ConfigError("layer_bits", f"layers {unfolded} did not start as int4 (their value rotation is "
                                             "not in the weights): allowed widths there are 8 or 16")

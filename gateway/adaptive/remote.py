@@ -187,10 +187,7 @@ def remote_parts(engine: Any, full: bool) -> dict[str, Any]:
     if not full:
         return parts
     if any(b < 16 for b in engine.model_info.layer_bits):
-        if cfg.tensor_parallel_size > 1:
-            log.warning("adaptive: KV bit-width switching is not supported with tensor parallelism; the rule is off")
-        else:
-            parts["precision"] = RemotePrecision(engine)
+        parts["precision"] = RemotePrecision(engine)  # (tensor parallel too: Compute.Repool widens every rank)
     if engine.device_type == "cuda" or cfg.adaptive_pool_reserve_bytes is not None:
         parts["pool"] = RemotePool(engine, cfg.adaptive_pool_reserve_bytes, cfg.adaptive_pool_margin_bytes)
     else:
