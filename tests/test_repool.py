@@ -18,10 +18,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 POOL = dict(num_gpu_blocks=24, block_size=16, max_num_batched_tokens=128, max_num_seqs=4)
 
 
-def _run(engine, prompts, *, repool_after: int | None = None, **repool_kw) -> dict[str, list[int]]:
-    """Generate greedily; after `repool_after` steps, change the pool with repool_kw."""
+def _run(engine, prompts, *, repool_after: int | None = None, params: SamplingParams = GREEDY,
+         **repool_kw) -> dict[str, list[int]]:
+    """Generate (greedily by default); after `repool_after` steps, change the pool with repool_kw."""
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, GREEDY)
+        engine.add_request(str(i), p, params)
     done: dict[str, list[int]] = {}
     steps = 0
     while engine.has_unfinished_requests():

@@ -6,6 +6,7 @@ allocate their own)."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import signal
@@ -22,23 +23,11 @@ from nanokv.gateway.llm import LLM
 from nanokv.launch import service_command, start_services
 from nanokv.rpc import wait_serving
 from nanokv.sampling import SamplingParams
+from tests.test_repool import _run
 from tests.test_tp_engine import TINY, _tiny_prompts, no_leftover_processes  # noqa: F401 - an autouse fixture
 
-
-def _greedy_run(engine, prompts, repool_after: int | None = None, **repool_kw) -> dict[str, list[int]]:
-    """Greedy tokens per request; after `repool_after` steps a pool change (Engine.repool)."""
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done: dict[str, list[int]] = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        steps += 1
-        if steps == repool_after:
-            outs += engine.repool(**repool_kw)
-        done.update({o.request_id: o.token_ids for o in outs if o.finished})
-    return done
+# greedy tokens per request, after `repool_after` steps a pool change (Engine.repool)
+_greedy_run = functools.partial(_run, params=SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
 
 
 POOLS = dict(TINY, model="random:tiny-qwen3-kv3", num_gpu_blocks=24, max_num_batched_tokens=64, max_num_seqs=4)

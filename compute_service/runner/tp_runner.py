@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import inspect
 import os
 import weakref
@@ -88,7 +89,8 @@ class TPModelRunner:
             init_tensor_parallel(0, world, make_data_group(device))
             _, kv_heads = model_config.heads_per_rank(world, 0)
             self.local = ModelRunner(cfg, model, model_config, device, dtype, num_kv_heads_local=kv_heads,
-                                     attach_pool=self._attach_all if self._attach is not None else attach_pool)
+                                     attach_pool=functools.partial(self._attach_ranks, attach_pool)
+                                     if self._attach is not None else attach_pool)
             # rank 0 sized the cache; every rank gets that many blocks (each over its own kv heads;
             # rank 0 holds the most, so its count fits the others when heads split unevenly)
             broadcast_int(self.local.num_blocks)
@@ -159,9 +161,9 @@ class TPModelRunner:
             layout, rank_kv_heads=[self._mc.heads_per_rank(self.world, i)[1] for i in r],
             rank_devices=[str(self._device) if self._device.type == "cpu" else f"cuda:{i}" for i in r])
 
-    def _attach_all(self, layout: PoolLayout) -> PoolHandle:
-        assert self._attach is not None  # (only installed with one)
-        handle = self._attach(self._with_ranks(layout))
+    def _attach_ranks(self, attach_pool: Callable[[PoolLayout], PoolHandle], layout: PoolLayout) -> PoolHandle:
+        """Rank 0's attach, asking for every rank's pool; keeps the other ranks' handles to send them."""
+        handle = attach_pool(self._with_ranks(layout))
         self._rank_handles = handle.ranks
         return handle
 
@@ -176,8 +178,7 @@ class TPModelRunner:
         n, bits = local.check_repool(num_blocks, layer_bits)  # a bad layout changes nothing
         self.call_all("release_pool", True)  # the old pools' memory goes before the new ones are allocated
         try:
-            handle = attach_pool(self._with_ranks(local.layout_for(n, bits)))
-            self._rank_handles = handle.ranks
+            handle = self._attach_ranks(attach_pool, local.layout_for(n, bits))
             send_call(self._ctrl, "repool", (RankPools(handle.ranks), n, bits), {})
             local.repool(lambda _layout: handle, n, bits)
         except BaseException as e:
