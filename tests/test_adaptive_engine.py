@@ -15,12 +15,12 @@ if not torch.cuda.is_available():
 
 from nanokv.cache_service.kv.blockquant import quantize_filled
 from nanokv.cache_service.kv.cache import allocate_layer_cache
+from nanokv.cache_service.kv.reformat import reformat_layer
 from nanokv.cache_service.kv.rotation import rotation_matrix
 from nanokv.compute_service import kv_hooks as hooks
 from nanokv.config import parse_bitwidth
 from nanokv.gateway.adaptive import AdaptiveController, AdaptiveSettings
 from nanokv.gateway.adaptive.precision import PrecisionActuator
-from nanokv.gateway.adaptive.reformat import reformat_layer
 from nanokv.gateway.adaptive.settings import PATIENCE_WINDOWS
 from nanokv.gateway.llm import LLM
 from nanokv.gateway.metrics import EngineMetrics

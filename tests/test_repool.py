@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from nanokv.compute_service.runner.model_runner import ModelRunner
 from nanokv.config import EngineConfig
 from nanokv.errors import NanoKVError
 from nanokv.gateway.llm import LLM
@@ -65,7 +66,6 @@ def test_repool_refuses_a_bad_layout_and_changes_nothing(prompts, reference):
     epoch = eng.model_info.epoch
     for kw, field in ((dict(layer_bits=[8] * (layers - 1)), "layer_bits"),
                       (dict(layer_bits=[5] * layers), "layer_bits"),
-                      (dict(layer_bits=[4] * layers), "layer_bits"),  # no value rotation folded: refused
                       (dict(num_blocks=-3), "num_blocks")):
         with pytest.raises(NanoKVError, match=field):
             eng.repool(**kw)
@@ -83,6 +83,22 @@ def test_repool_widening_serves_what_full_precision_serves(prompts):
     assert eng.stats()["compression_error"] == {}  # no quantized layer left
     full = _run(LLM(**POOL).engine, prompts[:2])
     assert _run(eng, prompts[:2]) == full
+
+
+def test_repool_to_int4_rotates_values_in_the_hooks(prompts, monkeypatch):
+    """A layer that did not start as int4 may become int4 through a repool: its weights carry no value
+    rotation, so the hooks rotate its values; it serves what an int4 engine that rotates in the hooks
+    (no rotation folded into its weights; batch-invariant kernels off in both) serves."""
+    eng = LLM(**POOL).engine
+    layers = len(eng.model_info.layer_bits)
+    eng.repool(layer_bits=[4] * layers)
+    assert eng.model_info.layer_bits == [4] * layers
+    assert all(c.rotate_v and not c.rotate_v_in_weights for c in eng.runner.kv_caches)
+    got = _run(eng, prompts[:2])
+    monkeypatch.setattr(ModelRunner, "fold_value_rotations", lambda self: None)
+    ref = LLM(**POOL, enable_compression=True, quantization_bitwidth=4, batch_invariant=False).engine
+    assert not any(c.rotate_v_in_weights for c in ref.runner.kv_caches)
+    assert got == _run(ref, prompts[:2])
 
 
 def test_repool_through_three_processes(prompts, reference):

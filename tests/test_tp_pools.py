@@ -146,7 +146,8 @@ def test_tp2_adaptive_widths_and_pool_through_the_services():
 
 def test_tp2_int4_pool_grows_and_keeps_its_tokens():
     """tp=2 folds no value rotation into the weights (its int4 layers rotate in the hooks): a pool
-    change that keeps them int4 is allowed, and greedy tokens equal a run that never resized."""
+    change that keeps them int4 is allowed, and greedy tokens equal a run that never resized; a layer
+    widened to int8 may go back to int4 and then serves the int4 tokens again."""
     kw = dict(POOLS, model="random:tiny-llama", enable_compression=True, quantization_bitwidth=4,
               tensor_parallel_size=2)
     prompts = _tiny_prompts()
@@ -155,8 +156,37 @@ def test_tp2_int4_pool_grows_and_keeps_its_tokens():
         ref = _greedy_run(eng, prompts)
         assert _greedy_run(eng, prompts, repool_after=3, num_blocks=30) == ref
         assert eng.model_info.layer_bits == [4, 4] and eng.num_blocks == 30
-        with pytest.raises(NanoKVError, match="did not start as int4"):
-            eng.repool(layer_bits=[8, 4])  # allowed (a widening) ...
-            eng.repool(layer_bits=[4, 4])  # ... but layer 0 cannot go back: no rotation in its weights
+        eng.repool(layer_bits=[8, 4])
+        eng.repool(layer_bits=[4, 4])  # back: the hooks rotate layer 0's values again, on both ranks
+        assert _greedy_run(eng, prompts) == ref
     finally:
         eng.shutdown()
+
+
+def test_tp2_in_process_width_rule_reformats_every_rank():
+    """The in-process KV-width rule at tp=2: every rank re-formats its shard in place, in lock step
+    (TPModelRunner.reformat_kv). int4 layers re-formatted to 16 bits before any request serve what a
+    16-bit engine serves (rank 1 left at int4 would quantize its KV heads); with the controller on,
+    the probe on rank 0's heads sees int4 above the bound and the rule widens every layer."""
+    tiny = dict(POOLS, model="random:tiny-llama")
+    ref = _greedy_run(LLM(**tiny).engine, _tiny_prompts())
+    eng = LLM(**tiny, enable_compression=True, quantization_bitwidth=4, tensor_parallel_size=2).engine
+    try:
+        eng.runner.reformat_kv({0: 16, 1: 16})
+        assert eng.runner.layer_bits == [16, 16] and all(c.bits == 16 for c in eng.runner.kv_caches)
+        assert _greedy_run(eng, _tiny_prompts()) == ref
+    finally:
+        eng.shutdown()
+    kw = dict(model="random:tiny-llama", num_gpu_blocks=24, block_size=16, max_num_batched_tokens=256,
+              adaptive=True, enable_compression=True, quantization_bitwidth=4, adaptive_window_steps=2,
+              adaptive_compression_error_bound=0.03, tensor_parallel_size=2)
+    prompts = [[(7 * i + 3 + j) % 997 + 2 for i in range(40)] for j in range(8)]
+    llm = LLM(**kw)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert all(len(o.token_ids) == 8 for o in outs)
+        assert any(d.kind == "kv_bits" and d.applied for d in llm.engine.controller.decisions)
+        assert max(llm.engine.runner.layer_bits) == 8
+        assert llm.engine.stats()["kv_cache_usage"] == 0.0
+    finally:
+        llm.engine.shutdown()

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from nanokv.cache_service.kv.cache import LayerKVCache, bytes_per_block
+from nanokv.cache_service.kv.reformat import reformat_layer
 from nanokv.cache_service.kv.resize import resize_layer_cache
 from nanokv.cache_service.kv.rotation import rotation_matrix
 from nanokv.cache_service.kv.staging import StageTable, staging_slots
@@ -109,17 +110,12 @@ class KVPool:
 
     def check_repool(self, num_blocks: int | None, layer_bits: list[int] | None) -> tuple[int, list[int]]:
         """The new layout's block count and widths, or a ConfigError naming the field (nothing changed).
-        A layer may go to int4 only if its value rotation is already in the weights (it started as
-        int4): folding again would rotate them twice. A layer that is int4 now may stay so either
-        way (tensor-parallel ranks fold nothing: their int4 layers rotate values in the hooks)."""
+        Any layer may become int4: one whose value rotation is in the weights (it started as int4 on
+        a runner that folds) stays in that basis at every width, any other rotates its values in the
+        hooks (nanokv.compute_service.kv_hooks), as tensor-parallel ranks always do."""
         bits = list(self.layer_bits if layer_bits is None else layer_bits)
         if len(bits) != self.num_layers or any(b not in (4, 8, 16) for b in bits):
             raise ConfigError("layer_bits", f"one width per layer ({self.num_layers} layers), each 4, 8 or 16")
-        folded: set[int] = getattr(self, "_folded_layers", set())
-        unfolded = [i for i, b in enumerate(bits) if b == 4 and i not in folded and self.layer_bits[i] != 4]
-        if unfolded:
-            raise ConfigError("layer_bits", f"layers {unfolded} did not start as int4 (their value rotation is "
-                                            "not in the weights): allowed widths there are 8 or 16")
         n = self.num_blocks if num_blocks is None else int(num_blocks)
         if not 1 <= n <= 1 << 24:
             raise ConfigError("num_blocks", f"{n}: allowed 1..{1 << 24}")
@@ -206,6 +202,20 @@ class KVPool:
             if self._graph_model_len:  # graphs were captured at start-up
                 self.capture_cudagraphs(self._graph_model_len)
         log.info("KV pool resized to %d blocks", num_blocks)
+
+    def reformat_kv(self, changes: dict[int, int]) -> None:
+        """Re-format layers in place to new widths ({layer: bits}; the adaptive KV-width rule,
+        nanokv.gateway.adaptive.precision), block ids and cached contents kept
+        (nanokv.cache_service.kv.reformat). The decode graphs captured the old tensors' addresses:
+        they are dropped first and captured again once, after every layer has changed."""
+        if not changes:
+            return
+        self.graphs = None
+        for layer, bits in changes.items():
+            self.kv_caches[layer] = reformat_layer(self.kv_caches[layer], bits, self.dtype, stage=self.stage)
+            self.layer_bits[layer] = bits
+        if self._graph_model_len:
+            self.capture_cudagraphs(self._graph_model_len)
 
     # ---- sizing -------------------------------------------------------------------------------
     def bytes_per_block_all_layers(self) -> int:

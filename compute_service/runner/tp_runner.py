@@ -152,6 +152,11 @@ class TPModelRunner:
         included, is fatal for the group like any other."""
         self.call_all("resize_kv", num_blocks)
 
+    def reformat_kv(self, changes: dict[int, int]) -> None:
+        """Every rank re-formats its shard of these layers in place (and captures its graphs again)
+        in lock step: the adaptive KV-width rule in one process (nanokv.gateway.adaptive.precision)."""
+        self.call_all("reformat_kv", changes)
+
     # ---- the KV pools (one per rank, from the cache service) ------------------------------------
     def _with_ranks(self, layout: PoolLayout) -> PoolLayout:
         """Rank 0's layout plus what the other ranks' pools hold: their KV heads, their devices

@@ -5,9 +5,10 @@ With the services in other processes the same controller runs over their RPCs
   * eviction policy - with prefix caching on, when ``adaptive`` is set or ``eviction_policy`` is
     "adaptive" (then it is the only rule, starting from leaf_lru: nanokv.config.ADAPTIVE_START_POLICY);
   * max_num_seqs    - when ``adaptive`` is set;
-  * KV bit width    - when ``adaptive`` is set, some layer is compressed, and the runner is a
-    single-process ModelRunner (tensor-parallel workers hold their own shards: not supported yet)
-    without hybrid sparsity (its INT4 demotion store copies from int8 layers and needs them int8);
+  * KV bit width    - when ``adaptive`` is set, some layer is compressed, and there is no hybrid
+    sparsity (its INT4 demotion store copies from int8 layers and needs them int8). With tensor
+    parallelism every rank re-formats its shard in lock step (TPModelRunner.reformat_kv); the probe
+    measures rank 0's KV heads;
   * KV pool size    - when ``adaptive`` is set and there is something to grow into: a CUDA device
     or ``adaptive_pool_reserve_bytes``. With tensor parallelism every rank resizes its shard in
     lock step (TPModelRunner.resize_kv); the memory check reads rank 0's device only.
@@ -36,21 +37,13 @@ def build_controller(engine: Any) -> AdaptiveController:
     precision = None
     runner = engine.runner
     if full and any(b < 16 for b in getattr(runner, "layer_bits", [])):
-        if cfg.tensor_parallel_size > 1:
-            log.warning("adaptive: KV bit-width switching is not supported with tensor parallelism; "
-                        "the rule is off")
-        elif any(getattr(c, "demoted", None) is not None for c in runner.kv_caches):
+        if any(getattr(c, "demoted", None) is not None for c in runner.kv_caches):
             # hybrid sparsity's demotion store re-quantizes int8 blocks: every layer must stay int8
             log.warning("adaptive: KV bit-width switching is off with hybrid sparsity (INT4 demotion store)")
         else:
             from nanokv.gateway.adaptive.precision import PrecisionActuator  # torch: only when needed
 
-            def recapture() -> None:
-                if runner.graphs is not None:
-                    runner.graphs = None
-                    runner.capture_cudagraphs(engine.max_model_len)
-
-            precision = PrecisionActuator(runner, recapture)
+            precision = PrecisionActuator(runner)  # (tensor parallel: every rank re-formats in lock step)
     ctl = AdaptiveController(AdaptiveSettings.from_config(cfg), cache=engine.cache_manager,
                              scheduler=engine.scheduler, precision=precision, pool=_pool_actuator(engine),
                              policy_rule=True, concurrency_rule=full)

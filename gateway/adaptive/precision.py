@@ -1,10 +1,12 @@
-"""PrecisionActuator: the torch side of the KV bit-width rule, for one single-process ModelRunner.
+"""PrecisionActuator: the torch side of the KV bit-width rule, for a runner in this process.
 
 It attaches an ErrorProbe to every layer that may change width (layers planned below 16 bits:
 they are probed at every width from their planned one up to 8), reports the windowed errors, and
-re-formats a layer's tensors when the controller widens or narrows it (nanokv.gateway.adaptive.reformat).
-A layer never goes below its planned width. After a change captured CUDA graphs are re-captured:
-they hold the old tensors' addresses.
+has the runner re-format a layer's tensors when the controller widens or narrows it
+(KVPool.reformat_kv, nanokv.cache_service.kv.reformat), which also captures its CUDA graphs again
+(they hold the old tensors' addresses). A layer never goes below its planned width. Under tensor
+parallelism (TPModelRunner) the probe measures rank 0's KV heads, the most of any rank, and every
+rank re-formats its shard in lock step; the memory check reads rank 0's device.
 
 Memory (docs/adaptive.md): widening one layer from int8 to 16 bits costs that layer
 N x (bytes_per_block(16) - bytes_per_block(8)) more for as long as it stays wide, plus the old
@@ -16,26 +18,22 @@ for the layers you expect to back off.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from nanokv.cache_service.kv.cache import bytes_per_block
+from nanokv.cache_service.kv.reformat import CHUNK_BLOCKS
 from nanokv.compute_service.error_probe import ErrorProbe, probe_widths
-from nanokv.gateway.adaptive.reformat import CHUNK_BLOCKS, reformat_layer
 from nanokv.gateway.adaptive.rules import LADDER
 
 log = logging.getLogger("nanokv.gateway.adaptive")
 
 
 class PrecisionActuator:
-    def __init__(self, runner: Any, recapture: Callable[[], None] | None = None, every: int = 2,
-                 rows: int = 32) -> None:
-        """runner: a nanokv.compute_service.runner.model_runner.ModelRunner (kv_caches, layer_bits, dtype, device).
-        recapture: re-captures CUDA graphs after a change (None: no graphs)."""
+    def __init__(self, runner: Any, every: int = 2, rows: int = 32) -> None:
+        """runner: a ModelRunner or a TPModelRunner (kv_caches, layer_bits, reformat_kv, dtype, head_dim)."""
         self.runner = runner
-        self.recapture = recapture
         self.base_bits: list[int] = [c.bits for c in runner.kv_caches]
         widths = probe_widths(self.base_bits)
         self.probe = ErrorProbe(widths, every=every, rows=rows)
@@ -48,40 +46,42 @@ class PrecisionActuator:
     def window_errors(self) -> dict[int, dict[int, float]]:
         return self.probe.window_errors()
 
-    def _memory_refusal(self, layer: int, bits: int) -> str:
+    def _memory_refusal(self, layer: int, bits: int, grown: int) -> tuple[str, int]:
+        """Why widening `layer` does not fit ('' if it does), and the bytes the layer grows by.
+        grown: what the layers changed before it in this call add (their old tensors are gone by then)."""
         cache = self.runner.kv_caches[layer]
         if cache.k.device.type != "cuda":
-            return ""
+            return "", 0
         D = int(self.runner.head_dim)
-        per_block = bytes_per_block(bits, cache.num_kv_heads, cache.block_size, D, self.runner.dtype)
+        size = cache.num_blocks * bytes_per_block(bits, cache.num_kv_heads, cache.block_size, D, self.runner.dtype)
+        old = cache.num_blocks * bytes_per_block(cache.bits, cache.num_kv_heads, cache.block_size, D,
+                                                 self.runner.dtype)
         scratch = 4 * 2 * CHUNK_BLOCKS * cache.num_kv_heads * cache.block_size * D  # float32 K and V
-        need = cache.num_blocks * per_block + scratch
         free, _ = torch.cuda.mem_get_info(cache.k.device)
-        if need > free:
-            return f"needs {need / 2**20:.0f} MiB of device memory, {free / 2**20:.0f} MiB free"
-        return ""
+        if grown + size + scratch > free:
+            return f"needs {(grown + size + scratch) / 2**20:.0f} MiB of device memory, {free / 2**20:.0f} MiB free", 0
+        return "", size - old
 
     def apply(self, changes: dict[int, int]) -> dict[int, str]:
         refused: dict[int, str] = {}
-        changed = False
+        ok: dict[int, int] = {}
+        grown = 0
         for layer, bits in changes.items():
-            old = self.runner.kv_caches[layer]
-            if bits == old.bits:
+            old = self.runner.kv_caches[layer].bits
+            if bits == old:
                 continue
             if bits < self.base_bits[layer] or bits not in LADDER:
                 refused[layer] = f"{bits} bits is not allowed (planned {self.base_bits[layer]})"
                 continue
-            why = self._memory_refusal(layer, bits) if bits > old.bits else ""
+            why, extra = self._memory_refusal(layer, bits, grown) if bits > old else ("", 0)
             if why:
                 refused[layer] = why
                 continue
-            # in place in the runner's list: the forward context and the graphs read this list
-            self.runner.kv_caches[layer] = reformat_layer(old, bits, self.runner.dtype,
-                                                          stage=getattr(self.runner, "stage", None))
-            self.runner.layer_bits[layer] = bits
-            changed = True
-            log.info("adaptive kv_bits: layer %d re-formatted %d -> %d bits (%d blocks)", layer, old.bits,
-                     bits, old.num_blocks)
-        if changed and self.recapture is not None:
-            self.recapture()
+            grown += extra
+            ok[layer] = bits
+        before = self.current_bits()
+        self.runner.reformat_kv(ok)  # in place in the runner's list: the forward context and the graphs read it
+        for layer, bits in ok.items():
+            log.info("adaptive kv_bits: layer %d re-formatted %d -> %d bits (%d blocks)", layer, before[layer],
+                     bits, self.runner.kv_caches[layer].num_blocks)
         return refused
