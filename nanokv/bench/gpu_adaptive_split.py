@@ -1,6 +1,7 @@
 """The adaptive controller through the three services on the GPU (python -m nanokv.bench.gpu_adaptive_split).
 
-Three checks, each through cache + compute processes with the pool shared by CUDA IPC:
+Three checks, each through cache + compute processes with the pool shared by CUDA IPC (the width
+check also in one process, where the layers are re-formatted in place):
   pool   fp32, a small pool under a burst: the pool rule grows it through the attach protocol
          (Compute.Repool -> Cache.Attach, a new epoch, CUDA graphs captured again) and shrinks it
          back when idle; greedy tokens == the CPU fp32 reference; seconds per repool.
@@ -113,6 +114,35 @@ def check_width(model: str, prompts: list[list[int]], device: str) -> dict[str, 
     return res
 
 
+def check_width_in_process(model: str, prompts: list[list[int]], device: str) -> dict[str, Any]:
+    """The same width check with the services in this process: the rule re-formats the layers in
+    place (KVPool.reformat_kv) and the runner captures its CUDA graphs again; seconds per re-format."""
+    from nanokv.gateway.llm import LLM
+    from nanokv.sampling import SamplingParams
+
+    p = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm = LLM(model=model, max_model_len=1024, num_gpu_blocks=256, block_size=32, device=device, dtype="bfloat16",
+              enable_compression=True, quantization_bitwidth=4, adaptive=True, adaptive_window_steps=4,
+              adaptive_compression_error_bound=1e-6)
+    eng = llm.engine
+    before = list(eng.runner.layer_bits)
+    reformats: list[float] = []
+    _timed(eng.runner, "reformat_kv", reformats)
+    outs = llm.generate(prompts, p, use_tqdm=False)
+    res = {"bits_before": before, "bits_after": list(eng.runner.layer_bits),
+           "finished": f"{sum(len(o.token_ids) == 32 for o in outs)}/{len(prompts)}",
+           "graphs_captured": eng.runner.graphs is not None or device != "cuda",
+           "kv_bits_decisions": [(d.step, d.action, d.applied, d.note) for d in eng.controller.decisions
+                                 if d.kind == "kv_bits"],
+           "reformat_s": reformats, "blocks_left_in_use": eng.stats()["kv_cache_usage"]}
+    eng.shutdown()
+    print(f"[adaptive in-process width bf16] layers {sorted(set(before))} -> {sorted(set(res['bits_after']))} bits "
+          f"in {len(res['kv_bits_decisions'])} decisions; finished {res['finished']}; graphs "
+          f"{'captured again' if res['graphs_captured'] else 'MISSING'}; re-formats "
+          f"{', '.join(f'{1e3 * s:.0f}' for s in reformats)} ms")
+    return res
+
+
 def check_policy(model: str, device: str, vocab: int) -> dict[str, Any]:
     from nanokv.gateway.llm import LLM
     from nanokv.sampling import SamplingParams
@@ -153,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(0, vocab) for _ in range(rng.randint(40, 300))] for _ in range(12)]
     res = {"pool": check_pool(model, prompts, device), "width": check_width(model, prompts, device),
+           "width_in_process": check_width_in_process(model, prompts, device),
            "policy": check_policy(model, device, vocab)}
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
