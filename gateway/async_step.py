@@ -62,6 +62,18 @@ class AsyncStepper:
         eng.rpc["tokens_s"] += time.perf_counter() - t1
         return outputs
 
+    def land(self) -> list[RequestOutput]:
+        """Finish the step in flight now and wait for the plan sent ahead (returns the step's
+        outputs): before anything changes the KV tensors or the pool under them (a repool, the
+        in-process adaptive controller's width and pool rules). The next step then runs as a
+        synchronous one would; pipelining resumes after it."""
+        outputs: list[RequestOutput] = []
+        if self.pending is not None:
+            prev, self.pending = self.pending, None
+            outputs = self._finish(prev, False)
+        self.engine.scheduler.settle()
+        return outputs
+
     def step(self, finished_only: bool) -> list[RequestOutput]:
         eng = self.engine
         out = eng.schedule()
@@ -109,6 +121,6 @@ class AsyncStepper:
             self.pending = Pending(seqs, placeholder, launched)
         else:
             eng.compute.collect(launched)
-        if eng.controller is not None:  # (services apart only: a pool change lands the step in flight first)
+        if eng.controller is not None:  # (a change of the pool or its widths lands the step in flight first)
             eng.controller.on_step(out)
         return outputs

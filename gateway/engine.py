@@ -86,9 +86,8 @@ class Engine:
                     "tokens_s": 0.0}
         self._async: AsyncStepper | None = None
         tp = cfg.tensor_parallel_size
-        adaptive_here = (cfg.adaptive or cfg.eviction_policy == "adaptive") and not cfg.remote
         if cfg.async_scheduling or (cfg.async_scheduling is None and self.device_type == "cuda" and tp == 1
-                                    and self.sparsity is None and not adaptive_here):
+                                    and self.sparsity is None):
             self._async = AsyncStepper(self)
         self.controller: Any = None  # nanokv.gateway.adaptive.AdaptiveController: self-tuning, off unless asked
         warm_up(self)  # CUDA: compile what a chunked prompt needs now, not mid-request (nanokv.gateway.warmup)

@@ -31,10 +31,7 @@ def repool(eng: Engine, num_blocks: int | None = None, layer_bits: list[int] | N
         # (across processes the controller changes the pool through this very function)
         raise PreconditionError("repool", "block sparsity and the in-process adaptive controller hold the pool; "
                                           "they change it themselves")
-    outputs: list[Any] = []
-    if eng._async is not None and eng._async.pending is not None:  # 1. the step in flight lands
-        prev, eng._async.pending = eng._async.pending, None
-        outputs = eng._async._finish(prev, False)
+    outputs: list[Any] = eng._async.land() if eng._async is not None else []  # 1. the step in flight lands
     sch = eng.scheduler
     sch.settle()  # a plan sent ahead is answered before the cache service attaches the new pool
     try:

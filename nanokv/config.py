@@ -166,12 +166,10 @@ class EngineConfig:
             raise ConfigError("batch_invariant", f"must be true, false or null (auto), got {self.batch_invariant!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ConfigError("async_scheduling", f"must be true, false or null (auto), got {self.async_scheduling!r}")
-        # (in process the controller re-formats and resizes the KV tensors in place, under no step in
-        # flight; across processes it changes the pool through Engine.repool, which lands that step first)
-        adaptive_here = (self.adaptive or self.eviction_policy == "adaptive") and not self.remote
-        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.compression_sparsity or adaptive_here):
-            raise ConfigError("async_scheduling", "needs tensor_parallel_size 1, compression_sparsity 0 and, with "
-                                                  "the services in this process, the adaptive controller off; set "
+        # (the adaptive controller goes with it: a change of the KV tensors or the pool, in place or
+        # through Engine.repool, lands the step in flight first)
+        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.compression_sparsity):
+            raise ConfigError("async_scheduling", "needs tensor_parallel_size 1 and compression_sparsity 0; set "
                                                   "it false or null (auto)")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_compression",
                      "enforce_eager", "adaptive"):

@@ -64,7 +64,7 @@ ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", 
 def test_policy_rule_over_rpc_decides_as_in_process(async_scheduling):
     kw = dict(TINY, num_gpu_blocks=24, eviction_policy="adaptive", adaptive_window_steps=4)
     prompts = scan_and_hot()
-    local = LLM(**kw)  # (in process the controller needs synchronous steps)
+    local = LLM(**kw)  # (in process, on CPU: synchronous steps)
     want = run_one_by_one(local, prompts, 2)
     lc = local.engine.controller
     with start_services(EngineConfig.from_kwargs(**kw).to_dict()) as svc:

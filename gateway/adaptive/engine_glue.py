@@ -17,6 +17,7 @@ With the services in other processes the same controller runs over their RPCs
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from nanokv.gateway.adaptive.controller import AdaptiveController
@@ -43,11 +44,22 @@ def build_controller(engine: Any) -> AdaptiveController:
         else:
             from nanokv.gateway.adaptive.precision import PrecisionActuator  # torch: only when needed
 
-            precision = PrecisionActuator(runner)  # (tensor parallel: every rank re-formats in lock step)
+            # (tensor parallel: every rank re-formats in lock step)
+            precision = PrecisionActuator(runner, before_change=_lander(engine))
     ctl = AdaptiveController(AdaptiveSettings.from_config(cfg), cache=engine.cache_manager,
                              scheduler=engine.scheduler, precision=precision, pool=_pool_actuator(engine),
                              policy_rule=True, concurrency_rule=full)
     return _log(ctl, cfg, "in process")
+
+
+def _lander(engine: Any) -> Callable[[], None]:
+    """What an in-process actuator calls right before it changes the KV tensors or the pool: with
+    async scheduling the step in flight lands first (its outputs go out with the engine's next step),
+    so no launched step runs on tensors that are being replaced."""
+    def land() -> None:
+        if engine._async is not None:
+            engine.stashed.extend(engine._async.land())
+    return land
 
 
 def _log(ctl: AdaptiveController, cfg: Any, where: str) -> AdaptiveController:
@@ -69,4 +81,4 @@ def _pool_actuator(engine: Any) -> Any:
     from nanokv.gateway.adaptive.pool import PoolActuator  # torch: only when needed
 
     return PoolActuator(engine.runner, engine.cache_manager, cfg.adaptive_pool_reserve_bytes,
-                        cfg.adaptive_pool_margin_bytes)
+                        cfg.adaptive_pool_margin_bytes, before_change=_lander(engine))

@@ -18,6 +18,7 @@ How far it may grow (``headroom_blocks``):
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,9 +29,12 @@ log = logging.getLogger("nanokv.gateway.adaptive")
 
 
 class PoolActuator:
-    def __init__(self, runner: Any, cache_manager: Any, reserve_bytes: int | None, margin_bytes: int) -> None:
-        """runner: a nanokv.compute_service.runner.model_runner.ModelRunner; cache_manager: its KVCacheManager."""
+    def __init__(self, runner: Any, cache_manager: Any, reserve_bytes: int | None, margin_bytes: int,
+                 before_change: Callable[[], None] | None = None) -> None:
+        """runner: a nanokv.compute_service.runner.model_runner.ModelRunner; cache_manager: its KVCacheManager.
+        before_change: called right before a resize (the engine lands its step in flight)."""
         self.runner = runner
+        self.before_change = before_change
         self.cm = cache_manager
         self.base_blocks: int = cache_manager.num_blocks
         self.reserve_bytes = reserve_bytes
@@ -60,6 +64,8 @@ class PoolActuator:
             room = self.headroom_blocks()
             if num_blocks - cur > room:
                 return cur, f"needs {num_blocks - cur} more blocks, memory allows {room}"
+            if self.before_change is not None:
+                self.before_change()
             try:
                 self.runner.resize_kv(num_blocks)
             except torch.OutOfMemoryError as e:
@@ -68,6 +74,8 @@ class PoolActuator:
                 return cur, f"out of device memory while growing ({e})"
             self.cm.resize(num_blocks)
         elif num_blocks < cur:
+            if self.before_change is not None:
+                self.before_change()
             got = self.cm.resize(num_blocks)
             self.runner.resize_kv(got)
         log.info("KV pool %d -> %d blocks (start-up size %d)", cur, self.cm.num_blocks, self.base_blocks)

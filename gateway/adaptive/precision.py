@@ -18,6 +18,7 @@ for the layers you expect to back off.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,9 +32,12 @@ log = logging.getLogger("nanokv.gateway.adaptive")
 
 
 class PrecisionActuator:
-    def __init__(self, runner: Any, every: int = 2, rows: int = 32) -> None:
-        """runner: a ModelRunner or a TPModelRunner (kv_caches, layer_bits, reformat_kv, dtype, head_dim)."""
+    def __init__(self, runner: Any, every: int = 2, rows: int = 32,
+                 before_change: Callable[[], None] | None = None) -> None:
+        """runner: a ModelRunner or a TPModelRunner (kv_caches, layer_bits, reformat_kv, dtype, head_dim).
+        before_change: called right before a re-format (the engine lands its step in flight)."""
         self.runner = runner
+        self.before_change = before_change
         self.base_bits: list[int] = [c.bits for c in runner.kv_caches]
         widths = probe_widths(self.base_bits)
         self.probe = ErrorProbe(widths, every=every, rows=rows)
@@ -80,6 +84,8 @@ class PrecisionActuator:
             grown += extra
             ok[layer] = bits
         before = self.current_bits()
+        if ok and self.before_change is not None:
+            self.before_change()
         self.runner.reformat_kv(ok)  # in place in the runner's list: the forward context and the graphs read it
         for layer, bits in ok.items():
             log.info("adaptive kv_bits: layer %d re-formatted %d -> %d bits (%d blocks)", layer, before[layer],
