@@ -124,6 +124,17 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """Overwrite `x` on every TP rank with rank 0's (no-op at tp_size 1). Returns `x`."""
+    if _STATE.size == 1:
+        return x
+    import torch.distributed as dist
+
+    _require_group()
+    dist.broadcast(x, src=0, group=_STATE.group)
+    return x
+
+
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` in rank order (identity at tp_size 1)."""
     if _STATE.size == 1:

@@ -167,10 +167,10 @@ class EngineConfig:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ConfigError("async_scheduling", f"must be true, false or null (auto), got {self.async_scheduling!r}")
         # (the adaptive controller goes with it: a change of the KV tensors or the pool, in place or
-        # through Engine.repool, lands the step in flight first)
-        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.compression_sparsity):
-            raise ConfigError("async_scheduling", "needs tensor_parallel_size 1 and compression_sparsity 0; set "
-                                                  "it false or null (auto)")
+        # through Engine.repool, lands the step in flight first; tensor parallelism too: rank 0 sends
+        # the fed input ids to the other ranks)
+        if self.async_scheduling and self.compression_sparsity:
+            raise ConfigError("async_scheduling", "needs compression_sparsity 0; set it false or null (auto)")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_compression",
                      "enforce_eager", "adaptive"):
             if not isinstance(getattr(self, name), bool):

@@ -60,6 +60,25 @@ def test_stops_seen_one_step_late_are_exact():
     assert sum(r == "stop" for _, r, _ in got) >= 8
 
 
+def test_tensor_parallel_async_identical_to_sync():
+    """tp=2 (CPU, gloo, a spawned rank): the previous step's samples are on rank 0 only, so rank 0
+    sends the step's fed input ids to rank 1; tokens, stops and finish reasons equal tp=1's
+    synchronous run, with preemption and chunked prefill in the mix."""
+    prompts = _prompts(10, seed=3)
+    free = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    _, base = _run(False, prompts, free, num_gpu_blocks=20, max_num_batched_tokens=64)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                             stop_token_ids=[toks[4 + i % 5]] if i % 2 else [])
+              for i, (toks, _, _) in enumerate(base)]
+    _, ref = _run(False, prompts, params, num_gpu_blocks=20, max_num_batched_tokens=64)
+    llm, got = _run(True, prompts, params, num_gpu_blocks=20, max_num_batched_tokens=64, tensor_parallel_size=2)
+    try:
+        assert got == ref
+        assert sum(r == "stop" for _, r, _ in got) >= 4 and llm.engine.scheduler.num_preemptions > 0
+    finally:
+        llm.engine.shutdown()
+
+
 def test_seeded_sampling_and_logprobs_identical():
     prompts = _prompts(8, seed=5)
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True,

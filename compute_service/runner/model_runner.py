@@ -19,6 +19,7 @@ from nanokv.cache_service.kv.staging import StageTable
 from nanokv.cache_service.storage import carve_layer_caches, map_handle, pool_nbytes
 from nanokv.compute_service.attention.backend import make_backend
 from nanokv.compute_service.attention.metadata import AttentionMetadata, forward_context
+from nanokv.compute_service.distributed import broadcast_from_rank0
 from nanokv.compute_service.model.layers.fusion import set_fusion
 from nanokv.compute_service.runner.cuda_graph import DecodeGraphs
 from nanokv.compute_service.runner.h2d import PinnedUploader
@@ -183,12 +184,15 @@ class ModelRunner(KVPool):
 
     @torch.inference_mode()
     def execute(self, items, logits_rows: list[int] | None = None, all_logits: bool = False,
-                feed: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor | None:
+                feed: tuple[torch.Tensor, list[int], list[int]] | None = None,
+                share_ids: bool = False, ids_from_rank0: bool = False) -> torch.Tensor | None:
         """Run one step. Returns float32 logits for the last token of each row in `logits_rows`
         ([len(rows), V]) or, with all_logits, for every query token ([T, V]).
 
         feed (async scheduling): (tokens [n] on the device, src rows, dst token offsets): input
-        token dst[i] is tokens[src[i]], sampled by the previous step and not yet seen by the host."""
+        token dst[i] is tokens[src[i]], sampled by the previous step and not yet seen by the host.
+        Under tensor parallelism only rank 0 has those samples: it sends its fed input ids [T] to
+        the other ranks (share_ids), which take them instead of their own (ids_from_rank0)."""
         fed = feed is not None and bool(feed[1])
         extra = [np.asarray(feed[2], dtype=np.int64), np.asarray(feed[1], dtype=np.int64)] \
             if feed is not None and fed else []
@@ -197,6 +201,8 @@ class ModelRunner(KVPool):
         if feed is not None and fed:
             dst_t, src_t = extra_t
             ids.index_copy_(0, dst_t, feed[0].index_select(0, src_t))
+        if share_ids or ids_from_rank0:
+            broadcast_from_rank0(ids)  # (the data group: NCCL on CUDA, stream-ordered after the copy)
         try:
             return self._run(ids, pos, md, rows, all_logits)
         finally:

@@ -6,6 +6,9 @@ the `num_new` tokens each sequence computes this step (earlier tokens already li
 KV cache, so whole prompts never travel twice) and the block tables. Wire layout:
 
   header  [op, B, n_tokens, n_table, n_rows, flags]                      (fixed size)
+          flags: all logits, no logits rows, fed (async scheduling: some input tokens are the
+          previous step's samples, still on rank 0's device; the step's input ids follow from rank
+          0 over the data group, nanokv.compute_service.distributed.broadcast_from_rank0)
   payload [B x (start, num_new, is_prefill, table_len, seq_len)] ++ new tokens ++ block tables
           ++ logits rows                                                 (one int64 tensor)
 
@@ -27,7 +30,7 @@ import torch.distributed as dist
 OP_STEP, OP_STOP, OP_CALL = 1, 2, 3
 _HEADER = 6
 _COLS = 5  # per-sequence columns: start, num_new, is_prefill, table_len, seq_len
-_ALL_LOGITS, _ROWS_NONE = 1, 2  # flag bits
+_ALL_LOGITS, _ROWS_NONE, _FED = 1, 2, 4  # flag bits
 
 
 class TokenWindow(Sequence[int]):
@@ -69,9 +72,11 @@ class Step:
     items: list[tuple[Any, int, int, list[int], bool]]
     logits_rows: list[int] | None
     all_logits: bool
+    fed: bool = False  # the input ids come from rank 0 (ModelRunner.execute(ids_from_rank0=True))
 
 
-def _encode(items, logits_rows: list[int] | None, all_logits: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _encode(items, logits_rows: list[int] | None, all_logits: bool,
+            fed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     B = len(items)
     meta = np.empty((B, _COLS), dtype=np.int64)
     tokens: list[int] = []
@@ -81,7 +86,7 @@ def _encode(items, logits_rows: list[int] | None, all_logits: bool) -> tuple[tor
         tokens.extend(token_ids[start:start + n])
         tables.extend(table)
     rows = list(logits_rows) if logits_rows is not None else []
-    flags = (_ALL_LOGITS if all_logits else 0) | (_ROWS_NONE if logits_rows is None else 0)
+    flags = (_ALL_LOGITS if all_logits else 0) | (_ROWS_NONE if logits_rows is None else 0) | (_FED if fed else 0)
     header = torch.tensor([OP_STEP, B, len(tokens), len(tables), len(rows), flags], dtype=torch.int64)
     payload = np.concatenate([meta.ravel(), np.asarray(tokens, dtype=np.int64),
                               np.asarray(tables, dtype=np.int64), np.asarray(rows, dtype=np.int64)])
@@ -100,12 +105,12 @@ def _decode(header: list[int], payload: torch.Tensor) -> Step:
         tok_at, tab_at = tok_at + n, tab_at + table_len
         items.append((TokenWindow(start, tokens, seq_len), start, n, table, bool(is_prefill)))
     rows = None if flags & _ROWS_NONE else flat[rows_at:rows_at + n_rows]
-    return Step(items, rows, bool(flags & _ALL_LOGITS))
+    return Step(items, rows, bool(flags & _ALL_LOGITS), bool(flags & _FED))
 
 
-def send_step(group: Any, items, logits_rows: list[int] | None, all_logits: bool) -> None:
+def send_step(group: Any, items, logits_rows: list[int] | None, all_logits: bool, fed: bool = False) -> None:
     """Rank 0: broadcast one step (the workers are blocked in `recv`)."""
-    header, payload = _encode(items, logits_rows, all_logits)
+    header, payload = _encode(items, logits_rows, all_logits, fed)
     dist.broadcast(header, src=0, group=group)
     if payload.numel():  # an empty step carries no payload (gloo refuses empty broadcasts)
         dist.broadcast(payload, src=0, group=group)

@@ -119,13 +119,15 @@ class TPModelRunner:
         return [] if self._workers is None else self._workers.pids()
 
     # ---- running the model on every rank ----------------------------------------------------
-    def execute(self, items, logits_rows: list[int] | None = None,
-                all_logits: bool = False) -> torch.Tensor | None:
-        """ModelRunner.execute on every rank; returns rank 0's logits."""
+    def execute(self, items, logits_rows: list[int] | None = None, all_logits: bool = False,
+                feed: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor | None:
+        """ModelRunner.execute on every rank; returns rank 0's logits. feed (async scheduling): the
+        previous step's samples are on rank 0's device only, so rank 0 sends the fed input ids."""
         local = self._usable()
+        fed = feed is not None and bool(feed[1])
         try:
-            send_step(self._ctrl, items, logits_rows, all_logits)
-            return local.execute(items, logits_rows, all_logits)
+            send_step(self._ctrl, items, logits_rows, all_logits, fed)
+            return local.execute(items, logits_rows, all_logits, feed=feed, share_ids=fed)
         except BaseException as e:
             raise self._fatal(e, "a step") from e
 

@@ -92,7 +92,7 @@ def serve(rank: int, world: int, local_rank: int, store: dist.TCPStore | None) -
     dist.barrier()
     while (msg := recv(ctrl)) is not None:
         if isinstance(msg, Step):
-            runner.execute(msg.items, msg.logits_rows, msg.all_logits)
+            runner.execute(msg.items, msg.logits_rows, msg.all_logits, ids_from_rank0=msg.fed)
         else:
             method, args, kwargs = msg
             getattr(runner, method)(*args, **kwargs)
