@@ -166,8 +166,9 @@ def test_tp2_int4_pool_grows_and_keeps_its_tokens():
 def test_tp2_in_process_width_rule_reformats_every_rank():
     """The in-process KV-width rule at tp=2: every rank re-formats its shard in place, in lock step
     (TPModelRunner.reformat_kv). int4 layers re-formatted to 16 bits before any request serve what a
-    16-bit engine serves (rank 1 left at int4 would quantize its KV heads); with the controller on,
-    the probe on rank 0's heads sees int4 above the bound and the rule widens every layer."""
+    16-bit engine serves (rank 1 left at int4 would quantize its KV heads); with the controller on
+    and async scheduling, the probe on rank 0's heads sees int4 above the bound and the rule widens
+    every layer."""
     tiny = dict(POOLS, model="random:tiny-llama")
     ref = _greedy_run(LLM(**tiny).engine, _tiny_prompts())
     eng = LLM(**tiny, enable_compression=True, quantization_bitwidth=4, tensor_parallel_size=2).engine
@@ -179,9 +180,9 @@ def test_tp2_in_process_width_rule_reformats_every_rank():
         eng.shutdown()
     kw = dict(model="random:tiny-llama", num_gpu_blocks=24, block_size=16, max_num_batched_tokens=256,
               adaptive=True, enable_compression=True, quantization_bitwidth=4, adaptive_window_steps=2,
-              adaptive_compression_error_bound=0.03, tensor_parallel_size=2)
+              adaptive_compression_error_bound=0.03, tensor_parallel_size=2, async_scheduling=True)
     prompts = [[(7 * i + 3 + j) % 997 + 2 for i in range(40)] for j in range(8)]
-    llm = LLM(**kw)
+    llm = LLM(**kw)  # (async: the step in flight lands before the ranks re-format)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         assert all(len(o.token_ids) == 8 for o in outs)
