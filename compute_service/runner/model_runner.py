@@ -185,14 +185,14 @@ class ModelRunner(KVPool):
     @torch.inference_mode()
     def execute(self, items, logits_rows: list[int] | None = None, all_logits: bool = False,
                 feed: tuple[torch.Tensor, list[int], list[int]] | None = None,
-                share_ids: bool = False, ids_from_rank0: bool = False) -> torch.Tensor | None:
+                ids_from_rank0: bool = False) -> torch.Tensor | None:
         """Run one step. Returns float32 logits for the last token of each row in `logits_rows`
         ([len(rows), V]) or, with all_logits, for every query token ([T, V]).
 
         feed (async scheduling): (tokens [n] on the device, src rows, dst token offsets): input
         token dst[i] is tokens[src[i]], sampled by the previous step and not yet seen by the host.
-        Under tensor parallelism only rank 0 has those samples: it sends its fed input ids [T] to
-        the other ranks (share_ids), which take them instead of their own (ids_from_rank0)."""
+        ids_from_rank0: every tensor-parallel rank takes rank 0's input ids [T], after rank 0's feed
+        (only rank 0 has the previous step's samples); a collective, so all ranks pass it together."""
         fed = feed is not None and bool(feed[1])
         extra = [np.asarray(feed[2], dtype=np.int64), np.asarray(feed[1], dtype=np.int64)] \
             if feed is not None and fed else []
@@ -201,7 +201,7 @@ class ModelRunner(KVPool):
         if feed is not None and fed:
             dst_t, src_t = extra_t
             ids.index_copy_(0, dst_t, feed[0].index_select(0, src_t))
-        if share_ids or ids_from_rank0:
+        if ids_from_rank0:
             broadcast_from_rank0(ids)  # (the data group: NCCL on CUDA, stream-ordered after the copy)
         try:
             return self._run(ids, pos, md, rows, all_logits)

@@ -72,7 +72,7 @@ class Step:
     items: list[tuple[Any, int, int, list[int], bool]]
     logits_rows: list[int] | None
     all_logits: bool
-    fed: bool = False  # the input ids come from rank 0 (ModelRunner.execute(ids_from_rank0=True))
+    fed: bool = False  # every rank takes rank 0's input ids (ModelRunner.execute(ids_from_rank0=True))
 
 
 def _encode(items, logits_rows: list[int] | None, all_logits: bool,

@@ -127,7 +127,7 @@ class TPModelRunner:
         fed = feed is not None and bool(feed[1])
         try:
             send_step(self._ctrl, items, logits_rows, all_logits, fed)
-            return local.execute(items, logits_rows, all_logits, feed=feed, share_ids=fed)
+            return local.execute(items, logits_rows, all_logits, feed=feed, ids_from_rank0=fed)
         except BaseException as e:
             raise self._fatal(e, "a step") from e
 
