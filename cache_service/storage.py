@@ -126,10 +126,8 @@ class PoolStorage:
         return self.cuda_ipc and layout == self.layout
 
     def handle(self) -> PoolHandle:
-        ranks = []
-        for r in self.ranks:
-            r.epoch = self.epoch  # (a reused segment gets the new epoch on rank 0's storage)
-            ranks.append(r.handle())
+        # every rank's pool is of rank 0's epoch (a reused segment gets a new one on rank 0's storage only)
+        ranks = [dataclasses.replace(r.handle(), epoch=self.epoch) for r in self.ranks]
         if self.cuda_ipc:
             from nanokv.cache_service.cuda_ipc import export
 

@@ -84,14 +84,19 @@ def check_pool(model: str, prompts: list[list[int]], device: str) -> dict[str, A
     return res
 
 
+def _width_kw(model: str, device: str) -> dict[str, Any]:
+    """bf16, every layer int4, an error bound below what any width measures: the rule widens all."""
+    return dict(model=model, max_model_len=1024, num_gpu_blocks=256, block_size=32, device=device, dtype="bfloat16",
+                enable_compression=True, quantization_bitwidth=4, adaptive=True, adaptive_window_steps=4,
+                adaptive_compression_error_bound=1e-6)
+
+
 def check_width(model: str, prompts: list[list[int]], device: str) -> dict[str, Any]:
     from nanokv.gateway.llm import LLM
     from nanokv.sampling import SamplingParams
 
     p = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    kw: dict[str, Any] = dict(model=model, max_model_len=1024, num_gpu_blocks=256, block_size=32, device=device,
-              dtype="bfloat16", enable_compression=True, quantization_bitwidth=4, adaptive=True,
-              adaptive_window_steps=4, adaptive_compression_error_bound=1e-6)
+    kw = _width_kw(model, device)
     repools: list[float] = []
     with _split(kw) as svc:
         llm = LLM(cache_address=svc.cache_address, compute_address=svc.compute_address, **kw)
@@ -121,9 +126,7 @@ def check_width_in_process(model: str, prompts: list[list[int]], device: str) ->
     from nanokv.sampling import SamplingParams
 
     p = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    llm = LLM(model=model, max_model_len=1024, num_gpu_blocks=256, block_size=32, device=device, dtype="bfloat16",
-              enable_compression=True, quantization_bitwidth=4, adaptive=True, adaptive_window_steps=4,
-              adaptive_compression_error_bound=1e-6)
+    llm = LLM(**_width_kw(model, device))
     eng = llm.engine
     before = list(eng.runner.layer_bits)
     reformats: list[float] = []
