@@ -7,6 +7,7 @@ gRPC server (nanokv.cache_service.server), so both run this code. Lifecycle:
                   allocated, a cache manager of layout.num_blocks blocks is made, and a handle
                   comes back (epoch + 1 on every attach; a new attach drops the old pool)
   plan(request)   every step: one transaction on the blocks (nanokv.cache_service.planner)
+  free_storage    in process only: the runner moved every layer out of the segment (in place)
   stats()         counters for /metrics
 
 With ``ghosts`` (the gRPC server, when the adaptive controller's policy rule is on) it also keeps
@@ -108,6 +109,16 @@ class CacheService:
                 self.attached_epoch = 0
                 self._stats = self.manager.stats if self.manager is not None else self._stats
                 self.manager = self.planner = None
+
+    def free_storage(self, epoch: int) -> None:
+        """The compute service in this process views no byte of `epoch`'s segment any more: an
+        in-place resize or re-format (the adaptive controller's pool and width rules) moved every layer
+        into tensors of its own. The segment goes, so its memory does; the manager, its blocks and the
+        epoch stay (their contents live on in those tensors). The next attach allocates anew."""
+        with self.lock:
+            if self.storage is not None and epoch == self.attached_epoch:
+                self.storage.close()
+                self.storage = None
 
     def _drop_pool(self) -> None:
         if self.storage is not None:

@@ -45,8 +45,9 @@ log = logging.getLogger(__name__)
 
 class ComputeService:
     def __init__(self, config: EngineConfig, attach_pool: Callable[[PoolLayout], PoolHandle] | None = None,
-                 error_probe: bool = False):
-        """error_probe: measure the KV-width errors the adaptive controller's width rule reads
+                 error_probe: bool = False, free_segment: Callable[[int], None] | None = None):
+        """free_segment: the in-process cache service's free_storage (KVPool._moved_out).
+        error_probe: measure the KV-width errors the adaptive controller's width rule reads
         (probe_errors; the gRPC server, when that rule is on: in process the controller hooks its own)."""
         from nanokv.compute_service.model.loader import load_model, random_model
 
@@ -68,9 +69,11 @@ class ComputeService:
         if tp > 1:
             from nanokv.compute_service.runner.tp_runner import TPModelRunner  # starts ranks 1..tp-1
 
-            self.runner = TPModelRunner(cfg, self.model, mc, self.device, self.dtype, attach_pool=attach_pool)
+            self.runner = TPModelRunner(cfg, self.model, mc, self.device, self.dtype, attach_pool=attach_pool,
+                                        free_segment=free_segment)
         else:
-            self.runner = ModelRunner(cfg, self.model, mc, self.device, self.dtype, attach_pool=attach_pool)
+            self.runner = ModelRunner(cfg, self.model, mc, self.device, self.dtype, attach_pool=attach_pool,
+                                      free_segment=free_segment)
             self.runner.fold_value_rotations()  # (this service owns the model; tensor parallel keeps the GEMMs)
         self.runner.capture_cudagraphs(self.max_model_len)
         # running K/V quantization error per layer (sampled on eager steps), read by stats()

@@ -49,7 +49,8 @@ class Engine:
             from nanokv.compute_service.service import ComputeService
 
             self.cache = self.local_cache = CacheService(cfg)
-            self.compute = self.local_compute = ComputeService(cfg, attach_pool=self.local_cache.attach)
+            self.compute = self.local_compute = ComputeService(cfg, attach_pool=self.local_cache.attach,
+                                                               free_segment=self.local_cache.free_storage)
         info = self.model_info = self.compute.info()
         self.model_name = info.name
         self.max_model_len = info.max_position_embeddings

@@ -5,6 +5,9 @@ shrinks back when idle; recommend mode changes nothing; quantized layers keep th
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -107,6 +110,37 @@ def test_smollm2_greedy_identical_across_grow_and_shrink():
     assert sizes[0] == 48 and 16 <= sizes[1] < 48 and sizes[2] == 24
     assert all(cached[f"1-{i}"] >= 8 for i in range(2))  # the system prompt's blocks still hit
     assert eng.cache_manager.num_used_blocks() == 0 and eng.cache_manager.num_free_blocks() == 24
+
+
+def test_the_start_up_segment_goes_once_every_layer_has_moved_out():
+    """An in-place grow or re-format moves layers out of the cache service's segment into tensors
+    of their own: once the last one has moved (int4 staging included), the segment is freed, not kept
+    beside the new tensors, and the runner's layout is the one it now holds (a later repool or
+    re-attach asks for that). A partial re-format keeps it. Greedy output is unchanged throughout."""
+    kw = {**TINY, "enable_compression": True, "quantization_bitwidth": 4}
+    waves = [prompts(0, 3), prompts(1, 3)]
+    ref, _, _ = run_waves(Engine(**kw, num_gpu_blocks=64), waves, {}, {})
+    eng = Engine(**kw, num_gpu_blocks=48)
+    segment = weakref.ref(eng.local_cache.storage.buffer)
+    got, _, sizes = run_waves(eng, waves, {}, {1: 64})
+    gc.collect()
+    assert got == ref and sizes == [64]
+    assert segment() is None and eng.local_cache.storage is None and eng.runner.segment_epoch is None
+    assert eng.runner.pool_layout.num_blocks == 64 == eng.runner.num_blocks
+    eng.repool(num_blocks=40)  # a new segment of the new layout, carved again
+    assert eng.local_cache.storage.layout.num_blocks == 40 and eng.runner.in_segment == {0, 1}
+
+    eng = Engine(**TINY, num_gpu_blocks=32, enable_compression=True, quantization_bitwidth=8)
+    ref16, _, _ = run_waves(Engine(**TINY, num_gpu_blocks=32), [prompts(2, 3)], {}, {})
+    segment = weakref.ref(eng.local_cache.storage.buffer)
+    eng.runner.reformat_kv({0: 16})
+    gc.collect()
+    assert segment() is not None and eng.runner.in_segment == {1}  # layer 1 still views it
+    assert eng.runner.pool_layout.layer_bits == [16, 8]
+    eng.runner.reformat_kv({1: 16})
+    gc.collect()
+    assert segment() is None and eng.local_cache.storage is None
+    assert run_waves(eng, [prompts(2, 3)], {}, {})[0] == ref16
 
 
 def test_resize_keeps_quantized_blocks_and_scales():

@@ -173,8 +173,12 @@ def test_tp2_in_process_width_rule_reformats_every_rank():
     ref = _greedy_run(LLM(**tiny).engine, _tiny_prompts())
     eng = LLM(**tiny, enable_compression=True, quantization_bitwidth=4, tensor_parallel_size=2).engine
     try:
+        rank1 = eng.local_cache.storage.ranks[0].path
+        assert os.path.exists(rank1)
         eng.runner.reformat_kv({0: 16, 1: 16})
         assert eng.runner.layer_bits == [16, 16] and all(c.bits == 16 for c in eng.runner.kv_caches)
+        # every rank moved every layer out: the cache service freed the segments, rank 1's file too
+        assert eng.local_cache.storage is None and not os.path.exists(rank1)
         assert _greedy_run(eng, _tiny_prompts()) == ref
     finally:
         eng.shutdown()

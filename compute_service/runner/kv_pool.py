@@ -8,9 +8,10 @@ below in its __init__, and callers keep reaching these methods on the runner.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -71,6 +72,12 @@ class KVPool:
     kv_caches: list[LayerKVCache]
     graphs: DecodeGraphs | None
     _graph_model_len: int
+    # layers whose tensors are still views of the attached segment, and that segment's epoch (None: no
+    # layer views it any more). An in-place resize or re-format moves layers into tensors of their own;
+    # once none is left the segment's memory can go (free_segment: the cache service's call, in process)
+    in_segment: set[int]
+    segment_epoch: int | None
+    free_segment: Callable[[int], None] | None
 
     @property
     def pool_epoch(self) -> int:
@@ -100,6 +107,7 @@ class KVPool:
             self.stage = StageTable(self.num_blocks, self._stage_slots(), self.block_size, self.device)
             self.stage.block_free = old.block_free
         self.kv_caches = carve_layer_caches(self.pool_layout, map_handle(handle), self.stage)
+        self.in_segment, self.segment_epoch = set(range(len(self.kv_caches))), handle.epoch
         folded: set[int] = getattr(self, "_folded_layers", set())
         for i, cache in enumerate(self.kv_caches):
             if i in folded:
@@ -193,9 +201,12 @@ class KVPool:
         for cache in self.kv_caches:
             if cache.num_blocks != num_blocks:
                 resize_layer_cache(cache, num_blocks)
+            if cache.k_stage is not None and cache.v_stage is not None:  # int4 staging: out of the segment too
+                cache.k_stage, cache.v_stage = cache.k_stage.clone(), cache.v_stage.clone()
         if self.stage is not None:
             self.stage.resize(num_blocks)
         self.num_blocks = num_blocks
+        self._moved_out(range(len(self.kv_caches)))
         if self.device.type == "cuda":
             if shrink:
                 torch.cuda.empty_cache()
@@ -214,8 +225,33 @@ class KVPool:
         for layer, bits in changes.items():
             self.kv_caches[layer] = reformat_layer(self.kv_caches[layer], bits, self.dtype, stage=self.stage)
             self.layer_bits[layer] = bits
+        self._moved_out(changes)
         if self._graph_model_len:
             self.capture_cudagraphs(self._graph_model_len)
+
+    def _moved_out(self, layers: Iterable[int]) -> None:
+        """These layers' tensors are no longer views of the segment (an in-place change). The layout
+        follows what the runner now holds (a later re-attach asks for it); once no layer views the
+        segment, drop the handle's reference to it and, in process, have the cache service free it:
+        until then the whole segment stays allocated (a partial re-format keeps it)."""
+        self.in_segment.difference_update(layers)
+        self.pool_layout = self.layout_for(self.num_blocks, self.layer_bits)
+        if self.in_segment or self.segment_epoch is None:
+            return
+        epoch, self.segment_epoch = self.segment_epoch, None
+        if self.pool_handle is not None:
+            self.pool_handle = dataclasses.replace(self.pool_handle, buffer=None)
+        if self.free_segment is not None:
+            self.free_segment(epoch)
+        log.info("KV layers no longer view the segment of epoch %d: it is freed", epoch)
+
+    def sync_ranks(self) -> None:
+        """Tensor parallelism: return once every rank is here (run through call_all after an in-place
+        change, before the cache service frees the segments the ranks copied from)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
 
     # ---- sizing -------------------------------------------------------------------------------
     def bytes_per_block_all_layers(self) -> int:

@@ -47,9 +47,12 @@ def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
 class ModelRunner(KVPool):
     def __init__(self, cfg: EngineConfig, model: LlamaForCausalLM, model_config, device: torch.device,
                  dtype: torch.dtype, num_kv_heads_local: int | None = None,
-                 attach_pool: Callable[[PoolLayout], PoolHandle] | None = None):
+                 attach_pool: Callable[[PoolLayout], PoolHandle] | None = None,
+                 free_segment: Callable[[int], None] | None = None):
         """attach_pool(layout) -> handle: the cache service allocates the KV pool this runner uses
-        (nanokv.compute_service.service); None: a pool of its own (tools, tensor-parallel ranks)."""
+        (nanokv.compute_service.service); None: a pool of its own (tools, tensor-parallel ranks).
+        free_segment(epoch): the in-process cache service frees the segment once an in-place resize or
+        re-format has moved every layer out of it (KVPool._moved_out)."""
         self.cfg = cfg
         self.model: Any = model  # a nanokv model: forward(ids, positions) and compute_logits(hidden)
         self.mc = model_config
@@ -94,6 +97,8 @@ class ModelRunner(KVPool):
         # every layer's K/V (codes, scales, int4 staging): views of the one segment the cache service owns
         self.kv_caches: list[LayerKVCache] = carve_layer_caches(self.pool_layout, map_handle(self.pool_handle),
                                                                 self.stage)
+        self.in_segment, self.segment_epoch = set(range(self.num_layers)), self.pool_handle.epoch
+        self.free_segment = free_segment
         self.graphs: DecodeGraphs | None = None
         self._graph_model_len = 0  # max_model_len the graphs were captured for (re-capture after a resize)
         self.attn_probe: AttentionProbe | None = None  # sparsity: put into each step's metadata

@@ -56,10 +56,12 @@ _RANK0_ONLY_METHODS = frozenset({"bytes_per_block_all_layers", "build_metadata",
 
 class TPModelRunner:
     def __init__(self, cfg: EngineConfig, model: Any, model_config, device: torch.device,
-                 dtype: torch.dtype, attach_pool: Any = None):
+                 dtype: torch.dtype, attach_pool: Any = None, free_segment: Callable[[int], None] | None = None):
         """attach_pool: the KV pools from the cache service, one per rank: rank 0 asks for all of
         them (PoolLayout.rank_kv_heads) and sends the others theirs. Under torchrun (ranks may sit on
-        other hosts) only rank 0's comes from the cache service; the other ranks allocate their own."""
+        other hosts) only rank 0's comes from the cache service; the other ranks allocate their own.
+        free_segment(epoch): the in-process cache service frees every rank's segment once an in-place
+        change has moved all layers out of them, on every rank (_in_place)."""
         self.world = world = cfg.tensor_parallel_size
         self._mc, self._device = model_config, device
         self._workers: WorkerProcesses | None = None  # spawn mode; torchrun owns its processes
@@ -71,6 +73,7 @@ class TPModelRunner:
         env = torchrun_env()
         _check_launch(cfg, model, device, env)
         self._attach = attach_pool if env is None else None  # every rank's pool from the cache service
+        self._free_segment = free_segment
         self._rank_handles: list[PoolHandle] | None = None
         self._atexit = _atexit_hook(weakref.ref(self))  # weak: the hook must not keep us alive
         atexit.register(self._atexit)
@@ -152,12 +155,22 @@ class TPModelRunner:
         """Every rank resizes its KV shard (and re-captures its graphs, which contain collectives)
         in lock step: the adaptive pool rule (nanokv.gateway.adaptive.pool). A failure there, out of memory
         included, is fatal for the group like any other."""
-        self.call_all("resize_kv", num_blocks)
+        self._in_place("resize_kv", num_blocks)
 
     def reformat_kv(self, changes: dict[int, int]) -> None:
         """Every rank re-formats its shard of these layers in place (and captures its graphs again)
         in lock step: the adaptive KV-width rule in one process (nanokv.gateway.adaptive.precision)."""
-        self.call_all("reformat_kv", changes)
+        self._in_place("reformat_kv", changes)
+
+    def _in_place(self, method: str, *args: Any) -> None:
+        """An in-place change on every rank; if it moved the last layers out of the segments, free them
+        once every rank is past its copy (rank 0's runner tracks the same layers as every other's)."""
+        local = self._usable()
+        held = local.segment_epoch
+        self.call_all(method, *args)
+        if held is not None and local.segment_epoch is None and self._free_segment is not None:
+            self.call_all("sync_ranks")
+            self._free_segment(held)
 
     # ---- the KV pools (one per rank, from the cache service) ------------------------------------
     def _with_ranks(self, layout: PoolLayout) -> PoolLayout:

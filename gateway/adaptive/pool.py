@@ -53,7 +53,10 @@ class PoolActuator:
         device = self.runner.device
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            copy = -(-self.cm.num_blocks * per_block // max(1, len(self.runner.kv_caches)))
+            # a resize copies a layer at a time; while the layers are views of the start-up segment,
+            # that segment stays until the last one has moved (KVPool._moved_out): all of it counts
+            in_segment = bool(getattr(self.runner, "in_segment", ()))
+            copy = -(-self.cm.num_blocks * per_block // (1 if in_segment else max(1, len(self.runner.kv_caches))))
             fits = (free - self.margin_bytes - copy) // per_block
             room = fits if room is None else min(room, fits)
         return max(0, int(room or 0))

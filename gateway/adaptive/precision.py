@@ -52,7 +52,8 @@ class PrecisionActuator:
 
     def _memory_refusal(self, layer: int, bits: int, grown: int) -> tuple[str, int]:
         """Why widening `layer` does not fit ('' if it does), and the bytes the layer grows by.
-        grown: what the layers changed before it in this call add (their old tensors are gone by then)."""
+        grown: what the layers changed before it in this call add (their old tensors are gone by then,
+        unless they were views of the pool's segment)."""
         cache = self.runner.kv_caches[layer]
         if cache.k.device.type != "cuda":
             return "", 0
@@ -64,7 +65,9 @@ class PrecisionActuator:
         free, _ = torch.cuda.mem_get_info(cache.k.device)
         if grown + size + scratch > free:
             return f"needs {(grown + size + scratch) / 2**20:.0f} MiB of device memory, {free / 2**20:.0f} MiB free", 0
-        return "", size - old
+        # a layer still carved from the start-up segment frees nothing when it moves out: the segment
+        # stays until every layer has (KVPool._moved_out)
+        return "", size - (0 if layer in getattr(self.runner, "in_segment", ()) else old)
 
     def apply(self, changes: dict[int, int]) -> dict[int, str]:
         refused: dict[int, str] = {}

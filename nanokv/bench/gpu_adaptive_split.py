@@ -137,11 +137,14 @@ def check_width_in_process(model: str, prompts: list[list[int]], device: str) ->
            "graphs_captured": eng.runner.graphs is not None or device != "cuda",
            "kv_bits_decisions": [(d.step, d.action, d.applied, d.note) for d in eng.controller.decisions
                                  if d.kind == "kv_bits"],
-           "reformat_s": reformats, "blocks_left_in_use": eng.stats()["kv_cache_usage"]}
+           "reformat_s": reformats, "blocks_left_in_use": eng.stats()["kv_cache_usage"],
+           # every layer moved out of the start-up segment: the cache service freed it
+           "segment_freed": eng.local_cache.storage is None}
     eng.shutdown()
     print(f"[adaptive in-process width bf16] layers {sorted(set(before))} -> {sorted(set(res['bits_after']))} bits "
           f"in {len(res['kv_bits_decisions'])} decisions; finished {res['finished']}; graphs "
-          f"{'captured again' if res['graphs_captured'] else 'MISSING'}; re-formats "
+          f"{'captured again' if res['graphs_captured'] else 'MISSING'}; start-up segment "
+          f"{'freed' if res['segment_freed'] else 'KEPT'}; re-formats "
           f"{', '.join(f'{1e3 * s:.0f}' for s in reformats)} ms")
     return res
 

@@ -8,7 +8,8 @@ device memory (torch.cuda.mem_get_info) at start, after the burst and after the 
 Checked (exit 1 on any failure): greedy outputs equal a run without the controller, both for the
 burst and for the same prompts again after the shrink (prefix hits on the kept blocks); the pool
 grew and came back to its start-up size; no block is left in use; on CUDA the decode graphs were
-re-captured and the shrink gave memory back to the device.
+re-captured, the shrink gave memory back to the device and the start-up segment was freed once the
+grow had moved every layer out of it (free_mib_after_idle against free_mib_start shows it).
 
 fp32 by default: the check compares runs whose batches differ (the grown pool admits more at
 once), and in bf16 a different batch shape may legitimately flip a near-tie.
@@ -126,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                            "reserve_bytes": reserve, "free_mib_start": free_mib(args.device)}
     got, peak_blocks, low_free, graphs_when_grown = burst(eng, prompts, p, args.device)
     res.update(peak_blocks=peak_blocks, free_mib_at_peak=low_free, graphs_when_grown=graphs_when_grown,
-               blocks_after_burst=eng.stats()["kv_blocks_total"])
+               blocks_after_burst=eng.stats()["kv_blocks_total"],
+               # the grow moved every layer out of the start-up segment: the cache service freed it
+               start_up_segment_freed=eng.local_cache.storage is None)
     ticks = 0
     while eng.cache_manager.num_blocks > args.blocks and ticks < 4 * (PATIENCE_WINDOWS + 1) * args.window:
         eng.tick_idle()
@@ -165,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         fails.append("CUDA graphs missing after a resize")
     if cuda and res["free_mib_after_idle"] <= low_free:
         fails.append("the shrink gave no device memory back")
+    if peak_blocks > args.blocks and not res["start_up_segment_freed"]:
+        fails.append("the start-up segment is still allocated beside the grown pool")
     write_json(args.out, {**res, "failures": fails}, indent=2)
     for why in fails:
         print(f"[pool] FAIL: {why}")
