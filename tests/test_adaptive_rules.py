@@ -12,7 +12,7 @@ from nanokv.cache_service.ghosts import GhostScores
 from nanokv.cache_service.manager import KVCacheManager
 from nanokv.gateway.adaptive import AdaptiveController, AdaptiveSettings
 from nanokv.gateway.adaptive.rules import ConcurrencyRule, PolicyRule, PrecisionRule
-from nanokv.gateway.adaptive.settings import PATIENCE_WINDOWS
+from nanokv.gateway.adaptive.settings import PATIENCE_WINDOWS, alarm_z
 from nanokv.gateway.adaptive.window import WindowStats
 
 S = AdaptiveSettings(window_steps=4, max_num_seqs=16)
@@ -46,6 +46,23 @@ def test_policy_switches_at_once_when_hit_rate_falls_while_evictions_rise():
     assert rule.evaluate(win(90, 100, 10), TIED, "clock") is None
     p = rule.evaluate(win(40, 100, 50), LEAD, "clock")
     assert p is not None and p.target == "lru_k" and "falling 0.900 -> 0.400" in p.reason
+
+
+def test_the_alarm_needs_a_stronger_lead_when_more_ghosts_compete():
+    # the best of three alternatives, tested on one window, needs z >= 2.43 (alarm_z); of one, z >= 2.0
+    assert abs(alarm_z(1) - 2.0) < 1e-9 and 2.42 < alarm_z(3) < 2.44
+    lead = [3] * 10 + [1] * 2 + [2] * 8  # +1 block on ten requests, -1 on two: z = 8 / sqrt(12) = 2.31
+    two = both(evidence({"clock": [2] * 20, "lru_k": lead}))
+    four = both(evidence({"clock": [2] * 20, "lru_k": lead, "arc": [2] * 20, "s3fifo": [2] * 20}))
+    falling = (win(90, 100, 10), win(40, 100, 50))
+    rule = PolicyRule(S)
+    assert rule.evaluate(falling[0], two, "clock") is None
+    p = rule.evaluate(falling[1], two, "clock")
+    assert p is not None and p.target == "lru_k" and "z = 2.3" in p.reason
+    rule = PolicyRule(S)
+    assert rule.evaluate(falling[0], four, "clock") is None
+    # z = 2.31 comes by chance 1 % of the time for one ghost, 3 % for the best of three
+    assert rule.evaluate(falling[1], four, "clock") is None
 
 
 def test_policy_steady_regret_needs_patience_margin_and_significance():

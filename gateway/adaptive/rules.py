@@ -5,7 +5,8 @@ near a threshold does not make it flap:
 
 * eviction policy: switch only to a ghost that beats the active policy's ghost by a margin and
   significantly (paired test over the same requests): at once when the live hit rate is falling
-  while evictions rise and this window's ghosts agree (z >= ALARM_Z), otherwise only after the
+  while evictions rise and this window's ghosts agree (z >= alarm_z(alternatives), the best of
+  several tested on one window), otherwise only after the
   same ghost has led with z >= SIGNIFICANCE_Z over the recent horizon for PATIENCE_WINDOWS windows
   (a fall without a clear winner restarts that horizon: older evidence is another phase). No alarm
   in the PATIENCE_WINDOWS windows after a switch: the switch itself moves the live hit rate;
@@ -24,13 +25,13 @@ from typing import Any
 from nanokv.cache_service.ghosts import GhostScores
 from nanokv.config import KV_WIDTHS
 from nanokv.gateway.adaptive.settings import (
-    ALARM_Z,
     LOWER_FACTOR,
     PATIENCE_WINDOWS,
     RAISE_FACTOR,
     RECOVER_RATIO,
     SIGNIFICANCE_Z,
     AdaptiveSettings,
+    alarm_z,
 )
 from nanokv.gateway.adaptive.window import WindowStats
 
@@ -83,7 +84,7 @@ class PolicyRule:
         best = max(ratios, key=lambda p: (ratios[p], p == active))  # a tie keeps the active policy
         regret = ratios[best] - ratios[active]
         z = ev.z(best, active)
-        if best == active or regret < self.margin or z < (ALARM_Z if falling else SIGNIFICANCE_Z):
+        if best == active or regret < self.margin or z < (alarm_z(len(ratios) - 1) if falling else SIGNIFICANCE_Z):
             self._lead, self._lead_windows = None, 0
             return None
         self._lead_windows = self._lead_windows + 1 if best == self._lead else 1
