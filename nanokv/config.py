@@ -99,7 +99,7 @@ class EngineConfig:
     # KV pool grow / shrink (docs/adaptive.md, "KV pool size"): grow by a step under pressure while
     # memory is left, back to the start-up size when idle
     adaptive_pool_reserve_bytes: int | None = None  # most the pool may grow by; None: CUDA free memory
-    adaptive_pool_margin_bytes: int = 2 << 30  # CUDA: device memory left free after a grow
+    adaptive_pool_margin_bytes: int = 2 << 30  # CUDA: device memory left free after a pool grow or KV widening
     adaptive_pool_grow_fraction: float = 0.25  # one grow adds this fraction of the start-up block count
     adaptive_pool_high_usage: float = 0.9  # pressure: peak used blocks >= this x pool with requests waiting
     adaptive_pool_idle_usage: float = 0.5  # idle: peak used blocks < this x the start-up size, none waiting

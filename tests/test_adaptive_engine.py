@@ -172,3 +172,30 @@ def test_engine_modes_and_metrics(mode):
     m = EngineMetrics()
     m.update(stats)
     assert f'nanokv_adaptations_total{{kind="{key}"}} 1.0' in m.render().decode()
+
+
+def test_widening_on_cuda_leaves_the_margin_free(monkeypatch):
+    """The width rule's memory check runs on CUDA only, so the device is faked here: a widening is
+    refused unless the new tensors (and the conversion's scratch) fit with adaptive_pool_margin_bytes
+    still free, as for a pool grow; without the margin the same free memory would let it through."""
+    from types import SimpleNamespace
+
+    from nanokv.cache_service.kv.cache import bytes_per_block
+    from nanokv.cache_service.kv.reformat import CHUNK_BLOCKS
+
+    cuda = SimpleNamespace(type="cuda")
+    caches = [SimpleNamespace(bits=4, k=SimpleNamespace(device=cuda), num_blocks=64, num_kv_heads=2,
+                              block_size=16) for _ in range(2)]
+    applied: list[dict[int, int]] = []
+    runner = SimpleNamespace(kv_caches=caches, head_dim=64, dtype=torch.bfloat16, in_segment={0, 1},
+                             reformat_kv=lambda ok: applied.append(dict(ok)))
+    need = 64 * bytes_per_block(8, 2, 16, 64, torch.bfloat16) + 4 * 2 * CHUNK_BLOCKS * 2 * 16 * 64
+    margin = 1 << 30
+    free = [need + margin]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 4 * free[0]))
+    act = PrecisionActuator(runner, margin_bytes=margin)
+    assert act.apply({0: 8}) == {} and applied[-1] == {0: 8}
+    free[0] -= 1
+    refused = act.apply({1: 8})
+    assert applied[-1] == {} and "adaptive_pool_margin_bytes (1024 MiB)" in refused[1], refused
+    assert PrecisionActuator(runner, margin_bytes=0).apply({1: 8}) == {} and applied[-1] == {1: 8}

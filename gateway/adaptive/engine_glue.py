@@ -45,7 +45,8 @@ def build_controller(engine: Any) -> AdaptiveController:
             from nanokv.gateway.adaptive.precision import PrecisionActuator  # torch: only when needed
 
             # (tensor parallel: every rank re-formats in lock step)
-            precision = PrecisionActuator(runner, before_change=_lander(engine))
+            precision = PrecisionActuator(runner, margin_bytes=cfg.adaptive_pool_margin_bytes,
+                                          before_change=_lander(engine))
     ctl = AdaptiveController(AdaptiveSettings.from_config(cfg), cache=engine.cache_manager,
                              scheduler=engine.scheduler, precision=precision, pool=_pool_actuator(engine),
                              policy_rule=True, concurrency_rule=full)

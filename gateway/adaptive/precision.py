@@ -11,8 +11,9 @@ rank re-formats its shard in lock step; the memory check reads rank 0's device.
 Memory (docs/adaptive.md): widening one layer from int8 to 16 bits costs that layer
 N x (bytes_per_block(16) - bytes_per_block(8)) more for as long as it stays wide, plus the old
 tensor during the conversion. On CUDA the change is refused (and logged) unless that much device
-memory is free now: the pool was sized at start-up, so leave headroom (gpu_memory_utilization)
-for the layers you expect to back off.
+memory is free now beyond ``margin_bytes`` (adaptive_pool_margin_bytes, as for a pool grow): the
+next forward, a CUDA graph capture among them, needs room too. The pool was sized at start-up, so
+leave headroom (gpu_memory_utilization) for the layers you expect to back off.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ log = logging.getLogger("nanokv.gateway.adaptive")
 
 
 class PrecisionActuator:
-    def __init__(self, runner: Any, every: int = 2, rows: int = 32,
+    def __init__(self, runner: Any, every: int = 2, rows: int = 32, margin_bytes: int = 0,
                  before_change: Callable[[], None] | None = None) -> None:
         """runner: a ModelRunner or a TPModelRunner (kv_caches, layer_bits, reformat_kv, dtype, head_dim).
+        margin_bytes: CUDA device memory a widening must leave free.
         before_change: called right before a re-format (the engine lands its step in flight)."""
         self.runner = runner
+        self.margin_bytes = margin_bytes
         self.before_change = before_change
         self.base_bits: list[int] = [c.bits for c in runner.kv_caches]
         widths = probe_widths(self.base_bits)
@@ -63,8 +66,9 @@ class PrecisionActuator:
                                                  self.runner.dtype)
         scratch = 4 * 2 * CHUNK_BLOCKS * cache.num_kv_heads * cache.block_size * D  # float32 K and V
         free, _ = torch.cuda.mem_get_info(cache.k.device)
-        if grown + size + scratch > free:
-            return f"needs {(grown + size + scratch) / 2**20:.0f} MiB of device memory, {free / 2**20:.0f} MiB free", 0
+        if grown + size + scratch > free - self.margin_bytes:
+            return (f"needs {(grown + size + scratch) / 2**20:.0f} MiB of device memory; {free / 2**20:.0f} MiB are "
+                    f"free and adaptive_pool_margin_bytes ({self.margin_bytes / 2**20:.0f} MiB) stay free"), 0
         # a layer still carved from the start-up segment frees nothing when it moves out: the segment
         # stays until every layer has (KVPool._moved_out)
         return "", size - (0 if layer in getattr(self.runner, "in_segment", ()) else old)
