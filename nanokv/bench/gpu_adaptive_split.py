@@ -10,6 +10,7 @@ check also in one process, where the layers are re-formatted in place):
   policy bf16, a scan over documents larger than the pool between hits on a hot prefix: the
          policy rule switches the cache service's policy (Cache.SetPolicy, warm from its ghost);
          milliseconds per GhostWindow call.
+In process also the width rule's memory refusal on a device filled up to the margin (CUDA only).
 """
 
 from __future__ import annotations
@@ -149,6 +150,43 @@ def check_width_in_process(model: str, prompts: list[list[int]], device: str) ->
     return res
 
 
+def check_width_refusal(model: str, prompts: list[list[int]], device: str) -> dict[str, Any]:
+    """The width rule's memory check on a nearly full device, in process: a tensor takes the free
+    memory down to adaptive_pool_margin_bytes plus ~5.5 layers' 16-bit size, so the rule widens a few
+    layers and refuses the rest; every request must still finish, with the margin left for the forward
+    passes and graph captures, and the start-up segment stays (some layers still view it). CUDA only."""
+    if device != "cuda":
+        return {"skipped": "the memory check runs on CUDA only"}
+    import torch
+
+    from nanokv.cache_service.kv.cache import bytes_per_block
+    from nanokv.gateway.llm import LLM
+    from nanokv.sampling import SamplingParams
+
+    llm = LLM(**dict(_width_kw(model, device), num_gpu_blocks=2048))
+    eng = llm.engine
+    r, c = eng.runner, eng.runner.kv_caches[0]
+    layer = c.num_blocks * bytes_per_block(16, c.num_kv_heads, c.block_size, int(r.head_dim), r.dtype)
+    margin = eng.config.adaptive_pool_margin_bytes
+    torch.cuda.empty_cache()
+    hog = torch.empty(max(0, torch.cuda.mem_get_info()[0] - margin - int(5.5 * layer)), dtype=torch.uint8,
+                      device="cuda")
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    bits = list(r.layer_bits)
+    res = {"layer_mib_at_16_bits": layer / 2**20, "margin_mib": margin / 2**20, "bits_after": bits,
+           "widened": sum(b == 16 for b in bits), "kept_int4": sum(b == 4 for b in bits),
+           "finished": f"{sum(len(o.token_ids) == 32 for o in outs)}/{len(prompts)}",
+           "adaptations": eng.stats()["adaptations"], "segment_kept": eng.local_cache.storage is not None,
+           "free_mib_at_end": torch.cuda.mem_get_info()[0] / 2**20}
+    del hog
+    eng.shutdown()
+    print(f"[adaptive in-process width refusal bf16] {res['widened']} layers widened, {res['kept_int4']} kept int4 "
+          f"(layer {res['layer_mib_at_16_bits']:.0f} MiB at 16 bits, margin {res['margin_mib']:.0f} MiB); finished "
+          f"{res['finished']}; {res['free_mib_at_end']:.0f} MiB free at the end; start-up segment "
+          f"{'kept' if res['segment_kept'] else 'FREED'}")
+    return res
+
+
 def check_policy(model: str, device: str, vocab: int) -> dict[str, Any]:
     from nanokv.gateway.llm import LLM
     from nanokv.sampling import SamplingParams
@@ -190,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[rng.randrange(0, vocab) for _ in range(rng.randint(40, 300))] for _ in range(12)]
     res = {"pool": check_pool(model, prompts, device), "width": check_width(model, prompts, device),
            "width_in_process": check_width_in_process(model, prompts, device),
+           "width_refusal": check_width_refusal(model, prompts, device),
            "policy": check_policy(model, device, vocab)}
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
