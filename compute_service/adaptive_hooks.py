@@ -53,6 +53,16 @@ def kv_bytes_per_block(runner: Any) -> int:
                for c in runner.kv_caches)
 
 
+def memory_shortfall(device: Any, need: int, margin_bytes: int) -> str:
+    """Why ``need`` more bytes do not fit on a CUDA device with ``margin_bytes`` left free ('' if they
+    do): the rule every KV growth keeps (a repool here, an in-process pool grow or KV widening)."""
+    free = torch.cuda.mem_get_info(device)[0]
+    if need <= free - margin_bytes:
+        return ""
+    return (f"needs {need / 2**20:.0f} MiB of device memory; {free / 2**20:.0f} MiB are free and "
+            f"adaptive_pool_margin_bytes ({margin_bytes / 2**20:.0f} MiB) stay free")
+
+
 def check_repool_memory(cfg: Any, runner: Any, num_blocks: int, bits: list[int]) -> None:
     """Refuse (PreconditionError, nothing changed) a larger CUDA pool than the device can hold now.
     The old pool's memory stays reserved in the cache service's allocator, so a larger pool needs
@@ -64,8 +74,6 @@ def check_repool_memory(cfg: Any, runner: Any, num_blocks: int, bits: list[int])
                             for b in bits)
     if need <= runner.num_blocks * kv_bytes_per_block(runner):
         return
-    free = torch.cuda.mem_get_info(runner.device)[0]
-    if need > free - cfg.adaptive_pool_margin_bytes:
-        raise PreconditionError("repool", f"the new pool needs {need / 2**20:.0f} MiB of device memory; "
-                                          f"{free / 2**20:.0f} MiB are free and adaptive_pool_margin_bytes "
-                                          f"({cfg.adaptive_pool_margin_bytes / 2**20:.0f} MiB) stay free")
+    why = memory_shortfall(runner.device, need, cfg.adaptive_pool_margin_bytes)
+    if why:
+        raise PreconditionError("repool", f"the new pool {why}")

@@ -22,10 +22,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from nanokv.cache_service.kv.cache import bytes_per_block
 from nanokv.cache_service.kv.reformat import CHUNK_BLOCKS
+from nanokv.compute_service.adaptive_hooks import memory_shortfall
 from nanokv.compute_service.error_probe import ErrorProbe, probe_widths
 from nanokv.gateway.adaptive.rules import LADDER
 
@@ -65,10 +64,9 @@ class PrecisionActuator:
         old = cache.num_blocks * bytes_per_block(cache.bits, cache.num_kv_heads, cache.block_size, D,
                                                  self.runner.dtype)
         scratch = 4 * 2 * CHUNK_BLOCKS * cache.num_kv_heads * cache.block_size * D  # float32 K and V
-        free, _ = torch.cuda.mem_get_info(cache.k.device)
-        if grown + size + scratch > free - self.margin_bytes:
-            return (f"needs {(grown + size + scratch) / 2**20:.0f} MiB of device memory; {free / 2**20:.0f} MiB are "
-                    f"free and adaptive_pool_margin_bytes ({self.margin_bytes / 2**20:.0f} MiB) stay free"), 0
+        why = memory_shortfall(cache.k.device, grown + size + scratch, self.margin_bytes)
+        if why:
+            return why, 0
         # a layer still carved from the start-up segment frees nothing when it moves out: the segment
         # stays until every layer has (KVPool._moved_out)
         return "", size - (0 if layer in getattr(self.runner, "in_segment", ()) else old)
