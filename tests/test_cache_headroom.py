@@ -2,8 +2,10 @@
 
 On `conversation` seed 2 at 5 % capacity - the seed on which leaf_lru misses 1.15x LRU - leaf_lru
 already takes what dead last blocks offer (an oracle that knows them exactly gets no more), the two
-online probes of the conversations that ended lose to it, and an oracle of those conversations holds
-the rest of Belady's headroom.
+online probes of the conversations that ended lose to it (the turn-count probe, on geometric turns,
+finds nothing to learn), and an oracle of those conversations holds the rest of Belady's headroom.
+Where every conversation has the same number of turns (the `multi_turn` toy), the turn-count probe
+does learn the end.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import pytest
 from nanokv.sim.headroom import BUILDERS, main
 from nanokv.sim.replay import keys_of, replay
 from nanokv.sim.simulate import parse_capacities
-from nanokv.sim.traces import conversation
+from nanokv.sim.traces import conversation, multi_turn
+from nanokv.sim.turn_probe import TurnEndProbe
 
 
 @functools.cache
@@ -46,6 +49,32 @@ def test_the_rest_is_in_conversations_that_ended() -> None:
 def test_online_end_predictors_lose_to_leaf_lru(probe: str) -> None:
     h = _hits()
     assert h[probe] < h["leaf_lru"], h
+
+
+def test_turn_count_says_nothing_when_turns_are_geometric() -> None:
+    h = _hits()
+    assert abs(h["probe_turn"] - h["leaf_lru"]) <= 0.002 * h["lru"], h
+    assert h["probe_turn"] < 1.15 * h["lru"], h
+
+
+def test_turn_probe_learns_a_fixed_turn_count() -> None:
+    """Six turns per conversation: the sixth is never continued, and only that class is judged dead."""
+    reqs = multi_turn(512, seed=2)
+    keys = keys_of(reqs)
+    cap = parse_capacities("10%", len({h for r in reqs for h in r.hash_ids}))[0]
+    probes: list[TurnEndProbe] = []
+
+    def build(c: int, _next_use: object) -> TurnEndProbe:
+        probes.append(TurnEndProbe(c))
+        return probes[0]
+
+    got = replay(reqs, "probe_turn", cap, keys=keys, build=build)
+    leaf = replay(reqs, "leaf_lru", cap, keys=keys)
+    probe = probes[0]
+    assert [c for c, dead in enumerate(probe.turn_dead) if dead] == [6]
+    assert probe.turn_continued[6] <= 0.05 * probe.turn_trials[6]
+    assert min(probe.turn_continued[c] / probe.turn_trials[c] for c in (2, 3, 4)) >= 0.15
+    assert probe.demoted > 0 and got.block_hits >= 1.02 * leaf.block_hits, (got.block_hits, leaf.block_hits)
 
 
 def test_oracles_never_lose_to_lru_on_a_short_chat() -> None:

@@ -3,8 +3,8 @@
     python -m nanokv.sim.headroom [--workloads conversation,long_conversation] [--seeds 0,1,2,3,4]
                                   [--capacity 5%] [--json OUT] [--plot OUT.png]
 
-Besides LRU, leaf_lru and Belady it replays two oracles and two probes (simulator-only policies, not
-in the registry, ``nanokv.sim.headroom_policies``; docs/cache-policies.md, "The headroom"):
+Besides LRU, leaf_lru and Belady it replays two oracles and three probes (simulator-only policies, not
+in the registry, ``nanokv.sim.headroom_policies`` and ``turn_probe``; docs/cache-policies.md, "The headroom"):
 
 * ``dead_leaf_oracle`` - LRU plus a cold FIFO, evicted first, for every sequence's *last* block that
   is never requested again: what leaf_lru learns, known exactly.
@@ -14,6 +14,8 @@ in the registry, ``nanokv.sim.headroom_policies``; docs/cache-policies.md, "The 
   protection: a conversation that came back before is kept longer).
 * ``probe_idle_gap`` - leaf_lru plus end prediction from a block's own inter-reference gap: a block
   idle for more than ``k`` times its last gap is taken to have ended and goes first (LIRS-like).
+* ``probe_turn`` - leaf_lru plus end prediction from a conversation's turn count, learned per turn
+  (``nanokv.sim.turn_probe``): what an end rate that rises with the turn count would offer.
 """
 
 from __future__ import annotations
@@ -33,14 +35,17 @@ from nanokv.sim.replay import keys_of, replay
 from nanokv.sim.simulate import parse_capacities
 from nanokv.sim.suite import parse_workloads
 from nanokv.sim.traces import SYNTHETIC
+from nanokv.sim.turn_probe import TurnEndProbe
 
 BUILDERS: dict[str, Callable[[int, NextUse], EvictionPolicy]] = {
     "dead_leaf_oracle": lambda cap, nu: DeadOracle(cap, nu, leaves_only=True),
     "probe_reused": lambda cap, _nu: ReusedAgesSlower(cap, w=2.0),
     "probe_idle_gap": lambda cap, _nu: IdleGapEnd(cap, k=8.0),
+    "probe_turn": lambda cap, _nu: TurnEndProbe(cap),
     "ended_oracle": lambda cap, nu: DeadOracle(cap, nu, leaves_only=False),
 }
-COLUMNS = ("leaf_lru", "dead_leaf_oracle", "probe_reused", "probe_idle_gap", "ended_oracle", "belady")
+COLUMNS = ("leaf_lru", "dead_leaf_oracle", "probe_reused", "probe_idle_gap", "probe_turn", "ended_oracle",
+           "belady")
 
 
 def headroom(reqs: Sequence[Any], capacity: int) -> dict[str, Any]:
