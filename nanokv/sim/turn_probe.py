@@ -89,7 +89,8 @@ class TurnEndProbe(LeafLRUPolicy):
             return
         burst, new = self._burst, self._burst_new
         self._burst, self._burst_new = [], set()
-        conv, turn = -2, 1
+        conv: int | None = None
+        turn = 1
         for b in burst:  # deepest first: the deepest earlier end is the turn this one continues
             end = self._ends.pop(self._key[b], None)
             if end is not None:
@@ -97,7 +98,7 @@ class TurnEndProbe(LeafLRUPolicy):
                 if end[3] in self._turn_open:
                     self._turn_close(end[3], True)
                 break
-        if conv == -2:
+        if conv is None:  # no earlier end re-read: a new conversation
             conv, self._next_conv = self._next_conv, self._next_conv + 1
         for b in burst:
             if b in new:
