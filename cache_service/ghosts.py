@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
 
 from nanokv.cache_service.manager import KVCacheManager
+from nanokv.messages import GhostScores
 
 
 def replay_request(cm: KVCacheManager, key: Hashable, hashes: Sequence[bytes]) -> int:
@@ -29,28 +29,6 @@ def replay_request(cm: KVCacheManager, key: Hashable, hashes: Sequence[bytes]) -
     cm.cache_blocks(key, tokens, num_tokens)
     cm.free(key)
     return len(match.block_ids)
-
-
-@dataclass(frozen=True)
-class GhostScores:
-    """Evidence over some horizon: block hits per ghost over the same queries, and for every pair of
-    ghosts the sum of squared per-request hit differences (for a paired test)."""
-
-    hits: dict[str, float]
-    queries: float
-    pair_sq: dict[tuple[str, str], float]
-
-    @property
-    def ratios(self) -> dict[str, float]:
-        return {p: h / self.queries for p, h in self.hits.items()}
-
-    def z(self, a: str, b: str) -> float:
-        """How many standard deviations ``a`` leads ``b`` by: both ghosts saw the very same requests,
-        so the per-request differences d_i are paired and sum(d_i) / sqrt(sum(d_i^2)) is the
-        statistic of a paired test; a lead made of a few lucky requests scores low."""
-        d = self.hits[a] - self.hits[b]
-        sq = self.pair_sq.get((a, b), self.pair_sq.get((b, a), 0.0))
-        return d / sq**0.5 if sq > 0 else 0.0
 
 
 class _Evidence:

@@ -353,7 +353,7 @@ class KVCacheManager:
         """Grow the pool to ``num_blocks`` (new ids [N, num_blocks), free) or shrink it by removing
         the highest ids, as far as referenced blocks allow; cached blocks among them are evicted
         (counted in the eviction stats). Returns the new block count. The caller resizes the KV
-        tensors to match (nanokv.gateway.adaptive.pool): block ids below the new count keep their data."""
+        tensors to match (nanokv.compute_service.adaptive.pool): block ids below the new count keep their data."""
         _check_int("num_blocks", num_blocks, 1)
         pool = self.pool
         if num_blocks >= pool.num_blocks:

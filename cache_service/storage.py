@@ -22,9 +22,9 @@ import weakref
 
 import torch
 
-from nanokv.cache_service.kv.cache import LayerKVCache, allocate_layer_cache
-from nanokv.cache_service.kv.staging import StageTable
 from nanokv.cache_service.segments import new_segment_path
+from nanokv.kv.cache import LayerKVCache, allocate_layer_cache
+from nanokv.kv.staging import StageTable
 from nanokv.messages import PoolHandle, PoolLayout
 
 _ALIGN = 256  # bytes: every carved tensor starts aligned (vector loads, any element size)

@@ -1,6 +1,6 @@
 """What a compute service in its own process does for a gateway's adaptive controller.
 
-In process the controller's actuators reach into the runner (nanokv.gateway.adaptive.precision,
+In process the controller's actuators reach into the runner (nanokv.compute_service.adaptive.precision,
 .pool); across processes the gateway only has RPCs, so the compute service itself keeps the
 KV-width error probe (read by Compute.ProbeErrors), reports what a block costs (Compute.Stats)
 and refuses a pool change the device cannot hold (Compute.Repool) before it drops anything.
@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from nanokv.cache_service.kv.cache import bytes_per_block
 from nanokv.compute_service.error_probe import ErrorProbe, probe_widths
 from nanokv.errors import PreconditionError
+from nanokv.kv.cache import bytes_per_block
 
 log = logging.getLogger(__name__)
 

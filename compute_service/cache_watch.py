@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from nanokv.cache_service.kv.monitor import CompressionMonitor
+from nanokv.kv.monitor import CompressionMonitor
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
 from nanokv.rpc import channel, wait_serving

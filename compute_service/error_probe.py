@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from nanokv.cache_service.kv.monitor import roundtrip, spread_rows
 from nanokv.config import KV_WIDTHS
+from nanokv.kv.monitor import roundtrip, spread_rows
 
 
 def probe_widths(bits: list[int]) -> dict[int, tuple[int, ...]]:

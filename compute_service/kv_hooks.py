@@ -5,7 +5,7 @@ right before the backend stores K/V, on every backend (torch reference and Trito
 In order:
   1. test hook: scaled key channels in one layer (`key_outliers`), with the query channels scaled
      inversely so that full-precision scores are unchanged and only quantization feels them;
-  2. the layer format's rotation of q and k (nanokv.cache_service.kv.rotation), when the cache has `rotate`;
+  2. the layer format's rotation of q and k (nanokv.kv.rotation), when the cache has `rotate`;
   3. measurement only: a FakeQuant simulating another format on a 16-bit cache;
   4. the compression monitor's sampled error of exactly the rows about to be stored;
   5. the adaptive controller's error probe (nanokv.compute_service.error_probe), which also needs q;
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from nanokv.cache_service.kv.blockquant import quantize_filled
-from nanokv.cache_service.kv.cache import LayerKVCache
-from nanokv.cache_service.kv.rotation import maybe_rotate, rotation_matrix
+from nanokv.kv.blockquant import quantize_filled
+from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.rotation import maybe_rotate, rotation_matrix
 
 # layer -> (channels, factor): test hook state, process-wide (see key_outliers)
 _OUTLIERS: dict[int, tuple[tuple[int, ...], float]] = {}

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from nanokv.cache_service.kv.monitor import CompressionMonitor
 from nanokv.compute_service.adaptive_hooks import (
     attach_error_probe,
     check_repool_memory,
@@ -37,6 +36,7 @@ from nanokv.compute_service.step_trace import forward_span
 from nanokv.compute_service.warmup import warm_logits
 from nanokv.config import EngineConfig
 from nanokv.errors import NanoKVError, PreconditionError
+from nanokv.kv.monitor import CompressionMonitor
 from nanokv.messages import PLACEHOLDER, ModelInfo, PoolHandle, PoolLayout, StepRequest, StepResult
 from nanokv.sampling import SamplingParams
 

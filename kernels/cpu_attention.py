@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanokv.cache_service.kv.cache import LayerKVCache
-from nanokv.compute_service.attention.metadata import AttentionMetadata
+from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.metadata import AttentionMetadata
 
 _PLAN_KEY = "cpu_attention_plan"
 

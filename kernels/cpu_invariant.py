@@ -21,7 +21,7 @@ The linear layers are made invariant the same way (nanokv.compute_service.model.
 int4 (blocks quantized when they fill, open blocks staged in full precision): one read rule for
 every path, the decode kernels' rule: a key in the query's own block is read from staging, every
 other key quantized, also in a block this very step filled (its codes are computed here exactly as
-nanokv.cache_service.kv.blockquant.quantize_filled will store them after the step). The default paths instead
+nanokv.kv.blockquant.quantize_filled will store them after the step). The default paths instead
 read every staged block in full precision, so a prompt prefilled whole saw its earlier blocks
 unquantized and the same prompt in chunks did not.
 """
@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from nanokv.cache_service.kv import quant
-from nanokv.cache_service.kv.cache import LayerKVCache
-from nanokv.compute_service.attention.metadata import AttentionMetadata
 from nanokv.kernels.reference import _key_valid, gather_kv_heads
+from nanokv.kv import quant
+from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.metadata import AttentionMetadata
 
 TILE = 256  # keys per tile: fixed, or the P @ V sums would change with the context length
 MIN_ROWS = 4  # fewer query rows change a CPU matmul's rounding (measured: 1-3 rows differ)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from nanokv.cache_service.kv.cache import LayerKVCache
+from nanokv.kv.cache import LayerKVCache
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cuda") / "decode_int4.cu"

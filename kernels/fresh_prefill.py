@@ -13,9 +13,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from nanokv.cache_service.kv.cache import LayerKVCache
-from nanokv.compute_service.attention.metadata import AttentionMetadata
 from nanokv.kernels import triton_store
+from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanokv.cache_service.kv import blockquant, quant
-from nanokv.cache_service.kv.cache import LayerKVCache
-from nanokv.compute_service.attention.metadata import AttentionMetadata
 from nanokv.kernels import cpu_attention
+from nanokv.kv import blockquant, quant
+from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.metadata import AttentionMetadata
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
@@ -46,7 +46,7 @@ def gather_kv(cache: LayerKVCache, block_ids: torch.Tensor,
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """block_ids: [..., nb] -> K, V [..., nb, H, bs, D]. Entries >= 0 are pool blocks; holes (-1) read
     block 0 (callers mask them); entries <= -2 (int8 layers under hybrid sparsity) are slots of the
-    layer's INT4 demotion store (nanokv.cache_service.kv.demote)."""
+    layer's INT4 demotion store (nanokv.kv.demote)."""
     ids = block_ids.clamp_min(0).long()
     if cache.bits == 16:
         return cache.k[ids].to(dtype), cache.v[ids].to(dtype)
@@ -84,7 +84,7 @@ def gather_kv_heads(cache: LayerKVCache, block_ids: torch.Tensor,
 
 def _key_valid(block_ids: torch.Tensor, bs: int, seq_len: torch.Tensor) -> torch.Tensor:
     """block_ids: [B, nb]; seq_len: [B] -> bool [B, nb*bs]: key exists (not a hole, < seq_len).
-    Only -1 is a hole: entries <= -2 are demoted blocks (nanokv.cache_service.kv.demote), real keys."""
+    Only -1 is a hole: entries <= -2 are demoted blocks (nanokv.kv.demote), real keys."""
     B, nb = block_ids.shape
     pos = torch.arange(nb * bs, device=block_ids.device)
     valid = pos.unsqueeze(0) < seq_len.unsqueeze(1)

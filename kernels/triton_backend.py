@@ -15,12 +15,12 @@ import os
 
 import torch
 
-from nanokv.cache_service.kv.cache import LayerKVCache
-from nanokv.compute_service.attention.metadata import AttentionMetadata
 from nanokv.kernels import triton_decode, triton_prefill, triton_store
 from nanokv.kernels.fresh_prefill import int8_as_stored, runs, sdpa_fresh_prefill
 from nanokv.kernels.triton_config import TritonConfig, default_config
 from nanokv.kernels.triton_decode_swap import runs_transposed
+from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """int4 quantize-on-fill as one Triton kernel with no host sync: CUDA-graph safe.
 
-nanokv.cache_service.kv.blockquant.quantize_filled (torch, the eager path and the reference) quantizes the blocks
+nanokv.kv.blockquant.quantize_filled (torch, the eager path and the reference) quantizes the blocks
 a step filled from the host's list of them, a data-dependent count. Here the list is derived on
 the device from the step's slot mapping instead: a token whose slot is the last of its block
 (slot % bs == bs - 1) filled that block, exactly the blocks StageTable.plan lists. Grid (T, H, 2):
@@ -8,7 +8,7 @@ one program per (step token, KV head, keys or values); programs of tokens that f
 padding rows, slot -1) skip all work, so the launch has a fixed shape for a fixed T (a captured
 decode graph's batch bucket) and costs little: in a decode step about 1 in bs sequences fills a block.
 
-Bit for bit nanokv.cache_service.kv.quant: keys per channel over the block's bs tokens, values per token, both
+Bit for bit nanokv.kv.quant: keys per channel over the block's bs tokens, values per token, both
 asymmetric; IEEE division (div_rn), fp16 rounding of scale and zero, round-half-even, underflowed
 scales stored as 1.0 (triton_store's helpers).
 """
@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nanokv.cache_service.kv.cache import LayerKVCache
 from nanokv.kernels.triton_config import TritonConfig, apply_overrides, overrides
 from nanokv.kernels.triton_kvtile import next_pow2
 from nanokv.kernels.triton_store import _rne_clip, _safe_scale
+from nanokv.kv.cache import LayerKVCache
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def _fill_quant_kernel(
     stride_stn, stride_sth, stride_cn, stride_ch, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_vt, stride_vd, BS: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr, RECIP: tl.constexpr,
 ):
-    # stride_vt, stride_vd: the value codes' token and byte strides (values dims-major, nanokv.cache_service.kv.cache)
+    # stride_vt, stride_vd: the value codes' token and byte strides (values dims-major, nanokv.kv.cache)
     # grid (T, H, 2): the keys (axis 2 = 0) and the values (1) of a block are separate programs, so
     # each program's chain of dependent loads, reductions and stores is half as long
     t = tl.program_id(0)

@@ -151,7 +151,7 @@ class TritonConfig:
     # H200 (prefill_probe, three chunks at 64 rows / 4 warps): 1,379 vs 2,024 us
     prefill_tile_kinds: bool = True
     # int4 caches: prefill rows / warps per program (0 = prefill_*). H200, Qwen3 shapes, one chunk
-    # of L new on C cached tokens (2048:2048, 3072:1024, 1024:3072; nanokv.bench.prefill_probe):
+    # of L new on C cached tokens (2048:2048, 3072:1024, 1024:3072; nanokv_tools.bench.prefill_probe):
     # 64 rows / 4 warps 499.6 / 291.4 / 588.2 us, 128 / 8 479.6 / 262.6 / 568.2 (every tile
     # looking staging up, before prefill_tile_kinds: 735.9 / 386.5 / 901.1; bf16 804 us in all)
     quant4_prefill_block_m: int = 128
@@ -161,7 +161,7 @@ class TritonConfig:
     sdpa_prefill_min_tokens: int = 256
     # those prompts in fp16 (the quantized caches' compute dtype) through cuDNN's attention, one prompt
     # per call, instead of one varlen flash call. H200, a 16,384-token step of 5 prompts, 16 / 8
-    # heads, dim 128 (nanokv.bench.attn_probe, 2026-12-03): 668.4 vs 796.5 us in fp16; bf16 925.5 vs
+    # heads, dim 128 (nanokv_tools.bench.attn_probe, 2026-12-03): 668.4 vs 796.5 us in fp16; bf16 925.5 vs
     # 795.5 (so bf16 keeps flash). Whole long-context int4 runs (2026-12-03, one machine): 14,937 tok/s
     # with it against 15,022 without (within the run-to-run spread; no gain): off
     fresh_prefill_cudnn: bool = False

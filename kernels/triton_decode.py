@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nanokv.cache_service.kv.cache import LayerKVCache, check_layout
 from nanokv.kernels import cuda_decode_int4
 from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
 from nanokv.kernels.triton_decode_swap import decode_int8_swap_kernel, runs_transposed
@@ -38,6 +37,7 @@ from nanokv.kernels.triton_kvtile import (
     tile_rows,
 )
 from nanokv.kernels.triton_softmax import decode_softmax_step, merge_splits, store_decode
+from nanokv.kv.cache import LayerKVCache, check_layout
 
 LOG2E = 1.4426950408889634
 
@@ -150,7 +150,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     swap_maxnreg and swap_stages are its register cap and pipeline depth instead of maxnreg and
     num_stages (0 = none / num_stages); swap_merge: its splits are merged inside the kernel by the
     last program of each (sequence, KV head) (merge_if_last), not by a reduce launch. int8 values are
-    never read as words (dims-major, nanokv.cache_service.kv.cache). swap4: int4 (with fold_k) goes to the transposed
+    never read as words (dims-major, nanokv.kv.cache). swap4: int4 (with fold_k) goes to the transposed
     int4 kernel (triton_decode_swap4) under the same tile rule, instead of triton_decode_int4, with its own
     register cap (swap4_maxnreg) and tile-ahead metadata loads (swap4_prefetch). cuda4: such int4 decodes
     run the CUDA C++ kernel instead where it applies (cuda_decode_int4.supported), capped at

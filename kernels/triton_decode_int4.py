@@ -1,6 +1,6 @@
 """Paged decode for the int4 block format with the key dequantization folded into the query.
 
-int4 keys have one scale s and zero z per (block, head, channel) (KIVI, nanokv.cache_service.kv.cache), so for
+int4 keys have one scale s and zero z per (block, head, channel) (KIVI, nanokv.kv.cache), so for
 the tokens n of one block
     q . k_n = sum_d q_d (s_d c_nd + z_d) = (q * s) . c_n + q . z
 one scaled query [G, D] and one bias per (block, head) replace the per-element dequantization of
@@ -14,7 +14,7 @@ j of the tile: one [BLOCK_G, D] x [D, BLOCK_N] dot scores BLOCK_N / bs blocks, a
 scores outside block j are masked. Each row group runs its own online softmax over its own blocks
 (an in-program split-K) and the groups are merged at the end like splits.
 
-Open blocks. A block is quantized once, when it fills (nanokv.cache_service.kv.blockquant); until then it is
+Open blocks. A block is quantized once, when it fills (nanokv.kv.blockquant); until then it is
 read from full-precision staging. In a decode step only a sequence's newest block can be open:
 every block written before is full, and a block that fills in step t is quantized after step t's
 attention and released by StageTable.finish. The main loop therefore reads codes only and masks

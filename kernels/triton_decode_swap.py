@@ -15,7 +15,7 @@ Codes are loaded as int8 tiles and converted in registers (triton_dequant.int8_t
 compiler then copies them to shared memory as they are (16-byte cp.async, pipelined) and reads
 them straight into the operand layout (ldmatrix), with no fp16 round trip through shared memory.
 That needs both operands "K-contiguous": key rows are (dims along the score product's inner
-size), and int8 values are stored dims-major per block (nanokv.cache_service.kv.cache) so the V^T tile has
+size), and int8 values are stored dims-major per block (nanokv.kv.cache) so the V^T tile has
 tokens, the PV product's inner size, contiguous. One tile lies in one block (BS % BLOCK_N == 0,
 part of runs_transposed), so each V^T row is BLOCK_N contiguous bytes (16 by default).
 """

@@ -4,18 +4,18 @@
     o^T [D, G]      += V^T codes [D, BLOCK_N] @ (p * vs)^T [BLOCK_N, G]     (+ sum_n p_n vz_n, at the end)
 
 A tile lies in one block (BLOCK_N divides the block size), so the block's per-channel key scale s_k
-and zero z_k (KIVI, nanokv.cache_service.kv.cache) fold into one scaled query and one bias per tile: the codes
+and zero z_k (KIVI, nanokv.kv.cache) fold into one scaled query and one bias per tile: the codes
 enter the dot as they are (exact in fp16). Per-token value scales fold into the softmax weights and
 the value zero points into one running sum per head (triton_decode_int4's folds).
 
 Codes are loaded as uint8 tiles and split into their two nibbles in registers (int4_tile_f16), so
 the compiler copies them to shared memory as they are and reads them straight into the operand
 layout when the summed dimension is contiguous in memory: dims for keys, tokens for values (values
-stored dims-major per block, nanokv.cache_service.kv.cache). The value strides are arguments, so the kernel also
+stored dims-major per block, nanokv.kv.cache). The value strides are arguments, so the kernel also
 reads token-major values (a transposing gather: 345 vs 298 us at the long-context decode batch on an
 H200, docs/kernels.md "The int4 decode").
 
-Open blocks (full-precision staging, nanokv.cache_service.kv.staging) are scored in a second loop as in
+Open blocks (full-precision staging, nanokv.kv.staging) are scored in a second loop as in
 triton_decode_int4: in a decode step only a sequence's newest block is staged; the main loop masks
 staged tiles, and if it meets one before the newest block the second loop covers the whole split.
 """

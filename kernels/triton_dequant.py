@@ -7,7 +7,7 @@ layout through shared memory (16-bit, transposing loads), like a bf16 cache. Int
 (int8_tile_f16: the transposed int8 decode, int8 values everywhere): when the tile's inner
 (summed) dimension is contiguous in memory, the compiler copies the codes to shared memory as they
 are and loads them straight into the operand layout, converting there, with no fp16 round trip.
-That is why int8 values are stored dims-major (nanokv.cache_service.kv.cache); read token-major as a V^T operand,
+That is why int8 values are stored dims-major (nanokv.kv.cache); read token-major as a V^T operand,
 an int8 tile is gathered one byte per shared load instead (seen in SASS).
 
 Conversion: for 0 <= m < 1024 the fp16 bit pattern of 1024 + m is 0x6400 + m, so a byte or nibble

@@ -11,7 +11,7 @@ registers (triton_dequant); int8 K scales multiply the score columns after the d
 may fold into the softmax weights (decode). int4 keys have a scale and zero per (block, channel):
 here their tiles are dequantized in registers before the dot (prefill, and decode with fold_k off;
 triton_decode_int4 folds them into the query), and tokens of open blocks (int4 staging,
-nanokv.cache_service.kv.staging) are read in full precision instead.
+nanokv.kv.staging) are read in full precision instead.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def code_args(cache, words: bool, byte_keys: bool = False) -> tuple:
     """(k, v) code tensors as the kernels take them: keys as an int32 view where codes are read as
     words, as stored otherwise or when the kernel reads byte tiles (`byte_keys`: the transposed int8
     kernel, both int4 kernels). Values are never words (quantized ones are stored dims-major,
-    nanokv.cache_service.kv.cache)."""
+    nanokv.kv.cache)."""
     return (cache.k.view(torch.int32) if words and not byte_keys else cache.k), cache.v
 
 

@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nanokv.cache_service.kv.cache import LayerKVCache, check_layout
 from nanokv.kernels.triton_dequant import use_asm, use_words
 from nanokv.kernels.triton_kvtile import (
     code_args,
@@ -33,6 +32,7 @@ from nanokv.kernels.triton_kvtile import (
     tile_rows,
 )
 from nanokv.kernels.triton_softmax import online_softmax_step
+from nanokv.kv.cache import LayerKVCache, check_layout
 
 LOG2E = 1.4426950408889634
 

@@ -12,7 +12,7 @@ the normalized row is rounded to the input dtype before the weight (HF's order),
 again, and the rotation is computed in fp32 and rounded once to the output dtype.
 
 Optionally (`rot`) the same program multiplies the rows by a KV format's rotation R [D, D]
-(nanokv.cache_service.kv.rotation: q and k of int8/int4 layers), with the rounding of the GEMM it replaces
+(nanokv.kv.rotation: q and k of int8/int4 layers), with the rounding of the GEMM it replaces
 (input in the output dtype, fp32 sums, one rounding): one launch less per layer and step.
 """
 
@@ -82,7 +82,7 @@ def _qk_norm_rope_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, r_ptr, o_ptr,
     odt = o_ptr.dtype.element_ty
     y1 = (x1 * c - x2 * s).to(odt)
     y2 = (x2 * c + x1 * s).to(odt)
-    if ROT:  # the KV format's rotation of q and k (nanokv.cache_service.kv.rotation), as its GEMM on these rows would
+    if ROT:  # the KV format's rotation of q and k (nanokv.kv.rotation), as its GEMM on these rows would
         y1, y2 = _rotate_halves(y1, y2, r_ptr, offs_d, d_ok, DH, PREC)
     orow = o_ptr + t[:, None] * H * 2 * DH + offs_h[:, None] * (2 * DH) + offs_d[None, :]
     tl.store(orow, y1.to(odt), mask=m2)

@@ -1,6 +1,6 @@
 """GPU self-checks of the Triton KV kernels at real shapes, against a float64 reference.
 
-Used by nanokv.bench.gpu_kernels (one device run checks, then times). Every check draws fresh random
+Used by nanokv_tools.bench.gpu_kernels (one device run checks, then times). Every check draws fresh random
 inputs, NaN-poisons the outputs, and compares against the torch reference run in float64 on the
 same cache contents (relative error ||out - ref|| / ||ref||); the store is compared code by code.
 `Shapes(small=True)` runs the same logic on the CPU under TRITON_INTERPRET=1 at tiny shapes.
@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from nanokv.cache_service.kv.blockquant import quantize_filled
-from nanokv.cache_service.kv.cache import LayerKVCache, allocate_layer_cache
-from nanokv.compute_service.attention.metadata import AttentionMetadata
 from nanokv.kernels import reference, triton_store
 from nanokv.kernels.triton_backend import TritonBackend
 from nanokv.kernels.triton_config import TritonConfig
+from nanokv.kv.blockquant import quantize_filled
+from nanokv.kv.cache import LayerKVCache, allocate_layer_cache
+from nanokv.kv.metadata import AttentionMetadata
 
 
 @dataclass
@@ -86,7 +86,7 @@ def make_batch(sh: Shapes, bits: int, bs: int, q_lens: list[int], seq_lens: list
 
 def _store_all(cache: LayerKVCache, kv: torch.Tensor, slots: torch.Tensor) -> None:
     """Triton store of kv [2, T, H, D] at slots; int4 as the runner does it: staged, then every filled
-    block quantized once (nanokv.cache_service.kv.blockquant) and its staging released."""
+    block quantized once (nanokv.kv.blockquant) and its staging released."""
     for part in slots.split(1 << 16):
         if cache.stage is not None:
             cache.stage.plan(part.cpu().numpy())

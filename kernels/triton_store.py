@@ -1,14 +1,14 @@
 """store_kvcache: write each new token's K/V rows into its cache slot, quantizing on the way in (int8).
 
 int4 rows go unquantized to their block's full-precision staging slot; the block is quantized as a
-whole once it fills (nanokv.cache_service.kv.blockquant, after the step's attention), never row by row here.
+whole once it fills (nanokv.kv.blockquant, after the step's attention), never row by row here.
 
 Grid (T, head groups): a program stores one token's K/V rows for a group of its KV heads as a
 [heads, D/2] x 2 tile (16-bit: all heads; int8: one head per one-warp program, since the
 quantizing store is a latency chain of loads, a max, IEEE divisions and stores, and at a decode
 step's few tokens a program per token left most of the GPU idle). Slot -1 means
 "don't store" (padding, or a token whose KV is already cached). Quantization matches
-nanokv.cache_service.kv.quant bit for bit: IEEE division (div_rn, not the fast approximate one), fp16 rounding
+nanokv.kv.quant bit for bit: IEEE division (div_rn, not the fast approximate one), fp16 rounding
 of scale and zero, round-half-to-even like torch.round, and scales that underflow to 0 stored as 1.
 """
 
@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanokv.cache_service.kv.cache import LayerKVCache, check_layout
 from nanokv.kernels.triton_kvtile import kv_meta_args, next_pow2
+from nanokv.kv.cache import LayerKVCache, check_layout
 
 
 @triton.jit
@@ -112,7 +112,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
     if cache.stage is not None:
         # int4: rows go to their block's full-precision staging slot, laid out like a 16-bit cache
         # ([S, H, bs, D], slot = stage slot * bs + offset, looked up in the kernel: as torch ops it was
-        # five small kernels per layer and step); nanokv.cache_service.kv.blockquant quantizes full blocks
+        # five small kernels per layer and step); nanokv.kv.blockquant quantizes full blocks
         assert cache.k_stage is not None and cache.v_stage is not None
         kc, vc, bits, stage_of = cache.k_stage, cache.v_stage, 16, cache.stage.stage_of
     hb = heads_per_program or (1 if bits == 8 else H)

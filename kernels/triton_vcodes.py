@@ -1,4 +1,4 @@
-"""Quantized value codes read from dims-major blocks (int8 and int4; nanokv.cache_service.kv.cache) as token-major
+"""Quantized value codes read from dims-major blocks (int8 and int4; nanokv.kv.cache) as token-major
 tiles, for the kernels whose value product takes [BLOCK_N, BLOCK_DH] tiles (the paged prefill, the
 untransposed decodes). A tile may span several blocks or part of one: it is read as runs of tokens
 that share a block, each with tokens contiguous in memory (vector loads), one table read per run,
@@ -17,7 +17,7 @@ from nanokv.kernels.triton_dequant import int4_tile_f16, int8_tile_f16
 def _value_runs(v_ptr, bt_row_ptr, start, hi, kvh, stride_n, stride_h, rows, d_mask, BS: tl.constexpr,
                 BLOCK_N: tl.constexpr):
     """Value codes of tokens [start, start + BLOCK_N) (start % BLOCK_N == 0) at byte rows `rows`
-    [BLOCK_DH] of the dims-major block ([N, H, D, bs], int4 [N, H, D/2, bs]; nanokv.cache_service.kv.cache), as
+    [BLOCK_DH] of the dims-major block ([N, H, D, bs], int4 [N, H, D/2, bs]; nanokv.kv.cache), as
     [NB, BLOCK_DH, TB]: runs of TB tokens that share a block, tokens contiguous (vector loads), one
     table read per run. Not masked by token: a token past hi or in a hole reads block 0, whose codes
     are finite, and its softmax weight is 0."""

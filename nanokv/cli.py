@@ -54,6 +54,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in ENGINE_KEYS if getattr(args, k, None) is not None}
 
 
+TOOL_COMMANDS = ("bench", "soak", "simulate", "eval")
+
+
+def _tools_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("nanokv_tools") is not None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from nanokv.gateway.llm import LLM
 
@@ -134,14 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--run-dir", default=None, help="where the sockets and service logs go (default: a temp dir)")
     add_serve_args(up)
 
-    b = sub.add_parser("bench", help="throughput benchmarks (prints numbers, writes JSON)")
-    from nanokv.bench.cli import add_bench_args
-    add_bench_args(b)
-    add_engine_args(b)
+    b = sub.add_parser("bench", help="throughput benchmarks (prints numbers, writes JSON; needs nanokv-tools)")
+    sk = sub.add_parser("soak", help="a bounded mixed run against the three services, a compute restart in it "
+                        "(needs nanokv-tools)")
+    if _tools_installed():
+        from nanokv_tools.bench.cli import add_bench_args
+        from nanokv_tools.bench.soak import add_soak_args
 
-    sk = sub.add_parser("soak", help="a bounded mixed run against the three services, a compute restart in it")
-    from nanokv.bench.soak import add_soak_args
-    add_soak_args(sk)
+        add_bench_args(b)
+        add_engine_args(b)
+        add_soak_args(sk)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_args(s)
@@ -152,25 +163,29 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("rest", nargs=argparse.REMAINDER)
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TOOL_COMMANDS and not _tools_installed():
+        print(f"error: `nanokv {argv[0]}` is one of the tools, in the nanokv-tools distribution, which is not "
+              "installed here: pip install -e tools (from a nanokv checkout)", file=sys.stderr)
+        return 2
     # simulate/eval own their flags: hand them the raw arguments
     if argv and argv[0] == "simulate":
-        from nanokv.sim.simulate import main as sim_main
+        from nanokv_tools.sim.simulate import main as sim_main
         return int(sim_main(argv[1:]) or 0)
     if argv and argv[0] == "eval":
-        from nanokv.eval.cli import main as eval_main
+        from nanokv_tools.eval.cli import main as eval_main
         return int(eval_main(argv[1:]) or 0)
     args = parser.parse_args(argv)
     try:
         if args.cmd == "generate":
             return cmd_generate(args)
         if args.cmd == "bench":
-            from nanokv.bench.cli import run_bench
+            from nanokv_tools.bench.cli import run_bench
             return run_bench(args, engine_kwargs(args))
         if args.cmd == "serve":
             from nanokv.gateway.http.cli import serve_main
             return int(serve_main(args) or 0)
         if args.cmd == "soak":
-            from nanokv.bench.soak import main as soak_main
+            from nanokv_tools.bench.soak import main as soak_main
             return soak_main(args)
         if args.cmd == "health":
             from nanokv.health import main as health_main

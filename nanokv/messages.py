@@ -163,3 +163,25 @@ class ModelInfo:
     model: str | None = None  # the path the compute service loaded (the gateway's tokenizer reads it too)
     epoch: int = 0  # the pool the compute service has mapped (0: none)
     layer_bits: list[int] = field(default_factory=list)  # the pool's KV format per layer (16: full precision)
+
+
+@dataclass(frozen=True)
+class GhostScores:
+    """Evidence over some horizon: block hits per ghost over the same queries, and for every pair of
+    ghosts the sum of squared per-request hit differences (for a paired test)."""
+
+    hits: dict[str, float]
+    queries: float
+    pair_sq: dict[tuple[str, str], float]
+
+    @property
+    def ratios(self) -> dict[str, float]:
+        return {p: h / self.queries for p, h in self.hits.items()}
+
+    def z(self, a: str, b: str) -> float:
+        """How many standard deviations ``a`` leads ``b`` by: both ghosts saw the very same requests,
+        so the per-request differences d_i are paired and sum(d_i) / sqrt(sum(d_i^2)) is the
+        statistic of a paired test; a lead made of a few lucky requests scores low."""
+        d = self.hits[a] - self.hits[b]
+        sq = self.pair_sq.get((a, b), self.pair_sq.get((b, a), 0.0))
+        return d / sq**0.5 if sq > 0 else 0.0

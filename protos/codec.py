@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import Any
 
-from nanokv.cache_service.ghosts import GhostScores
+from nanokv.messages import GhostScores
 from nanokv.messages import (
     CudaIpcHandle,
     ModelInfo,

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanokv.cache_service.kv.cache import LayerKVCache, allocate_layer_cache
-from nanokv.compute_service.attention.metadata import AttentionMetadata, forward_context
+from nanokv.kv.cache import LayerKVCache, allocate_layer_cache
+from nanokv.kv.metadata import AttentionMetadata, forward_context
 
 
 @dataclass

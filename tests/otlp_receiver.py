@@ -1,6 +1,6 @@
-"""The in-process OTLP/gRPC trace receiver of the tests (nanokv.bench.otlp_receiver: the docs'
+"""The in-process OTLP/gRPC trace receiver of the tests (nanokv_tools.bench.otlp_receiver: the docs'
 trace picture uses it too)."""
 
-from nanokv.bench.otlp_receiver import Receiver
+from nanokv_tools.bench.otlp_receiver import Receiver
 
 __all__ = ["Receiver"]

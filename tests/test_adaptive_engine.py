@@ -13,18 +13,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels on CPU, before any of them runs
 
-from nanokv.cache_service.kv.blockquant import quantize_filled
-from nanokv.cache_service.kv.cache import allocate_layer_cache
-from nanokv.cache_service.kv.reformat import reformat_layer
-from nanokv.cache_service.kv.rotation import rotation_matrix
 from nanokv.compute_service import kv_hooks as hooks
+from nanokv.compute_service.adaptive.precision import PrecisionActuator
+from nanokv.compute_service.runner.kv_reformat import reformat_layer
 from nanokv.config import parse_bitwidth
 from nanokv.gateway.adaptive import AdaptiveController, AdaptiveSettings
-from nanokv.gateway.adaptive.precision import PrecisionActuator
 from nanokv.gateway.adaptive.settings import PATIENCE_WINDOWS
 from nanokv.gateway.llm import LLM
 from nanokv.gateway.metrics import EngineMetrics
 from nanokv.kernels import reference
+from nanokv.kv.blockquant import quantize_filled
+from nanokv.kv.cache import allocate_layer_cache
+from nanokv.kv.rotation import rotation_matrix
 from nanokv.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -58,10 +58,10 @@ def test_outlier_layer_backs_off_and_perplexity_returns_to_int8():
     """Layer 5 is planned int4 (the others int8); the test hook gives it 150x key outliers, which int4
     cannot hold (+5-9 % perplexity). The controller must widen it within 2 windows; from then on the
     run scores what an all-INT8 cache scores on the same tokens (KL within the INT8 target)."""
-    from nanokv.eval.corpus import read_corpus
-    from nanokv.eval.perplexity import run_perplexity
-    from nanokv.eval.runners import build
-    from nanokv.eval.settings import Setting, preset
+    from nanokv_tools.eval.corpus import read_corpus
+    from nanokv_tools.eval.perplexity import run_perplexity
+    from nanokv_tools.eval.runners import build
+    from nanokv_tools.eval.settings import Setting, preset
 
     layer, window = 5, 2
     plan = parse_bitwidth({"default": 8, "layers": {str(layer): 4}})
@@ -180,8 +180,8 @@ def test_widening_on_cuda_leaves_the_margin_free(monkeypatch):
     still free, as for a pool grow; without the margin the same free memory would let it through."""
     from types import SimpleNamespace
 
-    from nanokv.cache_service.kv.cache import bytes_per_block
-    from nanokv.cache_service.kv.reformat import CHUNK_BLOCKS
+    from nanokv.compute_service.runner.kv_reformat import CHUNK_BLOCKS
+    from nanokv.kv.cache import bytes_per_block
 
     cuda = SimpleNamespace(type="cuda")
     caches = [SimpleNamespace(bits=4, k=SimpleNamespace(device=cuda), num_blocks=64, num_kv_heads=2,

@@ -11,13 +11,13 @@ import weakref
 import pytest
 import torch
 
-from nanokv.cache_service.kv.cache import allocate_layer_cache, is_transposed
-from nanokv.cache_service.kv.resize import resize_layer_cache
-from nanokv.gateway.adaptive.pool import PoolActuator
+from nanokv.compute_service.adaptive.pool import PoolActuator
+from nanokv.compute_service.runner.kv_resize import resize_layer_cache
 from nanokv.gateway.adaptive.settings import PATIENCE_WINDOWS
 from nanokv.gateway.engine import Engine
 from nanokv.gateway.llm import LLM
 from nanokv.gateway.metrics import EngineMetrics
+from nanokv.kv.cache import allocate_layer_cache, is_transposed
 from nanokv.sampling import SamplingParams
 
 TINY = {"model": "random:tiny-qwen3", "device": "cpu", "dtype": "float32", "block_size": 8,

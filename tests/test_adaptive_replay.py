@@ -8,13 +8,13 @@ flap; with no switch it is the plain replay of its start policy."""
 from __future__ import annotations
 
 import pytest
+from nanokv_tools.sim import simulate
+from nanokv_tools.sim.adaptive_replay import replay_adaptive
+from nanokv_tools.sim.replay import keys_of, replay
+from nanokv_tools.sim.traces import phase_change, shared_prompt
 
 from nanokv.config import ADAPTIVE_START_POLICY
 from nanokv.gateway.adaptive import AdaptiveSettings
-from nanokv.gateway.adaptive.replay import replay_adaptive
-from nanokv.sim import simulate
-from nanokv.sim.replay import keys_of, replay
-from nanokv.sim.traces import phase_change, shared_prompt
 
 STATIC = ("lru", "lru_k", "clock", "arc", "s3fifo", "sieve", "depth_lru", "leaf_lru")
 CAPACITY = 257  # 0.6 % of the trace's 42,900 unique blocks: the prompts (288 blocks) do not all fit
@@ -71,7 +71,7 @@ def test_the_policy_controller_needs_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from nanokv.sim import simulate; "
+    code = ("import sys; from nanokv_tools.sim import simulate; "
             "simulate.main(['--trace', 'synthetic:shared_prompt', '--policies', 'adaptive', '--capacity', '200', "
             "'--jobs', '1', '--no-progress']); assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)

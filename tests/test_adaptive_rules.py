@@ -8,12 +8,12 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from nanokv.cache_service.ghosts import GhostScores
 from nanokv.cache_service.manager import KVCacheManager
 from nanokv.gateway.adaptive import AdaptiveController, AdaptiveSettings
 from nanokv.gateway.adaptive.rules import ConcurrencyRule, PolicyRule, PrecisionRule
 from nanokv.gateway.adaptive.settings import PATIENCE_WINDOWS, alarm_z
 from nanokv.gateway.adaptive.window import WindowStats
+from nanokv.messages import GhostScores
 
 S = AdaptiveSettings(window_steps=4, max_num_seqs=16)
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from nanokv_tools.eval import invariance
 
-from nanokv.cache_service.kv.cache import allocate_layer_cache
-from nanokv.compute_service.attention.metadata import AttentionMetadata, forward_context
 from nanokv.compute_service.model.layers.linear import MergedColumnParallelLinear, linear
 from nanokv.errors import ConfigError
-from nanokv.eval import invariance
 from nanokv.kernels import cpu_invariant, reference
+from nanokv.kv.cache import allocate_layer_cache
+from nanokv.kv.metadata import AttentionMetadata, forward_context
 
 
 @pytest.fixture

@@ -6,8 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
-from nanokv.bench.run_breakdown import decode_kv_bytes, idle_profile, kind_of, largest_gaps
+from nanokv_tools.bench.run_breakdown import decode_kv_bytes, idle_profile, kind_of, largest_gaps
 
 
 def _prof(spans):

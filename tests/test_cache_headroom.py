@@ -13,12 +13,11 @@ from __future__ import annotations
 import functools
 
 import pytest
-
-from nanokv.sim.headroom import BUILDERS, main
-from nanokv.sim.replay import keys_of, replay
-from nanokv.sim.simulate import parse_capacities
-from nanokv.sim.traces import conversation, multi_turn
-from nanokv.sim.turn_probe import TurnEndProbe
+from nanokv_tools.sim.headroom import BUILDERS, main
+from nanokv_tools.sim.replay import keys_of, replay
+from nanokv_tools.sim.simulate import parse_capacities
+from nanokv_tools.sim.traces import conversation, multi_turn
+from nanokv_tools.sim.turn_probe import TurnEndProbe
 
 
 @functools.cache

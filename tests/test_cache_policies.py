@@ -9,6 +9,8 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from nanokv_tools.sim.replay import keys_of, replay
+from nanokv_tools.sim.traces import TraceRequest, conversation, rag
 
 from nanokv.cache_service import KVCacheManager, make_policy
 from nanokv.cache_service.policies import CAVEATS, ONLINE_POLICY_NAMES, PolicyCaveatWarning
@@ -16,8 +18,6 @@ from nanokv.cache_service.policies import _warned as warned_policies
 from nanokv.cache_service.policies.depth_lru import DepthLRUPolicy, _class_of
 from nanokv.cache_service.policies.leaf_lru import BEFORE_LAST, INTERIOR, LAST, LeafLRUPolicy
 from nanokv.errors import NanoKVError
-from nanokv.sim.replay import keys_of, replay
-from nanokv.sim.traces import TraceRequest, conversation, rag
 
 
 def _trace(seq: str) -> list[TraceRequest]:
@@ -26,7 +26,7 @@ def _trace(seq: str) -> list[TraceRequest]:
 
 def flags(policy: str, capacity: int, seq: str, **kw: object) -> list[int]:
     """Hit flag per request of ``seq`` (one letter = one single-block request)."""
-    from nanokv.sim.replay import NextUseOracle, keys_of
+    from nanokv_tools.sim.replay import NextUseOracle, keys_of
 
     trace = _trace(seq)
     keys = keys_of(trace)

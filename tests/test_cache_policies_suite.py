@@ -14,14 +14,14 @@ from __future__ import annotations
 import functools
 
 import pytest
+from nanokv_tools.sim.adaptive_replay import replay_adaptive
+from nanokv_tools.sim.replay import ideal, keys_of, replay
+from nanokv_tools.sim.simulate import ADAPTIVE_CANDIDATES, ADAPTIVE_INITIAL, parse_capacities
+from nanokv_tools.sim.suite import WORKLOADS
+from nanokv_tools.sim.traces import SYNTHETIC, conversation, tool_agent
 
 from nanokv.cache_service.policies import ONLINE_POLICY_NAMES
-from nanokv.gateway.adaptive.replay import replay_adaptive
 from nanokv.gateway.adaptive.settings import AdaptiveSettings
-from nanokv.sim.replay import ideal, keys_of, replay
-from nanokv.sim.simulate import ADAPTIVE_CANDIDATES, ADAPTIVE_INITIAL, parse_capacities
-from nanokv.sim.suite import WORKLOADS
-from nanokv.sim.traces import SYNTHETIC, conversation, tool_agent
 
 PCTS = (1, 5, 10, 25)
 

@@ -17,15 +17,15 @@ import random
 import warnings
 
 import pytest
+from nanokv_tools.sim.adaptive_replay import replay_adaptive
+from nanokv_tools.sim.replay import keys_of, replay
+from nanokv_tools.sim.simulate import ADAPTIVE_CANDIDATES, ADAPTIVE_INITIAL, parse_capacities
+from nanokv_tools.sim.traces import SYNTHETIC
 
 from nanokv.cache_service import KVCacheManager
 from nanokv.cache_service.ghosts import replay_request
 from nanokv.cache_service.policies import PolicyCaveatWarning
-from nanokv.gateway.adaptive.replay import replay_adaptive
 from nanokv.gateway.adaptive.settings import AdaptiveSettings
-from nanokv.sim.replay import keys_of, replay
-from nanokv.sim.simulate import ADAPTIVE_CANDIDATES, ADAPTIVE_INITIAL, parse_capacities
-from nanokv.sim.traces import SYNTHETIC
 
 BS = 16
 CAP = 40  # blocks: small enough that the 9-block requests below evict all the time

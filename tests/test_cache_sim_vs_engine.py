@@ -1,15 +1,15 @@
 """The simulator predicts the engine: the same multi-turn request stream, run through the engine on
-CPU (embedded model, a 14-block pool) and replayed by nanokv.sim.replay.replay_prompts, gives the
+CPU (embedded model, a 14-block pool) and replayed by nanokv_tools.sim.replay.replay_prompts, gives the
 same prefix hit ratio - the engine's cache service runs the very KVCacheManager and policies the
 simulator drives. Public API only: LLM(...).generate and llm.engine.stats()."""
 
 from __future__ import annotations
 
 import pytest
+from nanokv_tools.sim.replay import replay_prompts
+from nanokv_tools.sim.traces import chat_prompts
 
 from nanokv.sampling import SamplingParams
-from nanokv.sim.replay import replay_prompts
-from nanokv.sim.traces import chat_prompts
 
 NUM_BLOCKS, BLOCK_SIZE = 14, 8
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

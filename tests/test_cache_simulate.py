@@ -7,22 +7,21 @@ import json
 from pathlib import Path
 
 import pytest
+from nanokv_tools.sim.adaptive_replay import replay_adaptive
+from nanokv_tools.sim.replay import ideal, keys_of, replay
+from nanokv_tools.sim.simulate import ADAPTIVE_CANDIDATES, ADAPTIVE_INITIAL, main, parse_capacities
+from nanokv_tools.sim.traces import MOONCAKE_TRACE, load_trace, read_mooncake
 
 from nanokv.errors import NanoKVError
-from nanokv.gateway.adaptive.replay import replay_adaptive
 from nanokv.gateway.adaptive.settings import AdaptiveSettings
-from nanokv.sim.replay import ideal, keys_of, replay
-from nanokv.sim.simulate import ADAPTIVE_CANDIDATES, ADAPTIVE_INITIAL, main, parse_capacities
-from nanokv.sim.traces import load_trace, read_mooncake
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"  # ../shared
+TRACE = MOONCAKE_TRACE
 CAPS = {1: 439, 5: 2196, 10: 4392, 25: 10981, 50: 21962}
 # docs/../notes/cache-policies.md §A3, computed with the reference replay model.
 EXPECTED = {
     "lru": {1: 0.038, 5: 0.157, 10: 0.262, 25: 0.444, 50: 0.589},
     "arc": {1: 0.042, 5: 0.163, 10: 0.266, 25: 0.460, 50: 0.603},
 }
-needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason="shared Mooncake trace not available")
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +30,6 @@ def mooncake() -> tuple[list, list]:
     return reqs, keys_of(reqs)
 
 
-@needs_trace
 def test_trace_shape(mooncake: tuple[list, list]) -> None:
     reqs, _ = mooncake
     assert len(reqs) == 3993
@@ -42,7 +40,6 @@ def test_trace_shape(mooncake: tuple[list, list]) -> None:
     assert round(b, 3) == 0.640 and round(t, 3) == 0.651
 
 
-@needs_trace
 @pytest.mark.parametrize("policy", sorted(EXPECTED))
 def test_reproduces_reference_hit_ratios(policy: str, mooncake: tuple[list, list]) -> None:
     reqs, keys = mooncake
@@ -51,7 +48,6 @@ def test_reproduces_reference_hit_ratios(policy: str, mooncake: tuple[list, list
         assert abs(got - EXPECTED[policy][pct]) <= 0.01, (policy, pct, got)
 
 
-@needs_trace
 def test_leaf_lru_beats_lru_at_every_capacity(mooncake: tuple[list, list]) -> None:
     reqs, keys = mooncake
     for pct in (1, 5, 10, 25):
@@ -60,7 +56,6 @@ def test_leaf_lru_beats_lru_at_every_capacity(mooncake: tuple[list, list]) -> No
         assert ours.block_hits > lru.block_hits and ours.token_hits > lru.token_hits, pct
 
 
-@needs_trace
 def test_adaptive_is_never_below_lru(mooncake: tuple[list, list]) -> None:
     # At 1 % it once switched to S3-FIFO on one noisy window (z = 2.0, the best of three ghosts) and
     # ended at 0.95x LRU; the alarm now splits its significance over the alternatives (alarm_z).

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanokv.cache_service.kv.cache import allocate_layer_cache
-from nanokv.compute_service.attention.metadata import AttentionMetadata
 from nanokv.kernels import cpu_attention, reference
+from nanokv.kv.cache import allocate_layer_cache
+from nanokv.kv.metadata import AttentionMetadata
 
 
 def _batch(G: int, seqs: list[tuple[int, int, bool]], bs: int = 8, H: int = 2, D: int = 16, seed: int = 0):

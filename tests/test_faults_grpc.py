@@ -24,8 +24,8 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from nanokv_tools.bench.stack import Stack
 
-from nanokv.bench.stack import Stack
 from nanokv.config import EngineConfig
 from nanokv.protos import internal_pb2 as ipb
 from nanokv.protos import internal_pb2_grpc as ipb_grpc

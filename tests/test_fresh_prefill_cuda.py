@@ -9,7 +9,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("flash and cuDNN attention need a GPU", allow_module_level=True)
 
-from nanokv.bench.gpu_profile import check_fresh_prefill  # noqa: E402
+from nanokv_tools.bench.gpu_profile import check_fresh_prefill  # noqa: E402
+
 from nanokv.kernels import fresh_prefill  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """q's and k's norm + RoPE as one tensor (nanokv.compute_service.model.layers.fusion): the torch reference against
 q and k done apart, and the GPU's one-kernel form (nanokv.kernels.triton_rope, here under
 TRITON_INTERPRET=1) against the torch function with the compiled path's roundings; its output keeps
-q's and k's heads adjacent, so the KV format's key rotation is one GEMM (nanokv.cache_service.kv.rotation)."""
+q's and k's heads adjacent, so the KV format's key rotation is one GEMM (nanokv.kv.rotation)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
 pytest.importorskip("triton")
 
-from nanokv.cache_service.kv.rotation import joint_view, maybe_rotate, rotation_matrix  # noqa: E402
 from nanokv.compute_service.model.layers import fusion  # noqa: E402
 from nanokv.kernels import triton_rope  # noqa: E402
+from nanokv.kv.rotation import joint_view, maybe_rotate, rotation_matrix  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -117,7 +117,7 @@ def test_triton_rope_applies_the_kv_rotation_as_its_gemm_would(dtype, heads, d, 
     16 rows, a half dim of 24; many: several tokens per program."""
     if many:
         monkeypatch.setattr(triton_rope, "MANY_TOKENS", 1)
-    from nanokv.cache_service.kv.rotation import rotation_matrix
+    from nanokv.kv.rotation import rotation_matrix
     qk, qw, kw, cos, sin, hq = _inputs(dtype, *heads, d=d)
     r = rotation_matrix(d, dtype)
     plain = _compiled_semantics(qk, qw, kw, 1e-6, cos, sin, dtype, hq)

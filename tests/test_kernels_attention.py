@@ -15,13 +15,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
 pytest.importorskip("triton")
 
-from nanokv.cache_service.kv.blockquant import quantize_filled  # noqa: E402
-from nanokv.cache_service.kv.cache import LayerKVCache, allocate_layer_cache  # noqa: E402
-from nanokv.compute_service.attention.metadata import AttentionMetadata  # noqa: E402
 from nanokv.kernels import reference, triton_decode  # noqa: E402
 from nanokv.kernels.triton_backend import TritonBackend, choose_splits  # noqa: E402
 from nanokv.kernels.triton_config import TritonConfig  # noqa: E402
 from nanokv.kernels.triton_decode_swap import runs_transposed  # noqa: E402
+from nanokv.kv.blockquant import quantize_filled  # noqa: E402
+from nanokv.kv.cache import LayerKVCache, allocate_layer_cache  # noqa: E402
+from nanokv.kv.metadata import AttentionMetadata  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FORMATS = [(16, torch.float32), (16, torch.float16), (8, torch.float16), (4, torch.float16),

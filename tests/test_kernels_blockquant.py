@@ -1,5 +1,5 @@
 """Graph-safe int4 quantize-on-fill (Triton, blocks found on the device from the slot mapping) vs the
-eager torch path (nanokv.cache_service.kv.blockquant.quantize_filled, from the host's fill list): identical caches.
+eager torch path (nanokv.kv.blockquant.quantize_filled, from the host's fill list): identical caches.
 CPU: TRITON_INTERPRET=1."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from nanokv.cache_service.kv.blockquant import quantize_filled  # noqa: E402
-from nanokv.cache_service.kv.cache import LayerKVCache, allocate_layer_cache  # noqa: E402
 from nanokv.kernels import reference  # noqa: E402
 from nanokv.kernels.triton_blockquant import div_by_recip, quantize_filled_graphsafe  # noqa: E402
+from nanokv.kv.blockquant import quantize_filled  # noqa: E402
+from nanokv.kv.cache import LayerKVCache, allocate_layer_cache  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 H, D = 2, 32

@@ -2,7 +2,7 @@
 
 The interpreter (TRITON_INTERPRET=1, the other kernel tests) runs the Python semantics only; typing
 rules of the compiler (a loop-carried variable changing type, one return type per jit function,
-dot operand shapes) are checked here (nanokv.bench.compile_sm90, in a process without
+dot operand shapes) are checked here (nanokv_tools.bench.compile_sm90, in a process without
 TRITON_INTERPRET) and on the GPU. Triton's wheel ships ptxas: no GPU needed.
 """
 
@@ -21,7 +21,7 @@ pytest.importorskip("triton.backends.nvidia")
 def test_decode_kernels_compile_for_sm90(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # a fresh compile, not a cached one
-    r = subprocess.run([sys.executable, "-m", "nanokv.bench.compile_sm90", "--out", str(tmp_path)], env=env,
+    r = subprocess.run([sys.executable, "-m", "nanokv_tools.bench.compile_sm90", "--out", str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("ok ")]

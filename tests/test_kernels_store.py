@@ -11,9 +11,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
 pytest.importorskip("triton")
 
-from nanokv.cache_service.kv.cache import allocate_layer_cache  # noqa: E402
 from nanokv.kernels import reference  # noqa: E402
 from nanokv.kernels.triton_store import store_kvcache  # noqa: E402
+from nanokv.kv.cache import allocate_layer_cache  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -73,8 +73,8 @@ def test_store_ties_and_constant_rows() -> None:
 def test_read_back_int8_is_the_stored_rows(dtype: torch.dtype) -> None:
     """read_back_int8 (fresh int8 prompts' flash operands) gives kv.quant's dequantization of the
     rows the store just wrote, bit for bit; rows of slot -1 are not written."""
-    from nanokv.cache_service.kv.quant import dequantize_int8, quantize_int8
     from nanokv.kernels.triton_store import read_back_int8
+    from nanokv.kv.quant import dequantize_int8, quantize_int8
     g = torch.Generator().manual_seed(7)
     H, D, N, T, bs = 3, 64, 6, 40, 16
     cache = allocate_layer_cache(8, N, H, bs, D, torch.float16, DEV)

@@ -90,7 +90,7 @@ def test_greedy_16_tokens_match(pair):
 
 def test_no_metadata_path_matches_paged(pair):
     """Warm-up/profiling path (metadata None: plain causal SDPA) computes the same thing."""
-    from nanokv.compute_service.attention.metadata import forward_context
+    from nanokv.kv.metadata import forward_context
 
     _, _, ours, _, _ = pair
     ids = list(range(3, 30))

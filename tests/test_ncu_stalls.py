@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from nanokv.bench import ncu_stalls
+from nanokv_tools.bench import ncu_stalls
 
 
 def test_summary_of_a_source_page_export(tmp_path: Path, capsys) -> None:

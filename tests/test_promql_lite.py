@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from nanokv.bench.promql_lite import evaluate, scrape_table
-from nanokv.bench.trace_png import BOARD
+from nanokv_tools.bench.promql_lite import evaluate, scrape_table
+from nanokv_tools.bench.trace_png import BOARD
 
 T0 = """# TYPE req_total counter
 req_total{reason="stop"} 10

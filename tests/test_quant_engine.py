@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from nanokv.cache_service.kv.monitor import CompressionMonitor
 from nanokv.gateway.llm import LLM
+from nanokv.kv.monitor import CompressionMonitor
 from nanokv.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -87,9 +87,9 @@ def test_value_rotation_folded_into_the_weights_gives_the_same_run(monkeypatch):
 def test_folded_value_rotation_is_the_same_function():
     """LlamaAttention.fold_value_rotation (with a qkv bias): v_proj's output per head is v R and
     o_proj(o R) is o_proj(o), in float64."""
-    from nanokv.cache_service.kv.rotation import rotation_matrix
     from nanokv.compute_service.model.config import ModelConfig
     from nanokv.compute_service.model.llama import LlamaAttention
+    from nanokv.kv.rotation import rotation_matrix
     torch.manual_seed(0)
     cfg = ModelConfig(architecture="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=100, attention_bias=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanokv.cache_service.kv import quant
-from nanokv.cache_service.kv.cache import allocate_layer_cache, bytes_per_block
-from nanokv.cache_service.kv.fakequant import FakeQuant, fq_lastdim
+from nanokv.kv import quant
+from nanokv.kv.cache import allocate_layer_cache, bytes_per_block
+from nanokv.kv.fakequant import FakeQuant, fq_lastdim
 
 
 def _rows(seed: int = 0, n: int = 256, d: int = 64) -> torch.Tensor:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanokv.cache_service.kv import quant
-from nanokv.cache_service.kv.blockquant import quantize_filled
-from nanokv.cache_service.kv.cache import allocate_layer_cache
-from nanokv.cache_service.kv.staging import StageTable
 from nanokv.kernels import reference
+from nanokv.kv import quant
+from nanokv.kv.blockquant import quantize_filled
+from nanokv.kv.cache import allocate_layer_cache
+from nanokv.kv.staging import StageTable
 
 H, BS, D = 2, 16, 64
 
@@ -99,7 +99,7 @@ def test_deferred_stage_map_is_applied_before_reads_between_steps():
     """The runner defers the staging map's device updates to the next step's metadata copy; a read
     between steps (re-formatting a layer) must first apply them, or a block quantized by the last
     step would still be read from (and written to) staging."""
-    from nanokv.cache_service.kv import blockquant
+    from nanokv.kv import blockquant
     bs, D = 4, 8
     cache = allocate_layer_cache(4, 3, 1, bs, D, torch.float32, "cpu")
     st = cache.stage

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from nanokv.cache_service.kv.blockquant import quantize_filled
-from nanokv.cache_service.kv.cache import allocate_layer_cache
-from nanokv.cache_service.kv.monitor import CompressionMonitor, relative_error, roundtrip
-from nanokv.cache_service.kv.rotation import hadamard, joint_view, maybe_rotate, rotation_matrix
 from nanokv.compute_service import kv_hooks as hooks
 from nanokv.kernels import reference
+from nanokv.kv.blockquant import quantize_filled
+from nanokv.kv.cache import allocate_layer_cache
+from nanokv.kv.monitor import CompressionMonitor, relative_error, roundtrip
+from nanokv.kv.rotation import hadamard, joint_view, maybe_rotate, rotation_matrix
 
 
 def test_rotation_is_orthonormal_and_preserves_scores():
@@ -153,7 +153,7 @@ def test_outlier_hook_raises_error_of_that_layer_and_rotation_absorbs_it():
 
 
 def test_spread_rows_samples_distinct_rows_that_move_between_calls():
-    from nanokv.cache_service.kv.monitor import spread_rows
+    from nanokv.kv.monitor import spread_rows
     assert spread_rows(50, 64, 0, torch.device("cpu")) is None  # few rows: all of them
     a, b = (spread_rows(131072, 64, t, torch.device("cpu")) for t in (0, 1))
     assert a is not None and b is not None

@@ -1,4 +1,4 @@
-"""A short `nanokv soak` (nanokv.bench.soak): three real processes, gRPC and HTTP streams of two
+"""A short `nanokv soak` (nanokv_tools.bench.soak): three real processes, gRPC and HTTP streams of two
 tenants with cancellations, a compute SIGKILL + restart a third of the way in. Every invariant of
 the long run must hold here too: no leaked block or sequence, no cross-tenant or cross-salt prefix
 hit, the same greedy tokens before and after the restart, and no failure other than the outage's."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from nanokv.bench.soak import add_soak_args, print_summary, run_soak
+from nanokv_tools.bench.soak import add_soak_args, print_summary, run_soak
 
 OUTAGE = {"grpc:UNAVAILABLE", "http:503", "http:stream-error:engine_unavailable"}
 

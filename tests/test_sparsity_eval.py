@@ -11,15 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from nanokv_tools.eval.cli import main, parser, sparsity_variants
+from nanokv_tools.eval.sparse import SparseView
 
 import nanokv.config
-from nanokv.cache_service.kv.cache import allocate_layer_cache
-from nanokv.cache_service.kv.demote import DemotionStore
 from nanokv.compute_service.sparsity.accounting import KVBytes
 from nanokv.compute_service.sparsity.policies import SparsityParams
 from nanokv.errors import NanoKVError
-from nanokv.eval.cli import main, parser, sparsity_variants
-from nanokv.eval.sparse import SparseView
+from nanokv.kv.cache import allocate_layer_cache
+from nanokv.kv.demote import DemotionStore
 
 CORPUS = str(Path(nanokv.config.__file__))  # a text every checkout has
 

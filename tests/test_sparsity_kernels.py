@@ -13,13 +13,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
 
-from nanokv.cache_service.kv import demote, quant  # noqa: E402
-from nanokv.cache_service.kv.blockquant import quantize_filled  # noqa: E402
-from nanokv.cache_service.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block  # noqa: E402
-from nanokv.compute_service.attention.metadata import AttentionMetadata  # noqa: E402
 from nanokv.compute_service.sparsity.probe import AttentionProbe  # noqa: E402
 from nanokv.errors import NanoKVError  # noqa: E402
 from nanokv.kernels import reference  # noqa: E402
+from nanokv.kv import demote, quant  # noqa: E402
+from nanokv.kv.blockquant import quantize_filled  # noqa: E402
+from nanokv.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block  # noqa: E402
+from nanokv.kv.metadata import AttentionMetadata  # noqa: E402
 
 BS, H, G, D = 8, 2, 2, 32
 

@@ -13,13 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanokv.cache_service.kv.cache import bytes_per_block
-from nanokv.cache_service.kv.demote import code, slot_bytes
 from nanokv.cache_service.manager import KVCacheManager
 from nanokv.compute_service.sparsity import POLICIES, SequenceSparsity, SparsityParams, keep_budget, plan
 from nanokv.compute_service.sparsity.accounting import KVBytes
 from nanokv.compute_service.sparsity.policies import on_interval_grid
 from nanokv.errors import NanoKVError
+from nanokv.kv.cache import bytes_per_block
+from nanokv.kv.demote import code, slot_bytes
 
 
 def P(s: float, policy: str, **kw) -> SparsityParams:

@@ -29,7 +29,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "leaf_lru": ("leaf_lru", "LeafLRUPolicy"),
     "belady": ("belady", "BeladyPolicy"),
 }
-# Where each policy loses to LRU in `python -m nanokv.sim.suite` (block hit ratio, x LRU's). Keep in step
+# Where each policy loses to LRU in `python -m nanokv_tools.sim.suite` (block hit ratio, x LRU's). Keep in step
 # with docs/cache-policies.md; tests/test_cache_policies_suite.py checks the claims that matter.
 CAVEATS: dict[str, str] = {
     "clock": "below LRU on shared prompts at 1% (0.95x), on the Mooncake trace at 10% (0.96x) and on "

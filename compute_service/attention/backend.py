@@ -6,8 +6,8 @@ from typing import Protocol
 
 import torch
 
-from nanokv.cache_service.kv.cache import LayerKVCache
-from nanokv.compute_service.attention.metadata import AttentionMetadata
+from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
@@ -42,7 +42,7 @@ REFERENCE: AttentionBackend = TorchBackend()  # for forward contexts that name n
 
 def make_backend(name: str, device: torch.device | str = "cpu", batch_invariant: bool = False) -> AttentionBackend:
     """The backend for 'torch', 'triton', or 'auto' (triton on CUDA, torch on CPU); a runner passes
-    it to each forward through nanokv.compute_service.attention.metadata.forward_context.
+    it to each forward through nanokv.kv.metadata.forward_context.
     batch_invariant: the torch backend's batch-invariant attention (nanokv.kernels.cpu_invariant)."""
     if name == "auto":
         name = "triton" if torch.device(device).type == "cuda" else "torch"

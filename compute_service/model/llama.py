@@ -49,7 +49,7 @@ class LlamaAttention(nn.Module):
     @torch.no_grad()
     def fold_value_rotation(self, r: torch.Tensor) -> None:
         """Make v_proj produce v R and o_proj take o R (r [D, D] orthonormal: a KV format's value
-        rotation, nanokv.cache_service.kv.rotation). Attention is linear in v, so with values stored as v R its
+        rotation, nanokv.kv.rotation). Attention is linear in v, so with values stored as v R its
         output is o R, which the folded o_proj maps as o_proj mapped o: the two small GEMMs per layer
         and step that rotated v and o go (W_v per head -> R^T W_v, bias likewise; W_o per head -> W_o R)."""
         D, n, w = self.head_dim, self.q_size + self.kv_size, self.qkv_proj.weight  # w [(Hq + 2 Hk) D, hidden]

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from nanokv.compute_service.attention.backend import AttentionBackend
-from nanokv.compute_service.attention.metadata import AttentionMetadata, forward_context
+from nanokv.kv.metadata import AttentionMetadata, forward_context
 
 log = logging.getLogger(__name__)
 

@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from nanokv.cache_service.kv.cache import LayerKVCache, bytes_per_block
-from nanokv.cache_service.kv.reformat import reformat_layer
-from nanokv.cache_service.kv.resize import resize_layer_cache
-from nanokv.cache_service.kv.rotation import rotation_matrix
-from nanokv.cache_service.kv.staging import StageTable, staging_slots
 from nanokv.cache_service.storage import carve_layer_caches, map_handle, pool_nbytes
 from nanokv.compute_service.attention.backend import AttentionBackend
 from nanokv.compute_service.runner.cuda_graph import DecodeGraphs
+from nanokv.compute_service.runner.kv_reformat import reformat_layer
+from nanokv.compute_service.runner.kv_resize import resize_layer_cache
 from nanokv.config import DEFAULT_CPU_KV_BYTES, ConfigError, EngineConfig
+from nanokv.kv.cache import LayerKVCache, bytes_per_block
+from nanokv.kv.rotation import rotation_matrix
+from nanokv.kv.staging import StageTable, staging_slots
 from nanokv.messages import PoolHandle, PoolLayout
 
 log = logging.getLogger(__name__)
@@ -216,8 +216,8 @@ class KVPool:
 
     def reformat_kv(self, changes: dict[int, int]) -> None:
         """Re-format layers in place to new widths ({layer: bits}; the adaptive KV-width rule,
-        nanokv.gateway.adaptive.precision), block ids and cached contents kept
-        (nanokv.cache_service.kv.reformat). The decode graphs captured the old tensors' addresses:
+        nanokv.compute_service.adaptive.precision), block ids and cached contents kept
+        (nanokv.compute_service.runner.kv_reformat). The decode graphs captured the old tensors' addresses:
         they are dropped first and captured again once, after every layer has changed."""
         if not changes:
             return

@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from nanokv.cache_service.kv.cache import LayerKVCache
-from nanokv.cache_service.kv.staging import StageTable
 from nanokv.cache_service.storage import carve_layer_caches, map_handle, pool_nbytes
 from nanokv.compute_service.attention.backend import make_backend
-from nanokv.compute_service.attention.metadata import AttentionMetadata, forward_context
 from nanokv.compute_service.distributed import broadcast_from_rank0
 from nanokv.compute_service.model.layers.fusion import set_fusion
 from nanokv.compute_service.runner.cuda_graph import DecodeGraphs
 from nanokv.compute_service.runner.h2d import PinnedUploader
 from nanokv.compute_service.runner.kv_pool import KVPool
 from nanokv.config import ConfigError, EngineConfig
+from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.metadata import AttentionMetadata, forward_context
+from nanokv.kv.staging import StageTable
 from nanokv.messages import PoolHandle, PoolLayout
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class ModelRunner(KVPool):
         set_fusion(device.type == "cuda" and not cfg.enforce_eager)
         self.num_blocks = self._decide_num_blocks()
         # int4 layers quantize a block once it fills; open blocks wait in full-precision staging,
-        # one table for all layers (nanokv.cache_service.kv.staging)
+        # one table for all layers (nanokv.kv.staging)
         self.stage: StageTable | None = None
         if 4 in self.layer_bits:
             self.stage = StageTable(self.num_blocks, self._stage_slots(), self.block_size, device)
@@ -103,7 +103,7 @@ class ModelRunner(KVPool):
         self._graph_model_len = 0  # max_model_len the graphs were captured for (re-capture after a resize)
         self.attn_probe: AttentionProbe | None = None  # sparsity: put into each step's metadata
         self.uploader = PinnedUploader(device)
-        self.demotion_store: Any = None  # hybrid sparsity: nanokv.cache_service.kv.demote.DemotionStore over kv_caches
+        self.demotion_store: Any = None  # hybrid sparsity: nanokv.kv.demote.DemotionStore over kv_caches
 
     # ---- one step -----------------------------------------------------------------------------
     def build_metadata(self, items, extra: list[np.ndarray] | None = None, logits_rows: list[int] | None = None

@@ -153,13 +153,13 @@ class TPModelRunner:
 
     def resize_kv(self, num_blocks: int) -> None:
         """Every rank resizes its KV shard (and re-captures its graphs, which contain collectives)
-        in lock step: the adaptive pool rule (nanokv.gateway.adaptive.pool). A failure there, out of memory
+        in lock step: the adaptive pool rule (nanokv.compute_service.adaptive.pool). A failure there, out of memory
         included, is fatal for the group like any other."""
         self._in_place("resize_kv", num_blocks)
 
     def reformat_kv(self, changes: dict[int, int]) -> None:
         """Every rank re-formats its shard of these layers in place (and captures its graphs again)
-        in lock step: the adaptive KV-width rule in one process (nanokv.gateway.adaptive.precision)."""
+        in lock step: the adaptive KV-width rule in one process (nanokv.compute_service.adaptive.precision)."""
         self._in_place("reformat_kv", changes)
 
     def _in_place(self, method: str, *args: Any) -> None:

@@ -5,7 +5,7 @@ sequence's full KV blocks while it runs.
   state.py        one sequence's scores, dropped and demoted blocks (pure)
   probe.py        attention mass per block from the step's own queries (torch; attention, hybrid)
   engine_hook.py  the engine's one call per step: measure, plan, drop through the cache manager,
-                  demote into the INT4 demotion store (nanokv.cache_service.kv.demote)
+                  demote into the INT4 demotion store (nanokv.kv.demote)
   accounting.py   live KV bytes of a block table, each entry at the bytes of what holds it
 
 Dropped blocks are -1 holes in the block table (positions stay true; every kernel masks holes);

@@ -4,7 +4,7 @@
 computed tokens (the open tail block counts whole: it is allocated). A pool block (>= 0) counts at
 its format's bytes in every layer (bytes_per_block, scales and zero points included); a demoted
 entry (<= -2, hybrid sparsity) is a slot of the INT4 demotion store, which it holds instead of a
-pool block (nanokv.cache_service.kv.demote: the INT8 block went back to the pool), counted at the store's bytes
+pool block (nanokv.kv.demote: the INT8 block went back to the pool), counted at the store's bytes
 per slot in every layer (slot_bytes). Both are the bytes the tensors really take.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from nanokv.cache_service.kv.cache import bytes_per_block
-from nanokv.cache_service.kv.demote import slot_bytes
+from nanokv.kv.cache import bytes_per_block
+from nanokv.kv.demote import slot_bytes
 
 
 class KVBytes:

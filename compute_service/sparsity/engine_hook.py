@@ -6,7 +6,7 @@ of its block table: the step's peak, new blocks included), folds the step's atte
 the sequence's scores (attention / hybrid), then applies the policy's plan through the cache
 manager: dropped blocks go back to the pool (KVCacheManager.drop_blocks: -1 holes, nothing after
 the first hole is published); demoted blocks (hybrid) are copied as INT4 into a slot of the
-demotion store (nanokv.cache_service.kv.demote), then their INT8 block goes back to the pool and the entry
+demotion store (nanokv.kv.demote), then their INT8 block goes back to the pool and the entry
 becomes -2 - slot (KVCacheManager.replace_with_external). The manager hands every slot back to the
 store when its sequence drops the entry, finishes, is aborted or preempted. With s = 0 the engine
 gets no EngineSparsity at all.
@@ -24,8 +24,8 @@ from nanokv.compute_service.sparsity.state import SequenceSparsity
 from nanokv.errors import ConfigError
 
 if TYPE_CHECKING:
-    from nanokv.cache_service.kv.demote import DemotionStore
     from nanokv.compute_service.sparsity.probe import AttentionProbe
+    from nanokv.kv.demote import DemotionStore
 
 _KEEP_PEAKS = 4096  # per-request peaks remembered (most recent requests)
 
@@ -52,7 +52,7 @@ class EngineSparsity:
             runner.attn_probe = self.probe
         self.store: DemotionStore | None = None
         if params.demotes:
-            from nanokv.cache_service.kv.demote import DemotionStore
+            from nanokv.kv.demote import DemotionStore
 
             slots = max(1, math.ceil(params.store_fraction * cache_manager.num_blocks))
             self.store = DemotionStore(runner.kv_caches, slots)  # ConfigError unless every layer is int8
@@ -101,7 +101,7 @@ class EngineSparsity:
 
     def _demote(self, seq_id: Hashable, logical: list[int]) -> list[int]:
         """Move these blocks into the INT4 store; returns the logical indices really moved."""
-        from nanokv.cache_service.kv.demote import code
+        from nanokv.kv.demote import code
 
         assert self.store is not None
         alone = self.cm.held_alone(seq_id, logical)

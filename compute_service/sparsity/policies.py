@@ -17,7 +17,7 @@ which of the other live blocks to keep first (at least `min_ranked` of them):
              floor((i + 1)(1 - s)) > floor(i (1 - s))), newest first among equals;
   attention  the highest accumulated attention mass (H2O-like; see nanokv.compute_service.sparsity.probe);
   hybrid     as attention, and of the kept non-protected blocks the lowest-ranked fraction s is
-             demoted INT8 -> INT4 (moved into the INT4 demotion store, nanokv.cache_service.kv.demote): by rank,
+             demoted INT8 -> INT4 (moved into the INT4 demotion store, nanokv.kv.demote): by rank,
              the top tier stays INT8, the middle tier is INT4, the bottom tier is dropped
              ((1-s)^2, s(1-s), s of the candidates).
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from nanokv.cache_service.kv.cache import LayerKVCache
 from nanokv.kernels.reference import gather_kv
+from nanokv.kv.cache import LayerKVCache
 
 
 class AttentionProbe:

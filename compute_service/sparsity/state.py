@@ -1,7 +1,7 @@
 """Per-sequence sparsity state: accumulated block scores, what was dropped and demoted, peak size.
 
 Pure Python. One SequenceSparsity follows one sequence's block table from its first step; the
-engine (nanokv.compute_service.sparsity.engine_hook) and the eval harness (nanokv.eval.sparse) both drive it:
+engine (nanokv.compute_service.sparsity.engine_hook) and the eval harness (nanokv_tools.eval.sparse) both drive it:
 
     st.observe(step_mass)          # attention / hybrid: this step's mass per logical block
     p = st.plan(num_computed)      # which live full blocks to drop / demote now

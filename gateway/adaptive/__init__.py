@@ -3,7 +3,7 @@
 Torch-free modules (usable by ``nanokv simulate``): settings, window, rules, controller, remote,
 replay, plot (the ghost caches are the cache service's: nanokv.cache_service.ghosts). Torch modules
 (engine only): reformat, precision, pool, engine_glue (the error probe is the compute service's), and the
-``python -m nanokv.eval.adaptive_quality`` measurement.
+``python -m nanokv_tools.eval.adaptive_quality`` measurement.
 See docs/adaptive.md.
 """
 

@@ -30,7 +30,7 @@ log = logging.getLogger("nanokv.gateway.adaptive")
 
 
 class PrecisionControl(Protocol):
-    """What the KV bit-width rule needs from the torch side (nanokv.gateway.adaptive.precision)."""
+    """What the KV bit-width rule needs from the torch side (nanokv.compute_service.adaptive.precision)."""
 
     base_bits: list[int]
 

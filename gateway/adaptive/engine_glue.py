@@ -42,7 +42,7 @@ def build_controller(engine: Any) -> AdaptiveController:
             # hybrid sparsity's demotion store re-quantizes int8 blocks: every layer must stay int8
             log.warning("adaptive: KV bit-width switching is off with hybrid sparsity (INT4 demotion store)")
         else:
-            from nanokv.gateway.adaptive.precision import PrecisionActuator  # torch: only when needed
+            from nanokv.compute_service.adaptive.precision import PrecisionActuator  # torch: only when needed
 
             # (tensor parallel: every rank re-formats in lock step)
             precision = PrecisionActuator(runner, margin_bytes=cfg.adaptive_pool_margin_bytes,
@@ -79,7 +79,7 @@ def _pool_actuator(engine: Any) -> Any:
         log.info("adaptive: KV pool rule off on %s without adaptive_pool_reserve_bytes (nothing to grow into)",
                  engine.device.type)
         return None
-    from nanokv.gateway.adaptive.pool import PoolActuator  # torch: only when needed
+    from nanokv.compute_service.adaptive.pool import PoolActuator  # torch: only when needed
 
     return PoolActuator(engine.runner, engine.cache_manager, cfg.adaptive_pool_reserve_bytes,
                         cfg.adaptive_pool_margin_bytes, before_change=_lander(engine))

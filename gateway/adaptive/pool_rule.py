@@ -29,7 +29,7 @@ from nanokv.gateway.adaptive.window import WindowStats
 
 
 class PoolControl(Protocol):
-    """What the pool rule needs from the torch side (nanokv.gateway.adaptive.pool.PoolActuator)."""
+    """What the pool rule needs from the torch side (nanokv.compute_service.adaptive.pool.PoolActuator)."""
 
     base_blocks: int  # the start-up size: the floor the pool shrinks back to
 

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nanokv.cache_service.ghosts import GhostScores
 from nanokv.config import KV_WIDTHS
 from nanokv.gateway.adaptive.settings import (
     LOWER_FACTOR,
@@ -34,6 +33,7 @@ from nanokv.gateway.adaptive.settings import (
     alarm_z,
 )
 from nanokv.gateway.adaptive.window import WindowStats
+from nanokv.messages import GhostScores
 
 LADDER = KV_WIDTHS  # KV bit widths, narrowest first; 16 = the model dtype, no compression error
 

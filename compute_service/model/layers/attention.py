@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanokv.compute_service.attention.backend import REFERENCE
-from nanokv.compute_service.attention.metadata import get_context
 from nanokv.compute_service.kv_hooks import after_attention, before_store, fused_rotation, qk_dtype
+from nanokv.kv.metadata import get_context
 
 
 class Attention(nn.Module):
@@ -61,7 +61,7 @@ class Attention(nn.Module):
             ).transpose(0, 1)
         else:
             cache = ctx.kv_caches[self.layer_idx]
-            # KV compression (owned by nanokv.cache_service.kv): Hadamard-rotate q/k when this layer's format
+            # KV compression (owned by nanokv.kv): Hadamard-rotate q/k when this layer's format
             # says so, sample the compression error, test hooks. Before the store, on every backend.
             q, k, v = before_store(self.layer_idx, cache, md, q, k, v, rotated)
             backend = ctx.backend or REFERENCE

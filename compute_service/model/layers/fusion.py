@@ -124,7 +124,7 @@ def qk_norm_rope(qk: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, eps: floa
     qk [T, Hq + Hk, D] (e.g. a view of the qkv projection's output) -> one new [T, Hq + Hk, D]
     tensor in dtype (the attention's, nanokv.compute_service.kv_hooks.qk_dtype). q and k as one tensor: on a GPU
     that is one kernel launch for both, and the heads stay adjacent, so a product both then take (a
-    KV format's key rotation, nanokv.cache_service.kv.rotation.maybe_rotate) is one GEMM, or, given as rot, is
+    KV format's key rotation, nanokv.kv.rotation.maybe_rotate) is one GEMM, or, given as rot, is
     applied here (on a GPU inside the same kernel)."""
     if _on_gpu_kernel(qk):
         from nanokv.kernels import triton_rope

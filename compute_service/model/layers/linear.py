@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanokv.compute_service.attention.metadata import current_context
 from nanokv.compute_service.distributed import all_reduce, get_tp_rank, get_tp_size, head_ranges
 from nanokv.errors import NanoKVError
+from nanokv.kv.metadata import current_context
 
 WeightLoader = Callable[..., None]
 _CPU_PANEL_ROWS = 768  # output rows per sgemm for small CPU batches (MergedColumnParallelLinear.forward)
