@@ -42,4 +42,4 @@ bench: $(STAMP)
 	$(VENV)/bin/nanokv bench --device cpu --compare hf
 
 simulate: $(STAMP)
-	$(VENV)/bin/nanokv simulate --trace tools/nanokv_tools/data/mooncake_synthetic_trace.jsonl --plot docs/cache-policies.png
+	$(VENV)/bin/nanokv simulate --plot docs/cache-policies.png

@@ -14,17 +14,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from nanokv import tracing
+from nanokv.kv.formats import kv_format
 from nanokv.messages import PlanReply, PlanRequest
 
 _COUNTERS = ("prefix_queries_tokens", "prefix_hits_tokens", "blocks_allocated", "evictions", "blocks_cached",
              "preemptions", "recomputed_tokens")
-
-
-def kv_format(layer_bits: list[int], dtype: str) -> str:
-    """The pool's KV format: the dtype at full precision, else the integer widths its layers use
-    ("int8", "int4", "int4+int8"; a full-precision layer adds the dtype)."""
-    kinds = sorted({f"int{b}" if b < 16 else dtype for b in layer_bits})
-    return "+".join(kinds) if kinds else dtype
 
 
 @contextlib.contextmanager

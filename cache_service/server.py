@@ -83,7 +83,7 @@ def serve(config: EngineConfig, listen: str, stop: threading.Event | None = None
     if config.device != "cpu":
         _init_cuda()
     server, hs = make_server(listen)
-    add_servicer(server, CacheServicer(svc), "Cache")
+    add_servicer(server, CacheServicer(svc), "Cache", pb)
     server.start()
     set_serving(hs, [SERVICE_NAME], True)
     log.info("cache service on %s (policy %s)", listen, config.eviction_policy)

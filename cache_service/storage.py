@@ -1,15 +1,12 @@
-"""KV storage: the pool's tensors, every layer and format, carved from one flat byte segment.
+"""KV storage: the segment that holds the pool's tensors, allocated and owned by the cache service.
 
-The cache service allocates the segment; the compute service maps the same bytes once when it
-attaches and carves the same views from them (carve_layer_caches, run by both sides with the same
-layout, gives identical tensors: same order, same offsets). So no KV byte crosses an RPC: only the
-handle does (nanokv.messages.PoolHandle).
-
+Its layout (which tensor sits at which offset, for every layer and format) is nanokv.kv.segment's,
+shared with the compute service, which maps the same bytes once when it attaches. Kinds of segment:
   local  same process (the in-process transport): the handle carries the tensor itself
   shm    a file in /dev/shm (or the temp dir) of `nbytes`, mapped shared by both processes
          (torch.from_file(shared=True) is mmap MAP_SHARED); the cache service creates and removes it
   cuda_ipc  a device allocation of the cache service's, exported over CUDA IPC
-         (nanokv.cache_service.cuda_ipc); the compute service opens it once
+         (nanokv.kv.cuda_ipc); the compute service opens it once
 
 The only module of the cache service that imports torch.
 """
@@ -23,65 +20,8 @@ import weakref
 import torch
 
 from nanokv.cache_service.segments import new_segment_path
-from nanokv.kv.cache import LayerKVCache, allocate_layer_cache
-from nanokv.kv.staging import StageTable
+from nanokv.kv.segment import pool_nbytes
 from nanokv.messages import PoolHandle, PoolLayout
-
-_ALIGN = 256  # bytes: every carved tensor starts aligned (vector loads, any element size)
-
-
-class Carver:
-    """alloc(shape, dtype) for allocate_layer_cache: consecutive aligned views of `buffer` ([n] uint8),
-    or, with no buffer, meta tensors that only count the bytes (pool_nbytes)."""
-
-    def __init__(self, buffer: torch.Tensor | None = None):
-        self.buffer = buffer
-        self.offset = 0
-
-    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        start = -(-self.offset // _ALIGN) * _ALIGN
-        self.offset = start + nbytes
-        if self.buffer is None:
-            return torch.empty(shape, dtype=dtype, device="meta")
-        if self.offset > self.buffer.numel():
-            raise RuntimeError(f"KV segment too small: {self.buffer.numel()} bytes, layout needs {self.offset}")
-        return self.buffer[start:start + nbytes].view(dtype).view(shape)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dt
-
-
-def carve_layer_caches(layout: PoolLayout, buffer: torch.Tensor | None,
-                       stage: StageTable | None = None) -> list[LayerKVCache]:
-    """Every layer's LayerKVCache as views of `buffer`, in layer order (None: meta tensors)."""
-    carver = Carver(buffer)
-    device = buffer.device if buffer is not None else torch.device("meta")
-    if stage is None and 4 in layout.layer_bits:
-        stage = StageTable(layout.num_blocks, max(layout.stage_slots, 1), layout.block_size, "cpu")
-    dtype = torch_dtype(layout.dtype)
-    return [allocate_layer_cache(b, layout.num_blocks, layout.num_kv_heads, layout.block_size, layout.head_dim,
-                                 dtype, device, stage=stage, alloc=carver)
-            for b in layout.layer_bits]
-
-
-def pool_nbytes(layout: PoolLayout) -> int:
-    carver = Carver(None)
-    dtype = torch_dtype(layout.dtype)
-    stage = StageTable(1, 1, layout.block_size, "cpu") if 4 in layout.layer_bits else None
-    if stage is not None:
-        stage.num_slots = max(layout.stage_slots, 1)  # only its slot count shapes the staging tensors
-    for b in layout.layer_bits:
-        allocate_layer_cache(b, layout.num_blocks, layout.num_kv_heads, layout.block_size, layout.head_dim,
-                             dtype, "meta", stage=stage, alloc=carver)
-    return -(-carver.offset // _ALIGN) * _ALIGN
 
 
 def rank_layouts(layout: PoolLayout) -> list[PoolLayout]:
@@ -106,7 +46,7 @@ class PoolStorage:
         self.path = ""
         self.cuda_ipc = shared and torch.device(layout.device).type == "cuda"
         if self.cuda_ipc:
-            from nanokv.cache_service.cuda_ipc import allocate_exportable
+            from nanokv.kv.cuda_ipc import allocate_exportable
 
             self.buffer = allocate_exportable(self.nbytes, torch.device(layout.device))
         elif layout.device != "cpu" or not shared:
@@ -129,7 +69,7 @@ class PoolStorage:
         # every rank's pool is of rank 0's epoch (a reused segment gets a new one on rank 0's storage only)
         ranks = [dataclasses.replace(r.handle(), epoch=self.epoch) for r in self.ranks]
         if self.cuda_ipc:
-            from nanokv.cache_service.cuda_ipc import export
+            from nanokv.kv.cuda_ipc import export
 
             return PoolHandle("cuda_ipc", self.nbytes, self.epoch, cuda=export(self.buffer), ranks=ranks)
         if self.path:
@@ -150,22 +90,3 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def map_handle(handle: PoolHandle) -> torch.Tensor:
-    """The compute service's view of the segment: [nbytes] uint8."""
-    if handle.kind == "local":
-        if not isinstance(handle.buffer, torch.Tensor):
-            raise ValueError("a local pool handle carries its tensor")
-        return handle.buffer
-    if handle.kind == "cuda_ipc":
-        from nanokv.cache_service.cuda_ipc import open_handle
-
-        if handle.cuda is None:
-            raise ValueError("a cuda_ipc pool handle carries its CUDA IPC export")
-        return open_handle(handle.cuda, handle.nbytes)
-    if handle.kind == "shm":
-        if not os.path.exists(handle.path):
-            raise FileNotFoundError(f"KV segment {handle.path} is gone (cache service restarted?)")
-        return torch.from_file(handle.path, shared=True, size=handle.nbytes, dtype=torch.uint8)
-    raise ValueError(f"unknown pool handle kind {handle.kind!r}")

@@ -127,7 +127,7 @@ def attach_via(cache_address: str, timeout_s: float):  # noqa: ANN201 - a closur
 def serve(config: EngineConfig, listen: str, cache_address: str, stop: threading.Event | None = None) -> None:
     server, hs = make_server(listen)
     servicer = ComputeServicer(config.rpc_timeout_s, config.gateway_lease_s)
-    add_servicer(server, servicer, "Compute")
+    add_servicer(server, servicer, "Compute", pb)
     set_serving(hs, [SERVICE_NAME], False)
     server.start()  # health answers NOT_SERVING while the model loads
     attach = attach_via(cache_address, config.rpc_timeout_s)

@@ -12,7 +12,7 @@ import contextlib
 from typing import Any
 
 from nanokv import tracing
-from nanokv.cache_service.plan_trace import kv_format
+from nanokv.kv.formats import kv_format
 from nanokv.messages import StepRequest
 
 

@@ -54,13 +54,29 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in ENGINE_KEYS if getattr(args, k, None) is not None}
 
 
-TOOL_COMMANDS = ("bench", "soak", "simulate", "eval")
+# commands of the separate nanokv-tools distribution, found through its entry points (group
+# nanokv.commands): the engine never imports its tools
+TOOL_COMMANDS = {
+    "bench": "throughput benchmarks (prints numbers, writes JSON)",
+    "soak": "a bounded mixed run against the three services, a compute restart in it",
+    "simulate": "replay a trace through the cache manager",
+    "eval": "quality of KV compression settings",
+}
 
 
-def _tools_installed() -> bool:
-    import importlib.util
+def run_tool(name: str, argv: list[str]) -> int:
+    from importlib.metadata import entry_points
 
-    return importlib.util.find_spec("nanokv_tools") is not None
+    found = [ep for ep in entry_points(group="nanokv.commands") if ep.name == name]
+    if not found:
+        print(f"error: `nanokv {name}` is one of the tools, in the nanokv-tools distribution, which is not "
+              "installed here: pip install -e tools (from a nanokv checkout)", file=sys.stderr)
+        return 2
+    try:
+        return int(found[0].load()(argv) or 0)
+    except NanoKVError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -143,50 +159,23 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--run-dir", default=None, help="where the sockets and service logs go (default: a temp dir)")
     add_serve_args(up)
 
-    b = sub.add_parser("bench", help="throughput benchmarks (prints numbers, writes JSON; needs nanokv-tools)")
-    sk = sub.add_parser("soak", help="a bounded mixed run against the three services, a compute restart in it "
-                        "(needs nanokv-tools)")
-    if _tools_installed():
-        from nanokv_tools.bench.cli import add_bench_args
-        from nanokv_tools.bench.soak import add_soak_args
-
-        add_bench_args(b)
-        add_engine_args(b)
-        add_soak_args(sk)
+    for name, what in TOOL_COMMANDS.items():  # their flags are their own: the rest of the line goes to them
+        t = sub.add_parser(name, help=f"{what} (nanokv-tools)", add_help=False)
+        t.add_argument("rest", nargs=argparse.REMAINDER)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_args(s)
 
-    sim = sub.add_parser("simulate", help="replay a trace through the cache manager", add_help=False)
-    sim.add_argument("rest", nargs=argparse.REMAINDER)
-    ev = sub.add_parser("eval", help="quality of KV compression settings", add_help=False)
-    ev.add_argument("rest", nargs=argparse.REMAINDER)
-
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in TOOL_COMMANDS and not _tools_installed():
-        print(f"error: `nanokv {argv[0]}` is one of the tools, in the nanokv-tools distribution, which is not "
-              "installed here: pip install -e tools (from a nanokv checkout)", file=sys.stderr)
-        return 2
-    # simulate/eval own their flags: hand them the raw arguments
-    if argv and argv[0] == "simulate":
-        from nanokv_tools.sim.simulate import main as sim_main
-        return int(sim_main(argv[1:]) or 0)
-    if argv and argv[0] == "eval":
-        from nanokv_tools.eval.cli import main as eval_main
-        return int(eval_main(argv[1:]) or 0)
+    if argv and argv[0] in TOOL_COMMANDS:
+        return run_tool(argv[0], argv[1:])
     args = parser.parse_args(argv)
     try:
         if args.cmd == "generate":
             return cmd_generate(args)
-        if args.cmd == "bench":
-            from nanokv_tools.bench.cli import run_bench
-            return run_bench(args, engine_kwargs(args))
         if args.cmd == "serve":
             from nanokv.gateway.http.cli import serve_main
             return int(serve_main(args) or 0)
-        if args.cmd == "soak":
-            from nanokv_tools.bench.soak import main as soak_main
-            return soak_main(args)
         if args.cmd == "health":
             from nanokv.health import main as health_main
             return health_main(args.address, args.service, args.timeout, args.quiet)

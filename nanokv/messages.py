@@ -121,7 +121,7 @@ class PoolLayout:
 
 @dataclass
 class CudaIpcHandle:
-    """A CUDA IPC export of the pool's device segment (nanokv.cache_service.cuda_ipc): the
+    """A CUDA IPC export of the pool's device segment (nanokv.kv.cuda_ipc): the
     cudaIpcMemHandle of its allocation, where the segment sits in it, and PyTorch's shared
     reference count. The GPU is named by UUID: indices differ under different CUDA_VISIBLE_DEVICES."""
     device_uuid: str

@@ -129,13 +129,12 @@ def remote_error(e: grpc.RpcError, what: str) -> Exception:
     return ServiceUnavailable(f"{what}: {code.name if code is not None else 'error'}: {detail}")
 
 
-def add_servicer(server: grpc.Server, servicer: Any, service: str) -> None:
-    """Register `servicer` for `service` ("Cache" / "Compute" of protos/internal.proto) so that no
+def add_servicer(server: grpc.Server, servicer: Any, service: str, pb: Any) -> None:
+    """Register `servicer` for `service` ("Cache" / "Compute" of the generated module `pb`,
+    protos/internal.proto's; the caller passes it, so this layer never imports protos/) so that no
     request can crash it: requests arrive as bytes and a body that does not parse is answered with
     INVALID_ARGUMENT (gRPC's own deserializer would answer INTERNAL), and any exception a handler
     lets escape becomes INTERNAL with its message, never a dropped call."""
-    from nanokv.protos import internal_pb2 as pb
-
     desc = pb.DESCRIPTOR.services_by_name[service]
     handlers = {}
     for m in desc.methods:

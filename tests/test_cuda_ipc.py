@@ -1,4 +1,4 @@
-"""The KV pool over CUDA IPC (cache_service/cuda_ipc.py): exported by one process, written by another.
+"""The KV pool over CUDA IPC (nanokv/kv/cuda_ipc.py): exported by one process, written by another.
 
 On the CPU: the handle's wire form and the refusals that need no GPU. With a GPU (the device's
 check script runs these): a real second process exports a pool segment, this one opens it, and
@@ -32,7 +32,7 @@ def test_handle_round_trips_through_protobuf():
 
 
 def test_expandable_segments_refused_before_allocating(monkeypatch):
-    from nanokv.cache_service.cuda_ipc import CudaIpcError, allocate_exportable
+    from nanokv.kv.cuda_ipc import CudaIpcError, allocate_exportable
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with pytest.raises(CudaIpcError, match="expandable segments"):
@@ -40,7 +40,7 @@ def test_expandable_segments_refused_before_allocating(monkeypatch):
 
 
 def test_unknown_gpu_is_a_clear_error():
-    from nanokv.cache_service.cuda_ipc import CudaIpcError, open_handle
+    from nanokv.kv.cuda_ipc import CudaIpcError, open_handle
 
     if not torch.cuda.is_available():
         pytest.skip("opening a handle initialises CUDA")
@@ -72,7 +72,7 @@ _EXPORTER = textwrap.dedent("""
 
 @needs_cuda
 def test_pool_shared_between_processes():
-    from nanokv.cache_service.storage import carve_layer_caches, map_handle
+    from nanokv.kv.segment import carve_layer_caches, map_handle
 
     p = subprocess.Popen([sys.executable, "-c", _EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True, env=os.environ.copy())
@@ -102,7 +102,7 @@ def test_pool_shared_between_processes():
 
 _RANK_WRITER = textwrap.dedent("""
     import sys, torch
-    from nanokv.cache_service.storage import map_handle
+    from nanokv.kv.segment import map_handle
     from nanokv.protos import codec, internal_pb2 as pb
     seg = map_handle(codec.handle_from_pb(pb.PoolHandle.FromString(bytes.fromhex(sys.argv[1]))))
     seg[:4096] = 5
@@ -118,8 +118,8 @@ def test_rank_pools_are_exported_even_by_an_in_process_cache_service(device):
     heads, always shareable (the ranks are other processes): another process maps rank 1's pool and
     its write is seen here; closing the storage removes a shared-memory file."""
     from nanokv.cache_service.service import CacheService
-    from nanokv.cache_service.storage import pool_nbytes
     from nanokv.config import EngineConfig
+    from nanokv.kv.segment import pool_nbytes
 
     svc = CacheService(EngineConfig(device=device))  # the in-process transport: rank 0's pool is "local"
     layout = PoolLayout(64, 16, 2, 64, [16, 8], "bfloat16", 0, device, rank_kv_heads=[1], rank_devices=[device])

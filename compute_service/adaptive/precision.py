@@ -25,7 +25,7 @@ from typing import Any
 from nanokv.compute_service.adaptive_hooks import memory_shortfall
 from nanokv.compute_service.error_probe import ErrorProbe, probe_widths
 from nanokv.compute_service.runner.kv_reformat import CHUNK_BLOCKS
-from nanokv.gateway.adaptive.rules import LADDER
+from nanokv.config import KV_WIDTHS as LADDER
 from nanokv.kv.cache import bytes_per_block
 
 log = logging.getLogger("nanokv.gateway.adaptive")

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from nanokv.cache_service.storage import carve_layer_caches, map_handle, pool_nbytes
 from nanokv.compute_service.attention.backend import AttentionBackend
 from nanokv.compute_service.runner.cuda_graph import DecodeGraphs
 from nanokv.compute_service.runner.kv_reformat import reformat_layer
@@ -24,6 +23,7 @@ from nanokv.compute_service.runner.kv_resize import resize_layer_cache
 from nanokv.config import DEFAULT_CPU_KV_BYTES, ConfigError, EngineConfig
 from nanokv.kv.cache import LayerKVCache, bytes_per_block
 from nanokv.kv.rotation import rotation_matrix
+from nanokv.kv.segment import carve_layer_caches, map_handle, pool_nbytes
 from nanokv.kv.staging import StageTable, staging_slots
 from nanokv.messages import PoolHandle, PoolLayout
 

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from nanokv.cache_service.storage import carve_layer_caches, map_handle, pool_nbytes
 from nanokv.compute_service.attention.backend import make_backend
 from nanokv.compute_service.distributed import broadcast_from_rank0
 from nanokv.compute_service.model.layers.fusion import set_fusion
@@ -24,6 +23,7 @@ from nanokv.compute_service.runner.kv_pool import KVPool
 from nanokv.config import ConfigError, EngineConfig
 from nanokv.kv.cache import LayerKVCache
 from nanokv.kv.metadata import AttentionMetadata, forward_context
+from nanokv.kv.segment import carve_layer_caches, map_handle, pool_nbytes
 from nanokv.kv.staging import StageTable
 from nanokv.messages import PoolHandle, PoolLayout
 

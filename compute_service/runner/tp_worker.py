@@ -117,26 +117,3 @@ def run_worker_if_torchrun() -> None:
     watch_parent(os.getppid())  # torchrun's agent: if it dies, so do we
     serve(env.rank, env.world_size, env.local_rank, None)
     sys.exit(0)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`torchrun ... -m nanokv.compute_service.runner.tp_worker generate|serve|... [nanokv flags]`."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    env = torchrun_env()
-    if env is None:
-        print("tp_worker: run me under torchrun (RANK/WORLD_SIZE not set, or WORLD_SIZE 1); "
-              "on one host `nanokv ... --tensor-parallel-size N` starts its own workers", file=sys.stderr)
-        return 2
-    if env.rank != 0:
-        run_worker_if_torchrun()
-        return 0
-    has_tp = any(a.startswith("--tensor-parallel-size") for a in argv)
-    if argv[:1] in (["generate"], ["serve"], ["bench"]) and not has_tp:
-        argv += ["--tensor-parallel-size", str(env.world_size)]  # one rank per torchrun process
-    from nanokv.cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

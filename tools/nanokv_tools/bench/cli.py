@@ -58,3 +58,14 @@ def run_bench(args: argparse.Namespace, engine_kw: dict[str, Any]) -> int:
         json.dump(result, f, indent=2)
     print(f"wrote {out}")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    """`nanokv bench ...` (an entry point of group nanokv.commands): the bench flags and the engine's."""
+    from nanokv.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser(prog="nanokv bench", description="throughput benchmarks (prints numbers, writes JSON)")
+    add_bench_args(p)
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    return run_bench(args, engine_kwargs(args))

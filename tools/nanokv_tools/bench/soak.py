@@ -243,3 +243,11 @@ def main(args: argparse.Namespace) -> int:
     print_summary(result)
     print(f"wrote {args.out}")
     return 0 if result["ok"] else 1
+
+
+def command(argv: list[str]) -> int:
+    """`nanokv soak ...` (an entry point of group nanokv.commands)."""
+    p = argparse.ArgumentParser(prog="nanokv soak", description="a bounded mixed run against the three services, "
+                                "a compute restart in it")
+    add_soak_args(p)
+    return main(p.parse_args(argv))

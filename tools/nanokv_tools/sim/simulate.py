@@ -21,7 +21,7 @@ from nanokv.config import ADAPTIVE_POLICY_CANDIDATES, ADAPTIVE_START_POLICY
 from nanokv.errors import NanoKVError
 from nanokv_tools.sim.replay import ReplayResult, ideal, keys_of, replay
 from nanokv_tools.sim.report import format_table, plot, write_json
-from nanokv_tools.sim.traces import TraceRequest, load_trace
+from nanokv_tools.sim.traces import MOONCAKE_TRACE, TraceRequest, load_trace
 
 DEFAULT_POLICIES = ("lru", "lru_k", "clock", "arc", "s3fifo", "sieve", "depth_lru", "leaf_lru", "belady")
 DEFAULT_CAPACITIES = "1%,5%,10%,25%,50%"
@@ -122,9 +122,9 @@ def run(requests: list[TraceRequest], policies: Sequence[str], capacities: Seque
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="nanokv simulate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", required=True, help="Mooncake JSONL file or synthetic:NAME "
+    ap.add_argument("--trace", default=str(MOONCAKE_TRACE), help="Mooncake JSONL file or synthetic:NAME "
                     "(conversation, long_conversation, tool_agent, shared_prompt, rag, multi_turn, phase_change, "
-                    "mixed_phases)")
+                    "mixed_phases); default: the vendored Mooncake synthetic trace")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     ap.add_argument("--capacity", default=DEFAULT_CAPACITIES, help="comma list of N%% of unique blocks or N")
     ap.add_argument("--block-size-tokens", type=int, default=512)
