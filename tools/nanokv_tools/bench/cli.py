@@ -61,7 +61,11 @@ def run_bench(args: argparse.Namespace, engine_kw: dict[str, Any]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`nanokv bench ...` (an entry point of group nanokv.commands): the bench flags and the engine's."""
+    """`nanokv bench ...` (an entry point of group nanokv.commands): the bench flags and the engine's;
+    `nanokv bench serve ...` is the online serving benchmark, with flags of its own."""
+    if argv and argv[0] == "serve":
+        from nanokv_tools.bench.serve import main as serve_main
+        return serve_main(argv[1:])
     from nanokv.cli import add_engine_args, engine_kwargs
 
     p = argparse.ArgumentParser(prog="nanokv bench", description="throughput benchmarks (prints numbers, writes JSON)")
