@@ -133,8 +133,9 @@ def plot(runs: list[dict[str, Any]], path: str, title: str) -> None:
         ax.set_xlabel("achieved request throughput (req/s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        for x, lab, line in zip(xs, labels, ax.get_lines()[0].get_ydata()):
-            ax.annotate(lab, (x, line), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        for x, lab, y in zip(xs, labels, ax.get_lines()[0].get_ydata()):
+            text = lab if lab.startswith("x") else f"rate {lab}"
+            ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
