@@ -121,6 +121,7 @@ def test_openai_http_run_through_the_command_line(server, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=os.environ)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "TTFT p50/p90/p99 ms" in done.stdout and (tmp_path / "http.png").stat().st_size > 0
+    assert KEY not in out.read_text()  # the API key is not written into shareable results
     result = json.loads(out.read_text())
     assert result["backend"] == "openai" and result["model"]
     assert [r["request_rate"] for r in result["runs"]] == ["4", "inf"]

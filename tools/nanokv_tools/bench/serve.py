@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import platform
+import re
 import sys
 import time
 import urllib.request
@@ -171,6 +172,9 @@ def main(argv: list[str] | None = None, log: Any = print) -> int:
             args.base_url, args.grpc_address = served.base_url, served.grpc_address
         result = asyncio.run(run_all(args, log))
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "plot", "no_plot")}
+    # keys never go into results that get shared
+    settings["api_key"] = "<set>" if args.api_key else None
+    settings["launch_args"] = re.sub(r"(--api-key[ =])\S+", r"\1<set>", args.launch_args)
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "cpu_count": os.cpu_count(),
               "args": settings, **_json_ready(result, args.save_requests)}
     with open(args.out, "w") as f:

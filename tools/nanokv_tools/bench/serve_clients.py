@@ -154,8 +154,8 @@ async def openai_request(rec: Record, prompt: list[int], *, url: str, model: str
         return []
     usage, done = state["usage"], state["done"]
     _chunk_times(rec, t_sent, times, time.perf_counter())
-    rec.prompt_tokens = int(usage["prompt_tokens"]) if usage else rec.prompt_len
-    rec.output_tokens = int(usage["completion_tokens"]) if usage else len(times)
+    rec.prompt_tokens = int((usage or {}).get("prompt_tokens", rec.prompt_len))
+    rec.output_tokens = int((usage or {}).get("completion_tokens", len(times)))
     rec.cached_tokens = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     rec.success = done and bool(times or rec.output_tokens == 0)
     if not rec.success:
