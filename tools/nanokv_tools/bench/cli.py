@@ -68,7 +68,8 @@ def main(argv: list[str]) -> int:
         return serve_main(argv[1:])
     from nanokv.cli import add_engine_args, engine_kwargs
 
-    p = argparse.ArgumentParser(prog="nanokv bench", description="throughput benchmarks (prints numbers, writes JSON)")
+    p = argparse.ArgumentParser(prog="nanokv bench", description="throughput benchmarks (prints numbers, writes JSON); "
+                                "`nanokv bench serve --help`: the online serving benchmark")
     add_bench_args(p)
     add_engine_args(p)
     args = p.parse_args(argv)
