@@ -3,8 +3,8 @@
 Inductor's fusions of the same functions (nanokv.compute_service.model.layers.fusion) run as fast on the device,
 but each call of a compiled function costs the host its guard and wrapper layers: three per layer
 and step, ~85 calls per prefill step of Qwen3-0.6B, and long-context prefill steps are host-bound
-(H200, 2026-12-02: the host spent 70-81 ms launching a 16k-token step the device ran in 61-66 ms). A
-Triton launch is the cheaper call. Decode steps replay CUDA graphs either way.
+(the host took longer to launch a 16k-token step than the device took to run it; docs/kernels.md,
+"Host time"). A Triton launch is the cheaper call. Decode steps replay CUDA graphs either way.
 
 Roundings follow the torch functions: the residual sum rounded to the model dtype, the normalized
 row rounded before the weight (HF's order), the weighted row again; silu(gate) rounded before the

@@ -3,9 +3,8 @@
 One program per token (TritonConfig.rope_tokens in long steps with a rotation) reads its [H, D] rows of q then k
 heads (H = Hq + Hk; a strided view of the qkv projection's output), normalizes each head, rotates
 it and writes [H, D] in the attention's dtype. In a CUDA-graphed decode step this is one launch
-per layer: Inductor's fusion of the same function took two or three kernels (0.26-0.40 s of the
-H200 long-context run) and its single-kernel form of the joint tensor was slower still (0.44 s,
-2026-12-02).
+per layer: Inductor's fusion of the same function took two or three kernels, and its single-kernel
+form of the joint tensor was slower still (docs/kernels.md, "Prefill, fill, store, RoPE and norms").
 
 Roundings follow the compiled torch function (nanokv.compute_service.model.layers.fusion, fp32 inside a kernel):
 the normalized row is rounded to the input dtype before the weight (HF's order), the weighted row

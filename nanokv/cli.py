@@ -13,6 +13,7 @@ import json
 import sys
 from typing import Any
 
+from nanokv.cache_service.policies import policy_help
 from nanokv.errors import NanoKVError
 
 
@@ -28,7 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--eviction-policy", default=None)
+    g.add_argument("--eviction-policy", default=None, help=policy_help())
     g.add_argument("--enable-compression", action="store_true", default=None)
     g.add_argument("--quantization-bitwidth", default=None, help="8, 4, or a JSON per-layer plan")
     g.add_argument("--compression-sparsity", type=float, default=None)

@@ -210,13 +210,14 @@ def test_leaf_lru_hit_rescues_a_cold_block_and_forget_drops_it() -> None:
     assert pol.snapshot() == []
 
 
-def test_every_policy_but_lru_and_leaf_lru_carries_a_caveat() -> None:
+def test_every_policy_but_lru_and_leaf_lru_carries_a_caveat_and_only_a_retired_one_warns() -> None:
     assert set(ONLINE_POLICY_NAMES) - set(CAVEATS) == {"lru", "leaf_lru"}
-    warned_policies.discard("sieve")
+    warned_policies.discard("depth_lru")
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
-        make_policy("sieve", 8)
-        make_policy("sieve", 8)  # once per process
+        make_policy("sieve", 8)  # a caveat, but a policy one may choose: silent
+        make_policy("depth_lru", 8)
+        make_policy("depth_lru", 8)  # once per process
         make_policy("leaf_lru", 8)
     assert [type(w.message) for w in got] == [PolicyCaveatWarning]
-    assert "sieve" in str(got[0].message) and "leaf_lru" in str(got[0].message)
+    assert "depth_lru" in str(got[0].message) and "leaf_lru" in str(got[0].message)

@@ -17,7 +17,8 @@ from nanokv.gateway.adaptive.settings import AdaptiveSettings
 
 TRACE = MOONCAKE_TRACE
 CAPS = {1: 439, 5: 2196, 10: 4392, 25: 10981, 50: 21962}
-# docs/../notes/cache-policies.md §A3, computed with the reference replay model.
+# Block hit ratios of the plain reference replay of this trace (docs/cache-policies.md, "Replay model"):
+# the manager reproduces them.
 EXPECTED = {
     "lru": {1: 0.038, 5: 0.157, 10: 0.262, 25: 0.444, 50: 0.589},
     "arc": {1: 0.042, 5: 0.163, 10: 0.266, 25: 0.460, 50: 0.603},

@@ -3,8 +3,11 @@
 Modules are imported on first use so that a broken or slow policy never costs the others.
 
 Every online policy except ``lru`` and ``leaf_lru`` has a caveat: a realistic workload on which it
-keeps fewer blocks than plain LRU (docs/cache-policies.md, "Results"). Building one issues a
-``PolicyCaveatWarning`` (once per policy and process) that says where.
+keeps fewer blocks than plain LRU (docs/cache-policies.md, "Results"). The caveats are information,
+not alarms: they are in the docs, in ``--eviction-policy``'s help (``policy_help()``) and once in
+``nanokv simulate``'s summary. Building a policy is silent, so the default configuration starts
+without a warning; only a *retired* policy (``RETIRED``), which a user must have named on purpose,
+issues a ``PolicyCaveatWarning`` (once per policy and process), because that choice should change.
 """
 
 from __future__ import annotations
@@ -29,26 +32,34 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "leaf_lru": ("leaf_lru", "LeafLRUPolicy"),
     "belady": ("belady", "BeladyPolicy"),
 }
-# Where each policy loses to LRU in `python -m nanokv_tools.sim.suite` (block hit ratio, x LRU's). Keep in step
-# with docs/cache-policies.md; tests/test_cache_policies_suite.py checks the claims that matter.
+# Where each policy loses to LRU in `python -m nanokv_tools.sim.suite` (block hit ratio, x LRU's), one line
+# each (they make up the --eviction-policy help). Keep in step with docs/cache-policies.md, "Results";
+# tests/test_cache_policies_suite.py checks the claims that matter.
 CAVEATS: dict[str, str] = {
-    "clock": "below LRU on shared prompts at 1% (0.95x), on the Mooncake trace at 10% (0.96x) and on "
-             "long-context chat at 10% (0.99x)",
-    "lru_k": "below LRU on multi-turn chat (0.90x at 5%) and long-context chat (0.84x at 10%): one reference "
-             "is not enough to protect a conversation's newest turn",
-    "arc": "below LRU on multi-turn chat in the legacy multi_turn workload (0.97x at 10%), long-context chat "
-           "and the mixed phases workload (0.98x at 25%)",
-    "s3fifo": "below LRU on multi-turn chat (0.93x at 5%) and long-context chat (0.87x at 5-10%): the small "
-              "FIFO evicts a new turn before the user comes back",
-    "sieve": "far below LRU on multi-turn chat (0.66x at 5%) and long-context chat (0.62x at 10%): its hand "
-             "evicts a new turn's blocks, never hit yet, before the user comes back",
-    "depth_lru": "retired: below LRU on multi-turn chat at 1% (0.95x here, 0.66x on a held-out real trace); "
+    "clock": "below LRU on shared prompts at 1% (0.95x) and on the Mooncake trace at 10% (0.96x)",
+    "lru_k": "below LRU on multi-turn chat (0.90x at 5%), as one reference does not protect a "
+             "conversation's newest turn",
+    "arc": "below LRU on the mixed phases workload (0.98x at 25%) and on long-context chat",
+    "s3fifo": "below LRU on multi-turn chat (0.93x at 5%), as its small FIFO evicts a new turn before "
+              "the user comes back",
+    "sieve": "far below LRU on multi-turn chat (0.66x at 5%), as its hand evicts a new turn's blocks "
+             "before the user comes back",
+    "depth_lru": "retired, below LRU on multi-turn chat (0.95x at 1%, 0.66x on a held-out real trace); "
                  "use leaf_lru",
 }
+# What the policies without a caveat are, for the help text.
+_ABOUT = {
+    "lru": "the baseline",
+    "leaf_lru": "LRU that evicts a released prompt's dead last block first, never below LRU on the simulator's "
+                "workloads",
+}
+# Kept only so that configurations naming them still load; choosing one warns.
+RETIRED: frozenset[str] = frozenset({"depth_lru"})
 
 
 class PolicyCaveatWarning(UserWarning):
-    """The eviction policy loses to LRU on a realistic workload (see docs/cache-policies.md)."""
+    """A retired eviction policy was chosen: it loses to LRU on a realistic workload and a better one
+    replaces it (see docs/cache-policies.md)."""
 
 
 _warned: set[str] = set()
@@ -56,6 +67,19 @@ _warned: set[str] = set()
 
 def policy_caveat(name: str) -> str | None:
     return CAVEATS.get(name)
+
+
+def policy_help() -> str:
+    """The --eviction-policy flag's help: every policy the engine takes, each with its caveat ('%'
+    doubled for argparse)."""
+    from nanokv.config import ADAPTIVE_START_POLICY, EngineConfig
+
+    default = EngineConfig.__dataclass_fields__["eviction_policy"].default
+    items = [f"{n}: {_ABOUT.get(n) or CAVEATS[n]}" for n in ONLINE_POLICY_NAMES]
+    items.append(f"adaptive: starts on {ADAPTIVE_START_POLICY}, switches to the policy whose ghost cache "
+                 "would have hit more")
+    text = f"prefix-cache eviction policy (default {default}; docs/cache-policies.md). " + "; ".join(items)
+    return text.replace("%", "%%")
 
 
 POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
@@ -77,13 +101,12 @@ def make_policy(name: str, capacity: int, **kw: Any) -> EvictionPolicy:
         raise NanoKVError("num_blocks", f"got {capacity!r}; must be an integer >= 1")
     accepted = inspect.signature(cls.__init__).parameters
     policy = cls(capacity, **{k: v for k, v in kw.items() if k in accepted})
-    caveat = CAVEATS.get(name)
-    if caveat is not None and name not in _warned:
+    if name in RETIRED and name not in _warned:
         _warned.add(name)
-        warnings.warn(f"eviction policy {name!r}: {caveat} (docs/cache-policies.md); leaf_lru never was",
+        warnings.warn(f"eviction policy {name!r} is {CAVEATS[name]} (docs/cache-policies.md)",
                       PolicyCaveatWarning, stacklevel=2)
     return policy
 
 
-__all__ = ["CAVEATS", "EvictionPolicy", "ONLINE_POLICY_NAMES", "POLICY_NAMES", "PolicyCaveatWarning", "make_policy",
-           "policy_caveat", "policy_class"]
+__all__ = ["CAVEATS", "EvictionPolicy", "ONLINE_POLICY_NAMES", "POLICY_NAMES", "PolicyCaveatWarning", "RETIRED",
+           "make_policy", "policy_caveat", "policy_class", "policy_help"]

@@ -5,8 +5,8 @@ the first time (compile a kernel variant, load a cuBLAS kernel, meet a new shape
 This builds the engine as the benchmark does, then runs the workload twice in the same process and
 reports per run: wall time, host time of the first steps (the prefill phase), the slowest steps;
 the Triton compiles and NVRTC builds after start-up; with --profile, the prefill phases of both runs
-under torch.profiler, by operator, largest difference first (H200, 2026-12-03: the LM head's GEMM spent
-0.4 s on the host in the first run's 25 prefill steps against 0.09 s in the second).
+under torch.profiler, by operator, largest difference first (what it found: docs/kernels.md, "Host
+time").
 """
 
 from __future__ import annotations

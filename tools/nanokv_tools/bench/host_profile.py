@@ -1,11 +1,11 @@
 """Host time of a workload's prefill phase, on a GPU: `python -m nanokv_tools.bench.host_profile --bits 8`.
 
 run_breakdown shows the device idle between a prefill step's last copy and the next step's upload
-(H200, 2026-12-02: ~9.5 ms gaps, 1.0 s of an int8 long-context run, 0.37 s of bf16): the host, not the
-device, sets the pace there. This steps the engine through the prefill phase (until no request
-waits) and reports, per step, host time in the step call and the tokens it ran; then the phase under
-cProfile, top functions by own time and by cumulative time. cProfile slows Python about 2x, so its
-figures rank host costs; the unprofiled pass gives the real ones.
+(docs/kernels.md, "Host time"): the host, not the device, sets the pace there. This steps the
+engine through the prefill phase (until no request waits) and reports, per step, host time in the
+step call and the tokens it ran; then the phase under cProfile, top functions by own time and by
+cumulative time. cProfile slows Python about 2x, so its figures rank host costs; the unprofiled pass
+gives the real ones.
 """
 
 from __future__ import annotations

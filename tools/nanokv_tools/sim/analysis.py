@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nanokv.cache_service.manager import KVCacheManager
-from nanokv_tools.sim.replay import keys_of, replay
+from nanokv_tools.sim.replay import keys_of, replay, sim_manager
 from nanokv_tools.sim.traces import SYNTHETIC, TraceRequest, conversation
 
 CLASSES = ("last block", "block before the last", "interior, new", "already reused")
@@ -101,7 +100,7 @@ def orphan_share(requests: Sequence[TraceRequest], policy: str, capacity: int, e
 
         oracle = NextUseOracle(keys)
         kw["oracle"] = oracle
-    cm = KVCacheManager(capacity, block_size, eviction_policy=policy, policy_kwargs=kw)
+    cm = sim_manager(capacity, block_size, policy, policy_kwargs=kw)
     shares = []
     for i, ks in enumerate(keys):
         if policy == "belady":

@@ -14,10 +14,13 @@ last one) is treated as a full cacheable block, and the query gets one extra tok
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from nanokv.cache_service.manager import KVCacheManager
+from nanokv.cache_service.policies import PolicyCaveatWarning
 from nanokv.cache_service.policies.base import EvictionPolicy
 from nanokv_tools.sim.traces import TraceRequest
 
@@ -89,6 +92,15 @@ def keys_of(requests: Sequence[TraceRequest]) -> list[list[bytes]]:
     return [[h.to_bytes(8, "little", signed=True) for h in r.hash_ids] for r in requests]
 
 
+def sim_manager(capacity: int, block_size: int, policy: str, *, lru_k: int = 2,
+                policy_kwargs: dict[str, Any] | None = None) -> KVCacheManager:
+    """A KVCacheManager for a replay. The simulator replays retired policies on purpose, to compare
+    them: their warning is left out here (``nanokv simulate`` states every caveat once in its summary)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PolicyCaveatWarning)
+        return KVCacheManager(capacity, block_size, eviction_policy=policy, lru_k=lru_k, policy_kwargs=policy_kwargs)
+
+
 def replay(
     requests: Sequence[TraceRequest],
     policy: str,
@@ -109,7 +121,7 @@ def replay(
         oracle = NextUseOracle(keys)
         kwargs["oracle"] = oracle
     if build is None:
-        cm = KVCacheManager(capacity, block_size, eviction_policy=policy, lru_k=lru_k, policy_kwargs=kwargs)
+        cm = sim_manager(capacity, block_size, policy, lru_k=lru_k, policy_kwargs=kwargs)
     else:
         assert oracle is not None  # narrowing: built just above
         cm = KVCacheManager(capacity, block_size, eviction_policy="lru")
@@ -147,7 +159,7 @@ def replay_prompts(prompts: Sequence[Sequence[int]], policy: str, num_blocks: in
     partial last block counts as a cacheable block), only full blocks are cached and at least one
     token is always left to compute, as in the engine. Returns the token hit ratio the engine reports
     (``prefix_hits_tokens / prefix_queries_tokens``) and the manager."""
-    cm = KVCacheManager(num_blocks, block_size, eviction_policy=policy, policy_kwargs=dict(policy_kwargs))
+    cm = sim_manager(num_blocks, block_size, policy, policy_kwargs=dict(policy_kwargs))
     for i, prompt in enumerate(prompts):
         m = cm.match_prefix(prompt)
         if cm.allocate(i, len(prompt), m) is None:

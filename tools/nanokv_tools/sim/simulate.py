@@ -159,10 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"({args.block_size_tokens} tokens/block)")
     print(format_table(results, policies, capacities, unique, best))
     print(f"{len(results)} replays in {elapsed:.1f} s")
-    for p in policies:
-        caveat = policy_caveat(p)
-        if caveat:
-            print(f"caveat: {p} is {caveat}")
+    caveats = [(p, policy_caveat(p)) for p in policies if policy_caveat(p)]
+    if caveats:  # once each, here: replays build policies silently (sim_manager)
+        print("caveats (docs/cache-policies.md):")
+        for p, caveat in caveats:
+            print(f"  {p}: {caveat}")
     meta = {"trace": args.trace, "requests": len(requests), "block_refs": total, "unique_blocks": unique,
             "block_size_tokens": args.block_size_tokens, "capacities": capacities, "policies": policies,
             "ideal_block_hit_ratio": best[0], "ideal_token_hit_ratio": best[1], "seconds": elapsed}
