@@ -150,9 +150,7 @@ def draw_board(prom: Prometheus, t0: float, t1: float, path: Path, window_s: flo
         for t in p.get("targets", []):
             expr = re.sub(r"\[\d+[mh]\]", f"[{window_s:g}s]", t["expr"])  # the board's windows span minutes
             for series in prom.query_range(expr, t0, t1, 1.0):
-                labels = series["metric"]
-                fmt = t.get("legendFormat", "") or t["expr"][:30]
-                name = re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m, lab=labels: str(lab.get(m.group(1), "")), fmt)
+                name = _legend(t.get("legendFormat", "") or t["expr"][:30], series["metric"])
                 ax.plot([float(x) - t0 for x, _ in series["values"]], [float(v) for _, v in series["values"]],
                         label=name, linewidth=1.2)
         ax.set_title(p["title"], fontsize=9)
@@ -169,6 +167,11 @@ def draw_board(prom: Prometheus, t0: float, t1: float, path: Path, window_s: flo
                  f"answered by Prometheus over a {t1 - t0:.0f} s run, rate windows {window_s:.0f} s", fontsize=9)
     fig.savefig(path, dpi=60)
     plt.close(fig)
+
+
+def _legend(fmt: str, labels: dict[str, str]) -> str:
+    """Grafana's legend format: {{label}} replaced by the series' value of that label."""
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: str(labels.get(m.group(1), "")), fmt)
 
 
 def main(argv: list[str] | None = None) -> int:
