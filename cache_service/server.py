@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from nanokv.cache_service.segments import remove_orphans
@@ -19,6 +20,7 @@ from nanokv.protos import codec
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
 from nanokv.rpc import add_servicer, make_server, rpc_errors, set_serving, stop_on_signals
+from nanokv.service_metrics import ServiceMetrics
 
 log = logging.getLogger("nanokv.cache_service")
 SERVICE_NAME = "nanokv.internal.v1.Cache"
@@ -82,8 +84,10 @@ def serve(config: EngineConfig, listen: str, stop: threading.Event | None = None
     svc = CacheService(config, shared=True, ghosts=True)
     if config.device != "cpu":
         _init_cuda()
+    metrics = _metrics(svc)
     server, hs = make_server(listen)
-    add_servicer(server, CacheServicer(svc), "Cache", pb)
+    add_servicer(server, metrics.instrument(CacheServicer(svc), pb.DESCRIPTOR.services_by_name["Cache"]), "Cache", pb)
+    metrics.serve(config.metrics_port, config.metrics_host)
     server.start()
     set_serving(hs, [SERVICE_NAME], True)
     log.info("cache service on %s (policy %s)", listen, config.eviction_policy)
@@ -95,7 +99,27 @@ def serve(config: EngineConfig, listen: str, stop: threading.Event | None = None
     finally:
         set_serving(hs, [SERVICE_NAME], False)
         server.stop(grace=2.0).wait()
+        metrics.close()
         svc.close()
+
+
+def _metrics(svc: CacheService) -> ServiceMetrics:
+    """The service's own /metrics, with the pool's occupancy (zeros until a compute service attaches)."""
+    m = ServiceMetrics()
+
+    def read(key: str) -> Callable[[], float]:
+        def value() -> float:
+            try:
+                return float(svc.stats()[key])
+            except NotAttached:
+                return 0.0
+        return value
+    m.gauge("nanokv_cache_pool_blocks", "KV blocks in the attached pool.", read("kv_blocks_total"))
+    m.gauge("nanokv_cache_pool_free_blocks", "KV blocks free (cached blocks included: they can be evicted).",
+            read("kv_blocks_free"))
+    m.gauge("nanokv_cache_pool_cached_blocks", "KV blocks holding a reusable prefix.", read("kv_blocks_cached"))
+    m.gauge("nanokv_cache_pool_sequences", "Sequences holding blocks.", read("num_seqs"))
+    return m
 
 
 def _init_cuda() -> None:

@@ -35,6 +35,7 @@ from nanokv.rpc import (
     stop_on_signals,
     wait_serving,
 )
+from nanokv.service_metrics import ServiceMetrics
 from nanokv.trace_grpc import intercept_channel
 
 log = logging.getLogger("nanokv.compute_service")
@@ -127,7 +128,9 @@ def attach_via(cache_address: str, timeout_s: float):  # noqa: ANN201 - a closur
 def serve(config: EngineConfig, listen: str, cache_address: str, stop: threading.Event | None = None) -> None:
     server, hs = make_server(listen)
     servicer = ComputeServicer(config.rpc_timeout_s, config.gateway_lease_s)
-    add_servicer(server, servicer, "Compute", pb)
+    metrics = ServiceMetrics()  # up while the model loads: a scrape tells loading from gone
+    add_servicer(server, metrics.instrument(servicer, pb.DESCRIPTOR.services_by_name["Compute"]), "Compute", pb)
+    metrics.serve(config.metrics_port, config.metrics_host)
     set_serving(hs, [SERVICE_NAME], False)
     server.start()  # health answers NOT_SERVING while the model loads
     attach = attach_via(cache_address, config.rpc_timeout_s)
@@ -146,6 +149,7 @@ def serve(config: EngineConfig, listen: str, cache_address: str, stop: threading
     finally:
         set_serving(hs, [SERVICE_NAME], False)
         server.stop(grace=2.0).wait()
+        metrics.close()
         svc.shutdown()
         _detach(cache_address, svc, config.rpc_timeout_s)
 

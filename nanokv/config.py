@@ -85,6 +85,9 @@ class EngineConfig:
     # a gateway silent this long (no plan, no step) is taken for dead: the cache and compute services
     # release every sequence it held (nanokv.lease)
     gateway_lease_s: float = 180.0
+    # the cache / compute service's own Prometheus /metrics (nanokv.service_metrics) on this port; 0 = off
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"  # where that endpoint listens (0.0.0.0 in a container scraped from outside)
     # self-tuning (off until it proves itself)
     adaptive: bool = False
     adaptive_mode: str = "act"  # "act" or "recommend"
@@ -153,6 +156,7 @@ class EngineConfig:
         int_range("tensor_parallel_size", 1, 64)
         int_range("seed", 0)
         int_range("lru_k", 2, 3)
+        int_range("metrics_port", 0, 65535)
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not (
             0.0 < float(self.gpu_memory_utilization) <= 1.0
         ):

@@ -78,7 +78,7 @@ def localize(name: str, spec: dict[str, Any], env: dict[str, str], run_dir: Path
              service_names: list[str]) -> Local:
     """Translate one compose service to a local process. The only changes:
     - named volumes (the unix-socket volume) become folders of `run_dir`, in every argument;
-    - each published container port becomes a free loopback port (the argument naming it too);
+    - each published or exposed container port becomes a free loopback port (the argument naming it too);
     - other services' DNS names "name:port" become the local addresses in `hosts` (the collector:
       the test's OTLP receiver), and a 0.0.0.0 bind becomes 127.0.0.1;
     - the image's `nanokv` console script is the one installed next to this Python.
@@ -94,6 +94,8 @@ def localize(name: str, spec: dict[str, Any], env: dict[str, str], run_dir: Path
         host_ip, _, container = str(p).rsplit(":", 2)
         assert host_ip == "127.0.0.1", f"{name}: port {p} published beyond loopback"
         ports[int(container)] = free_port()
+    for p in spec.get("expose", []):  # reached by other containers only (metrics): its own free port here too
+        ports.setdefault(int(p), free_port())
 
     def rewrite(s: str) -> str:
         s = interpolate(str(s), env)

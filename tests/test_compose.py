@@ -56,6 +56,11 @@ def test_cpu_profile_runs_as_local_processes(tmp_path, llm):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == ref.text
         assert httpx.get(f"http://127.0.0.1:{gw.ports[8000]}/metrics", timeout=10).status_code == 200
+        # the cache and compute services' own /metrics (--metrics-port, the port prometheus scrapes)
+        pool = httpx.get(f"http://127.0.0.1:{stack['cache-cpu'].ports[9100]}/metrics", timeout=10).text
+        assert "nanokv_cache_pool_blocks 2048.0" in pool, pool[-2000:]
+        steps = httpx.get(f"http://127.0.0.1:{stack['compute-cpu'].ports[9100]}/metrics", timeout=10).text
+        assert 'method="Step"' in steps
         # the x-otel environment took effect: each process exports under its compose OTEL_SERVICE_NAME
         names = {s["environment"]["OTEL_SERVICE_NAME"] for s in specs.values()}
         spans = rx.wait_for(lambda sp: names <= {s["service"] for s in sp}, 30)

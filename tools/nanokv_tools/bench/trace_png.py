@@ -1,13 +1,14 @@
 """`python -m nanokv_tools.bench.trace_png [--out docs]`: the pictures of docs/operating.md, from a real run.
 
-Starts `nanokv up` (the embedded model on the CPU) exporting spans over OTLP to a receiver in this
-process, sends a short load (two waves of requests sharing a prompt prefix) while scraping the
-gateway's /metrics every half second, then one traced request alone. Writes
+Starts Debian's Prometheus server (`apt-get install prometheus`; deploy/prometheus.yml with local
+targets, scraping every second) and the three services, each serving its /metrics
+(bench.metrics_stack), exporting spans over OTLP to a receiver in this process. Sends a short load
+(two waves of requests sharing a prompt prefix), then one traced request alone. Writes
 - trace.png: a waterfall of that request's trace and the step traces linked to it, one bar per
   span, coloured by the service that exported it;
 - grafana-board.png: a matplotlib rendering (not a screenshot) of the panels of
-  nanokv/ops/grafana.json, their PromQL evaluated on the scraped samples (nanokv_tools.bench.promql_lite;
-  rate windows shortened to the run's length).
+  nanokv/ops/grafana.json, each expression answered by that Prometheus (/api/v1/query_range) over
+  the run, with the rate windows shortened from minutes to 10 s to suit a run of seconds.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,10 +27,11 @@ from typing import Any
 
 import httpx
 
+from nanokv_tools.bench.metrics_stack import JOBS, ScrapedStack
 from nanokv_tools.bench.otlp_receiver import Receiver
-from nanokv_tools.bench.promql_lite import evaluate, scrape_table
+from nanokv_tools.bench.prometheus import BOARD, Prometheus, local_config
 
-BOARD = Path(__file__).resolve().parent.parent / "ops" / "grafana.json"
+CONFIG = {"device": "cpu", "num_gpu_blocks": 512}
 PREFIX = "The capital of France is Paris. The capital of Italy is Rome. The capital of Germany is Berlin. "
 COUNTRIES = ["Spain", "Portugal", "Greece", "Poland", "Austria", "Sweden", "Norway", "Egypt"]
 COLORS = {"nanokv-gateway": "#3b75af", "nanokv-cache": "#ef8636", "nanokv-compute": "#519e3e"}
@@ -44,30 +46,17 @@ def _port() -> int:
 
 def run(out: Path) -> dict[str, Any]:
     rx = Receiver()
-    port = _port()
+    ports = {job: _port() for job in JOBS}
     env = {**os.environ, "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint,
            "OTEL_BSP_SCHEDULE_DELAY": "200"}
     env.pop("OTEL_SERVICE_NAME", None)
-    run_dir = tempfile.mkdtemp(prefix="nanokv-png-")
-    proc = subprocess.Popen([sys.executable, "-m", "nanokv.cli", "up", "--port", str(port), "--run-dir", run_dir,
-                             "--num-gpu-blocks", "512", "--grpc-port", "0"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    scrapes: list[tuple[float, str]] = []
+    prom = Prometheus(local_config({j: f"127.0.0.1:{p}" for j, p in ports.items()}, interval_s=1.0))
+    stack = None
     stop = threading.Event()
     try:
-        deadline = time.monotonic() + 300
-        while not _healthy(base):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("nanokv up did not start")
-            time.sleep(0.5)
-
-        def scrape() -> None:
-            while not stop.is_set():
-                scrapes.append((time.monotonic(), httpx.get(f"{base}/metrics", timeout=10).text))
-                stop.wait(0.5)
-        scraper = threading.Thread(target=scrape, daemon=True)
-        scraper.start()
+        stack = ScrapedStack(Path(tempfile.mkdtemp(prefix="nanokv-png-")), CONFIG, ports, env=env)
+        base = stack.base
+        t0 = time.time()
         stop.wait(3)
         for wave in (COUNTRIES[:4], COUNTRIES[4:]):  # the second wave hits the first's cached prefix
             threads = [threading.Thread(target=_complete, args=(base, PREFIX + f"The capital of {c} is", 24))
@@ -80,27 +69,19 @@ def run(out: Path) -> dict[str, Any]:
         parent = f"00-{TRACEPARENT_ID}-{'b7ad6b7169203331'}-01"
         _complete(base, PREFIX + "The capital of Spain is", 4, {"traceparent": parent})
         stop.wait(3)
-        stop.set()
-        scraper.join()
+        t1 = time.time()
         spans = rx.wait_for(lambda sp: sum(s["name"] == "nanokv.step" for s in sp) > 20, 10)
+        out.mkdir(parents=True, exist_ok=True)
+        draw_board(prom, t0, t1, out / "grafana-board.png")
     finally:
         stop.set()
-        proc.terminate()
-        proc.wait(60)
+        if stack is not None:
+            stack.stop()
+        prom.stop()
         rx.stop()
     trace = _request_trace(spans)
-    out.mkdir(parents=True, exist_ok=True)
     draw_waterfall(trace, out / "trace.png")
-    t0 = scrapes[0][0]
-    draw_board([t - t0 for t, _ in scrapes], [s for _, s in scrapes], out / "grafana-board.png")
-    return {"spans": len(spans), "trace_spans": len(trace), "scrapes": len(scrapes)}
-
-
-def _healthy(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    return {"spans": len(spans), "trace_spans": len(trace), "seconds": round(t1 - t0, 1)}
 
 
 def _complete(base: str, prompt: str, n: int, headers: dict[str, str] | None = None) -> None:
@@ -151,13 +132,12 @@ def draw_waterfall(trace: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def draw_board(times: list[float], texts: list[str], path: Path, window_s: float = 10.0) -> None:
+def draw_board(prom: Prometheus, t0: float, t1: float, path: Path, window_s: float = 10.0) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     board = json.loads(BOARD.read_text())
-    table = scrape_table(texts)
     panels = board["panels"]
     rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels) // 8
     fig, axes = plt.subplots(rows, 2, figsize=(11, 2.0 * rows), dpi=60, sharex=True, layout="constrained")
@@ -168,10 +148,11 @@ def draw_board(times: list[float], texts: list[str], path: Path, window_s: float
     for p in panels:
         ax = axes[p["gridPos"]["y"] // 8][0 if p["gridPos"]["x"] < 12 else 1]
         for t in p.get("targets", []):
-            for labels, vals in evaluate(t["expr"], table, times, window_s).items():
-                fmt = t.get("legendFormat", "") or t["expr"][:30]
-                name = fmt.replace("{{", "{").replace("}}", "}").format(**dict(labels)) if labels else fmt
-                ax.plot(times, vals, label=name, linewidth=1.2)
+            expr = re.sub(r"\[\d+[mh]\]", f"[{window_s:g}s]", t["expr"])  # the board's windows span minutes
+            for series in prom.query_range(expr, t0, t1, 1.0):
+                name = _legend(t.get("legendFormat", "") or t["expr"][:30], series["metric"])
+                ax.plot([float(x) - t0 for x, _ in series["values"]], [float(v) for _, v in series["values"]],
+                        label=name, linewidth=1.2)
         ax.set_title(p["title"], fontsize=9)
         ax.tick_params(labelsize=7)
         if ax.lines and len(ax.lines) <= 6:
@@ -182,10 +163,15 @@ def draw_board(times: list[float], texts: list[str], path: Path, window_s: float
             ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", color="grey")
     for ax in axes[-1]:
         ax.set_xlabel("seconds into the run", fontsize=7)
-    fig.suptitle(f"Rendering of the Grafana board {board['title']!r} (matplotlib, not a screenshot): "
-                 f"its PromQL on /metrics of a {times[-1]:.0f} s run, rate windows {window_s:.0f} s", fontsize=9)
+    fig.suptitle(f"Rendering of the Grafana board {board['title']!r} (matplotlib, not a screenshot): its PromQL "
+                 f"answered by Prometheus over a {t1 - t0:.0f} s run, rate windows {window_s:.0f} s", fontsize=9)
     fig.savefig(path, dpi=60)
     plt.close(fig)
+
+
+def _legend(fmt: str, labels: dict[str, str]) -> str:
+    """Grafana's legend format: {{label}} replaced by the series' value of that label."""
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: str(labels.get(m.group(1), "")), fmt)
 
 
 def main(argv: list[str] | None = None) -> int:
