@@ -93,7 +93,9 @@ def test_compose_file_as_written():
     assert base != "services" and _stage(dockerfile, base)[0] == "python:3.11-slim"
     installs = re.findall(r"pip install[^&]*", body)
     assert installs and not any("torch" in ln for ln in installs), installs
-    assert "pip install --no-cache-dir --no-deps ." in body  # the project's own deps name torch
+    # the base install is the gateway (torch only in the services extra): no hand-kept dependency list
+    assert "pip install --no-cache-dir ." in body and "--no-deps ." not in body
+    assert '".[services]"' in _stage(dockerfile, "services")[1]
     assert "find_spec('torch') is not None" in body
     assert "torch" in _stage(dockerfile, "services")[1]
     for n in ("cache-cpu", "compute-cpu", "cache", "compute"):
