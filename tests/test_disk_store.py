@@ -140,27 +140,43 @@ def test_corrupt_payload_is_dropped_never_served(tmp_path, caplog):
 
 
 def test_corrupt_header_truncated_and_foreign_files_dropped_at_reindex(tmp_path):
-    hs = blocks()
+    hs = blocks(tokens=list(range(1000, 1080)))  # 5 blocks
     d = tmp_path / "l3"
     with DiskStore(str(d), 1 << 20, FP) as s:
         fill(s, hs)
-    p0, p1, p2 = (d / file_name(h) for h in hs[:3])
+    p0, p1, p2, _, p4 = (d / file_name(h) for h in hs)
     raw = bytearray(p0.read_bytes())
     raw[60] ^= 0xFF  # inside the block-hash field: the header digest fails
     p0.write_bytes(raw)
     p1.write_bytes(p1.read_bytes()[:HEADER_SIZE + 100])  # cut short
     p2.write_bytes(p2.read_bytes()[:50])  # cut inside the header
+    raw = bytearray(p4.read_bytes())
+    raw[8] = 2  # format version 2: another release's layout
+    p4.write_bytes(raw)
     (d / "notes.txt").write_text("not ours")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"x" * 300)
+    (d / file_name(blocks("link")[0])).symlink_to(outside)  # a link named like a block
     with DiskStore(str(d), 1 << 20, FP) as s:
-        assert s.reindex_report.dropped == {"corrupt": 1, "truncated": 2}
+        assert s.reindex_report.dropped == {"corrupt": 1, "truncated": 2, "foreign": 1, "unsafe": 1}
         assert s.keys() == [hs[3]] and s.get(hs[3]) == payload(3)
         assert s.reindex_report.unknown_ignored == 1 and (d / "notes.txt").exists()  # never delete others'
+        assert outside.read_bytes() == b"x" * 300  # the link went, not its target
         st = s.stats()
         assert st["disk_tier_corrupt_dropped_total"] == 1 and st["disk_tier_truncated_dropped_total"] == 2
     with DiskStore(str(d), 1 << 20, "another-model|fp8|block16") as s:  # same dir, another model
         assert s.reindex_report.dropped == {"foreign": 1} and len(s) == 0
         assert s.get(hs[3]) is None and s.stats()["disk_tier_foreign_dropped_total"] == 1
     assert os.listdir(d) == ["notes.txt"]
+
+
+def test_store_imports_no_torch():
+    r = _python("""
+        import sys
+        import nanokv.cache_service.tiers.disk_store
+        print("torch" in sys.modules)
+    """)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
 
 
 def test_truncated_while_running_is_dropped_on_get(tmp_path):
