@@ -179,17 +179,22 @@ def test_store_imports_no_torch():
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
 
 
-def test_truncated_while_running_is_dropped_on_get(tmp_path):
+def test_truncated_vanished_and_unsafe_files_dropped_on_get(tmp_path):
     hs = blocks()
     d = tmp_path / "l3"
     with DiskStore(str(d), 1 << 20, FP) as s:
         fill(s, hs)
         os.truncate(d / file_name(hs[0]), HEADER_SIZE + 10)
         os.unlink(d / file_name(hs[1]))
-        assert s.get(hs[0]) is None and s.get(hs[1]) is None
+        os.unlink(d / file_name(hs[2]))
+        os.mkfifo(d / file_name(hs[2]))  # a FIFO must not block the read
+        (d / file_name(hs[3])).unlink()
+        (d / file_name(hs[3])).symlink_to(d / file_name(hs[2]))
+        assert [s.get(h) for h in hs] == [None] * 4
         st = s.stats()
         assert st["disk_tier_truncated_dropped_total"] == 1 and st["disk_tier_missing_dropped_total"] == 1
-        assert len(s) == 2 and s.used_bytes == 2 * s.charge(5000)
+        assert st["disk_tier_unsafe_dropped_total"] == 2 and st["disk_tier_misses_total"] == 4
+        assert len(s) == 0 and s.used_bytes == 0 and os.listdir(d) == []
 
 
 def test_permissions_and_directory_checks(tmp_path):

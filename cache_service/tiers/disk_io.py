@@ -96,9 +96,12 @@ class DiskIO:
 
     def read(self, dir_fd: int, name: str, head: int, whole: bool) -> tuple[bytes, bytes, os.stat_result]:
         """The first ``head`` bytes, the rest of the file (only when ``whole``) and its stat."""
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        # O_NONBLOCK: a FIFO planted under a block's name must not block the open
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return b"", b"", st  # the caller rejects it by its mode
             first = _pread(fd, min(head, st.st_size), 0)
             rest = _pread(fd, st.st_size - len(first), len(first)) if whole else b""
             return first, rest, st

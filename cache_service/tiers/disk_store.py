@@ -15,6 +15,7 @@ admission until ``retry_after_s`` passes or the tier frees space; a stalled disk
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -305,6 +306,9 @@ class DiskStore:
             self._drop(h, bad.kind, bad.detail)
             return None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
+                self._drop(h, "unsafe", "a symbolic link")
+                return None
             self.health.io_error("read", name, exc)
             self._drop(h, None, "")
             return None
