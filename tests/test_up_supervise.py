@@ -106,7 +106,8 @@ def test_up_restarts_killed_services(tmp_path):
             assert complete(up.base) == ref, name
         log = up.output()
         for name in ("cache", "compute", "gateway"):
-            assert re.search(rf"{name} \(pid \d+\) exited with signal SIGKILL after [0-9.]+ s; restart 1 in 0.50 s", log)
+            assert re.search(rf"{name} \(pid \d+\) exited with signal SIGKILL after [0-9.]+ s; restart 1 in 0.50 s",
+                             log)
             assert re.search(rf"restarted {name} \(pid \d+\), restart 1", log)
     # up_process checked that SIGINT stopped every process it started (the killed ones' successors
     # included) and that no KV segment of any of its cache services is left
