@@ -4,6 +4,7 @@
     0.1, 0.2, 0.2 ... s (doubling to the cap) and called crash-looping; one that stays up past
     stable_s each time is restarted after the base delay each time; one that stays up is left alone;
     SIGTERM then stops them all and removes pids.json;
+  - the KV segments a killed cache service left are removed when `up` stops (only its own);
   - `nanokv up` itself: SIGKILL of the cache service, then of the compute service, then of the
     gateway; each time the supervisor starts a new one, /ready is 200 again within 30 s of the
     SIGKILL and the same greedy request gives the same tokens; SIGINT then stops every process it
@@ -23,6 +24,8 @@ import time
 
 import httpx
 
+from nanokv.cache_service.segments import PREFIX, shm_dir
+from nanokv.launch import remove_segments
 from tests.helpers_up import alive, up_process
 
 RECOVER_S = 30.0
@@ -66,6 +69,23 @@ def test_supervisor_backoff_crash_loop_and_sigterm(tmp_path):
     started = {int(p) for p in re.findall(r"started \w+ \(pid (\d+)\)", log)}
     assert len(started) >= 8 and not any(alive(p) for p in started)
     assert not (tmp_path / "pids.json").exists()
+
+
+def test_remove_segments_of_dead_cache_services():
+    """A cache service killed with no successor leaves its segment: `up` removes those of its own
+    cache pids when it stops, and only those."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    mine, other = (os.path.join(shm_dir(), f"{PREFIX}{pid}-{os.urandom(6).hex()}") for pid in (dead.pid, os.getpid()))
+    for path in (mine, other):
+        open(path, "wb").close()
+    try:
+        assert remove_segments([dead.pid]) == [os.path.basename(mine)]
+        assert not os.path.exists(mine) and os.path.exists(other)
+    finally:
+        for path in (mine, other):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def complete(base: str) -> list[str]:
