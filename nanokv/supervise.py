@@ -22,6 +22,7 @@ follows the thread that forked, so every child is started from the main thread).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -76,15 +77,26 @@ def exit_status(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def _child_setup() -> None:
-    """In the child before exec: its own process group, and SIGTERM when the supervisor dies."""
-    os.setpgid(0, 0)
+@functools.lru_cache(maxsize=1)
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl, looked up in the parent: a dlopen between fork and exec could deadlock on a lock
+    another thread (gRPC's) held at the fork."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
     except (OSError, AttributeError):
-        pass
+        return None
+
+
+def _child_setup(prctl: Callable[..., int] | None) -> Callable[[], None]:
+    """What the child runs before exec: its own process group, and SIGTERM when the supervisor dies."""
+    def setup() -> None:
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+    return setup
 
 
 class Supervisor:
@@ -124,7 +136,7 @@ class Supervisor:
         try:
             c.proc = subprocess.Popen(c.command, stdin=subprocess.DEVNULL, stdout=out,
                                       stderr=subprocess.STDOUT if out is not None else None,
-                                      preexec_fn=_child_setup if sys.platform == "linux" else None)
+                                      preexec_fn=_child_setup(_prctl()) if sys.platform == "linux" else None)
         finally:
             if out is not None:
                 out.close()

@@ -4,6 +4,7 @@
     0.1, 0.2, 0.2 ... s (doubling to the cap) and called crash-looping; one that stays up past
     stable_s each time is restarted after the base delay each time; one that stays up is left alone;
     SIGTERM then stops them all and removes pids.json;
+  - a SIGKILLed supervisor's children get SIGTERM from the kernel and end;
   - the KV segments a killed cache service left are removed when `up` stops (only its own);
   - `nanokv up` itself: SIGKILL of the cache service, then of the compute service, then of the
     gateway; each time the supervisor starts a new one, /ready is 200 again within 30 s of the
@@ -33,23 +34,25 @@ BODY = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is Pa
         "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1}
 
 SUPERVISOR = textwrap.dedent("""
-    import logging, sys
+    import json, logging, sys
     from nanokv.supervise import Backoff, Child, Supervisor
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
     py = sys.executable
     sup = Supervisor([Child("steady", ["sleep", "600"]), Child("crasher", ["sh", "-c", "exit 3"]),
                       Child("slow", ["sh", "-c", "sleep 0.8; exit 1"])],
-                     sys.argv[1], Backoff(base_s=0.05, cap_s=0.2, stable_s=0.5, crash_loop_after=3))
+                     sys.argv[1], Backoff(**json.loads(sys.argv[2])))
     sup.install_signal_handlers()
     sup.start_all()
     sys.exit(sup.run())
 """)
+FAST = {"base_s": 0.05, "cap_s": 0.2, "stable_s": 0.5, "crash_loop_after": 3}
 
 
 def test_supervisor_backoff_crash_loop_and_sigterm(tmp_path):
     out = tmp_path / "out"
     with open(out, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path)], stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path), json.dumps(FAST)], stdout=f,
+                                stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while len(re.findall(r"slow \(pid \d+\) exited", out.read_text())) < 3:
         assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
@@ -69,6 +72,24 @@ def test_supervisor_backoff_crash_loop_and_sigterm(tmp_path):
     started = {int(p) for p in re.findall(r"started \w+ \(pid (\d+)\)", log)}
     assert len(started) >= 8 and not any(alive(p) for p in started)
     assert not (tmp_path / "pids.json").exists()
+
+
+def test_children_die_with_a_killed_supervisor(tmp_path):
+    """SIGKILL leaves the supervisor no chance to stop anything: the kernel's parent-death signal does."""
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path), json.dumps(FAST)],
+                            stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "pids.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    steady = json.loads((tmp_path / "pids.json").read_text())["steady"]
+    assert alive(steady)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while alive(steady):
+        assert time.monotonic() < deadline, "the child outlived its killed supervisor"
+        time.sleep(0.05)
 
 
 def test_remove_segments_of_dead_cache_services():
