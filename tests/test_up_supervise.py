@@ -131,7 +131,7 @@ def wait_recovered(up, name: str, old_pid: int, killed: float) -> float:
         new = up.pids().get(name)
         if saw_outage and code == 200 and new not in (None, old_pid):
             return elapsed
-        time.sleep(0.05)
+        time.sleep(0.1)
 
 
 def test_up_restarts_killed_services(tmp_path):
