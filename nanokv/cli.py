@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--timeout", type=float, default=3.0, help="seconds")
     h.add_argument("-q", "--quiet", action="store_true")
     up = sub.add_parser("up", help="start cache, compute and gateway locally (unix sockets) and serve HTTP")
-    up.add_argument("--run-dir", default=None, help="where the sockets and service logs go (default: a temp dir)")
+    up.add_argument("--run-dir", default=None, help="where the sockets, service logs and pids.json go (default: a "
+                    "temp dir, removed at the end); the services are restarted when they exit (docs/operating.md)")
     add_serve_args(up)
 
     for name, what in TOOL_COMMANDS.items():  # their flags are their own: the rest of the line goes to them
@@ -180,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "health":
             from nanokv.health import main as health_main
             return health_main(args.address, args.service, args.timeout, args.quiet)
-        if args.cmd in ("cache", "compute", "gateway", "up"):
+        if args.cmd == "up":  # supervises the three as child processes (nanokv.supervise)
+            from nanokv.launch import up_main
+            return up_main(args, argv[1:])
+        if args.cmd in ("cache", "compute", "gateway"):
             return _service_main(args)
     except NanoKVError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -214,14 +218,7 @@ def _service_main(args: argparse.Namespace) -> int:
                 wait_serving(address, args.wait_s)
         args.cache_address, args.compute_address = args.cache, args.compute
         return int(serve_main(args) or 0)
-    from nanokv.launch import start_services  # up
-
-    config = EngineConfig.from_kwargs(**kw).to_dict()
-    with start_services(config, run_dir=args.run_dir) as svc:
-        print(f"cache {svc.cache_address}, compute {svc.compute_address}; gateway on http://{args.host}:{args.port}",
-              file=sys.stderr)
-        args.cache_address, args.compute_address = svc.cache_address, svc.compute_address
-        return int(serve_main(args) or 0)
+    raise ValueError(f"not a service: {args.cmd}")  # `up`: nanokv.launch.up_main
 
 
 if __name__ == "__main__":

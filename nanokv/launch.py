@@ -1,14 +1,18 @@
-"""Start the cache and compute services as local processes (`nanokv up`, `nanokv generate --split`).
+"""The services as local processes: `nanokv up` (cache, compute and gateway, kept running by
+nanokv.supervise) and `start_services` (cache and compute for `nanokv generate --split` and tests).
 
-Both get the same EngineConfig (as --config-json) and listen on unix sockets in a private run
-directory; the call returns once both answer grpc.health.v1 with SERVING (the compute service
-after loading the model and attaching to the cache service's pool). No torch here: the caller is
-the gateway process.
+Cache and compute get the same EngineConfig (as --config-json) and listen on unix sockets in a run
+directory; they count as started once they answer grpc.health.v1 with SERVING (the compute service
+after loading the model and attaching to the cache service's pool). Under `nanokv up` the gateway
+gets the command line `up` got (without --run-dir) and counts as started once /health answers 200.
+No torch here.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -19,8 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanokv.rpc import wait_serving
+from nanokv.supervise import Backoff, Child, StartFailed, Supervisor
 
 START_TIMEOUT_S = 600.0  # loading a large model on a busy machine
+log = logging.getLogger("nanokv.up")
 
 
 @dataclass
@@ -108,3 +114,102 @@ def _tail(path: str, n: int = 4000) -> str:
         return data[-n:].decode(errors="replace")
     except OSError:
         return ""
+
+
+# ---- nanokv up ------------------------------------------------------------------------------------
+def up_main(args: argparse.Namespace, argv: list[str]) -> int:
+    """`nanokv up`: argv is its command line after `up` (the gateway gets it, less --run-dir)."""
+    from nanokv.config import EngineConfig
+    from nanokv.flags import engine_kwargs
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = EngineConfig.from_kwargs(**engine_kwargs(args)).to_dict()
+    try:
+        return up(config, without_run_dir(argv), args.host, args.port, args.run_dir)
+    except StartFailed as e:
+        print(f"nanokv up: error: {e}", file=sys.stderr)
+        return 1
+
+
+def without_run_dir(argv: list[str]) -> list[str]:
+    """argv less `--run-dir X` / `--run-dir=X` (or an abbreviation argparse took for it)."""
+    out, skip = [], False
+    for a in argv:
+        name, eq, _ = a.partition("=")
+        if skip:
+            skip = False
+        elif len(name) > 3 and "--run-dir".startswith(name):
+            skip = not eq
+        else:
+            out.append(a)
+    return out
+
+
+def up(config: dict[str, Any], gateway_argv: list[str], host: str, port: int, run_dir: str | None = None,
+       backoff: Backoff | None = None) -> int:
+    """Start cache, compute and gateway in that order, restart whichever exits, stop all on SIGTERM or
+    SIGINT (nanokv.supervise); a temporary run dir (run_dir None) is removed at the end."""
+    own = run_dir is None
+    run_dir = run_dir or tempfile.mkdtemp(prefix="nanokv-")
+    os.makedirs(run_dir, exist_ok=True)
+    cache, compute = (f"unix:{os.path.join(run_dir, k)}.sock" for k in ("cache", "compute"))
+    probe = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    health = f"http://[{probe}]:{port}/health" if ":" in probe else f"http://{probe}:{port}/health"
+    gateway = [sys.executable, "-m", "nanokv.cli", "gateway", "--cache", cache, "--compute", compute,
+               "--wait-s", str(START_TIMEOUT_S), *gateway_argv]
+    sup = Supervisor([
+        Child("cache", service_command("cache", config, cache), os.path.join(run_dir, "cache.log"),
+              started=lambda: _serving(cache)),
+        Child("compute", service_command("compute", config, compute, cache), os.path.join(run_dir, "compute.log"),
+              started=lambda: _serving(compute)),
+        Child("gateway", gateway, None, started=lambda: _http_ok(health)),  # its log: up's own output
+    ], run_dir, backoff, start_timeout_s=START_TIMEOUT_S)
+    sup.install_signal_handlers()
+    try:
+        if not sup.start_all():
+            return 0
+        pids = ", ".join(f"{c.name} pid {c.proc.pid}" for c in sup.children if c.proc is not None)
+        log.info("up: %s; gateway on http://%s:%d; run dir %s (pids.json, cache.log, compute.log)",
+                 pids, host, port, run_dir)
+        return sup.run()
+    finally:
+        sup.stop_all()  # a no-op unless something above raised
+        remove_segments(sup.child("cache").pids)
+        if own:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def remove_segments(owners: list[int]) -> list[str]:
+    """The KV segments in shared memory of these (stopped) cache service processes: a SIGKILLed one
+    leaves its segment, which the next cache service removes at start, but not if none comes."""
+    from nanokv.cache_service.segments import PREFIX, shm_dir
+
+    d, removed = shm_dir(), []
+    prefixes = tuple(f"{PREFIX}{pid}-" for pid in owners)
+    for name in os.listdir(d) if prefixes else ():
+        if name.startswith(prefixes):
+            try:
+                os.unlink(os.path.join(d, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+def _serving(address: str) -> bool:
+    try:
+        wait_serving(address, 0.5)
+        return True
+    except TimeoutError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as r:
+            return int(r.status) == 200
+    except (OSError, ValueError, urllib.error.HTTPError):
+        return False
