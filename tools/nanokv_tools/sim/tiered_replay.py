@@ -167,7 +167,9 @@ def replay_tiered(requests: Sequence[TraceRequest], l1_policy: str, l1_capacity:
         if check_every and i % check_every == 0:
             check_invariants(tc)
     st = tc.stats
-    counters = {"moved": st.moved, "handed_down": st.handed_down, "evictions": st.evictions,
+    # L1's evictions from the manager: the same count when lower tiers hear them (check_invariants), and
+    # still counted without lower tiers (no hook then)
+    counters = {"moved": st.moved, "handed_down": st.handed_down, "evictions": {**st.evictions, L1: cm.stats.evictions},
                 "replica_dropped": st.replica_dropped, "dropped": st.dropped, "occupancy": tc.occupancy()}
     caps = tc.capacity_bytes() or {}
     tiers_doc = [{"name": t.name, "policy": t.policy_name, "format": t.format.name, "capacity": t.capacity,
