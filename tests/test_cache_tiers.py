@@ -217,9 +217,11 @@ def test_bad_sizes_and_formats_name_the_field() -> None:
         tier_format("fp8", SHAPE)
     with pytest.raises(NanoKVError, match="l2 budget"):
         budget_bytes("lots", l1_blocks=4, unique_blocks=100, l1_format=BF16, field_name="l2 budget")
-    assert budget_bytes("4x", l1_blocks=4, unique_blocks=100, l1_format=BF16, field_name="l2") == 16 * BF16.bytes_per_block
-    assert budget_bytes("10%", l1_blocks=4, unique_blocks=100, l1_format=BF16, field_name="l2") == 10 * BF16.bytes_per_block
-    assert budget_bytes("1GiB", l1_blocks=4, unique_blocks=100, l1_format=BF16, field_name="l2") == 1 << 30
+    def size(text: str) -> int:
+        return budget_bytes(text, l1_blocks=4, unique_blocks=100, l1_format=BF16, field_name="l2")
+
+    assert size("4x") == 16 * BF16.bytes_per_block and size("10%") == 10 * BF16.bytes_per_block
+    assert size("1GiB") == 1 << 30 and size("3") == 3 * BF16.bytes_per_block
     cm = KVCacheManager(2, BS)
     with pytest.raises(NanoKVError, match="tiers"):
         TieredCache(cm, [LowerTier("L1", 2, BF16)])
