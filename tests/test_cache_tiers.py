@@ -225,3 +225,22 @@ def test_bad_sizes_and_formats_name_the_field() -> None:
     cm = KVCacheManager(2, BS)
     with pytest.raises(NanoKVError, match="tiers"):
         TieredCache(cm, [LowerTier("L1", 2, BF16)])
+
+
+def test_simulate_reports_the_hierarchy(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from nanokv_tools.sim.simulate import main
+
+    out = tmp_path / "sim.json"
+    args = ["--trace", "synthetic:multi_turn", "--policies", "lru", "--capacity", "5%", "--no-progress",
+            "--jobs", "1", "--l2", "4x", "--l2-format", "int8", "--tier-l1-policies", "lru"]
+    assert main([*args, "--json", str(out)]) == 0
+    assert "L2 4x int8 lru" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    (h,) = doc["hierarchy"]
+    lru = doc["results"][0]
+    assert h["hit_blocks"]["L1"] == lru["block_hits"] and h["hit_blocks"]["L2"] > 0
+    assert h["tiers"][0]["format"] == "int8" and h["tiers"][0]["capacity"] > 7 * h["l1_capacity"]  # ~2x of 4x
+    assert main([*args, "--l3", "none"]) == 2
+    assert "l3 budget" in capsys.readouterr().err
