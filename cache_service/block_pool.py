@@ -12,7 +12,7 @@ adaptive pool rule, rare): O(blocks).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from nanokv.cache_service.policies.base import EvictionPolicy, WarmBlock
 
@@ -33,6 +33,10 @@ class BlockPool:
         # Bounded memory of evicted hashes: lets the manager count tokens recomputed because of
         # eviction. FIFO-bounded at 2 x num_blocks entries (O(1) insert/trim).
         self.recently_evicted: OrderedDict[bytes, None] = OrderedDict()
+        # on_evict(block, hash, depth): a cached block loses its hash to make room (policy victim or
+        # shrink), called while block ``block`` still holds the content - the memory hierarchy
+        # (cache_service/tiers) writes it to a lower tier. None: no hierarchy, no cost.
+        self.on_evict: Callable[[int, bytes, int], None] | None = None
 
     # ---- queries ------------------------------------------------------------------------------
     def num_allocatable(self) -> int:
@@ -104,6 +108,8 @@ class BlockPool:
         recent[h] = None
         if len(recent) > 2 * self.num_blocks:
             recent.popitem(last=False)
+        if self.on_evict is not None:
+            self.on_evict(b, h, self.depth[b])
         return b
 
     def drop_evictable(self) -> None:
@@ -188,6 +194,8 @@ class BlockPool:
                 self.num_evictable -= 1
                 self.evictions += 1
                 recent[h] = None
+                if self.on_evict is not None:
+                    self.on_evict(b, h, self.depth[b])
         self.free = [b for b in self.free if b < new]
         del self.ref[new:], self.hash[new:], self.depth[new:]
         self.num_blocks = new

@@ -365,6 +365,12 @@ class KVCacheManager:
         self.num_blocks = pool.num_blocks
         return self.num_blocks
 
+    def set_evict_hook(self, hook: Callable[[int, bytes, int], None] | None) -> None:
+        """``hook(block, hash, depth)`` hears of every cached block evicted (a policy victim, or removed
+        by a shrink) while the block still holds its content: the lower tiers (cache_service/tiers)
+        take it. None removes the hook."""
+        self.pool.on_evict = hook
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block. Refused (False) while any block is in use."""
         if self.pool.num_used:

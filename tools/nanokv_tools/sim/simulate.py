@@ -2,6 +2,7 @@
 
     nanokv simulate --trace FILE|synthetic:NAME [--policies lru,clock,...] [--capacity 1%,5%,N]
                     [--block-size-tokens 512] [--json OUT] [--plot out.png]
+                    [--l2 4x [--l2-format int8] [--l2-policy lru]] [--l3 16x ...]   (lower tiers)
 
 (also ``python -m nanokv_tools.sim.simulate ...``). Each (policy, capacity) job is an independent replay
 (nanokv/cache/replay.py) through the same KVCacheManager the engine uses; jobs run in a process pool.
@@ -21,6 +22,7 @@ from nanokv.config import ADAPTIVE_POLICY_CANDIDATES, ADAPTIVE_START_POLICY
 from nanokv.errors import NanoKVError
 from nanokv_tools.sim.replay import ReplayResult, ideal, keys_of, replay
 from nanokv_tools.sim.report import format_table, plot, write_json
+from nanokv_tools.sim.tiers_cli import add_tier_args, run_tiers
 from nanokv_tools.sim.traces import MOONCAKE_TRACE, TraceRequest, load_trace
 
 DEFAULT_POLICIES = ("lru", "lru_k", "clock", "arc", "s3fifo", "sieve", "depth_lru", "leaf_lru", "belady")
@@ -136,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--no-progress", action="store_true")
+    add_tier_args(ap)
     args = ap.parse_args(list(argv) if argv is not None else None)
     try:
         if args.block_size_tokens < 1:
@@ -151,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         initial = parse_policies(args.adaptive_initial)[0]
         results = run(requests, policies, capacities, args.block_size_tokens, args.lru_k, args.jobs,
                       progress=not args.no_progress, adaptive=(initial, candidates))
+        tiers = run_tiers(args, requests, capacities, unique, best, results) if args.l2 or args.l3 else None
         elapsed = time.perf_counter() - t0
     except NanoKVError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -158,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"trace {args.trace}: {len(requests)} requests, {total} block refs, {unique} unique blocks "
           f"({args.block_size_tokens} tokens/block)")
     print(format_table(results, policies, capacities, unique, best))
+    if tiers is not None:
+        print(tiers[0])
     print(f"{len(results)} replays in {elapsed:.1f} s")
     caveats = [(p, policy_caveat(p)) for p in policies if policy_caveat(p)]
     if caveats:  # once each, here: replays build policies silently (sim_manager)
@@ -167,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {"trace": args.trace, "requests": len(requests), "block_refs": total, "unique_blocks": unique,
             "block_size_tokens": args.block_size_tokens, "capacities": capacities, "policies": policies,
             "ideal_block_hit_ratio": best[0], "ideal_token_hit_ratio": best[1], "seconds": elapsed}
+    if tiers is not None:
+        meta["hierarchy"] = tiers[1]
     if args.json_out:
         write_json(args.json_out, meta, results)
     if args.plot:
