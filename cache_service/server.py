@@ -11,26 +11,41 @@ import logging
 import threading
 from typing import Any
 
+from nanokv.agreement import Mismatch, check_attach
 from nanokv.cache_service.segments import remove_orphans
 from nanokv.cache_service.service import CacheService, NotAttached
-from nanokv.config import EngineConfig
 from nanokv.lease import start_reaper
 from nanokv.protos import codec
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
 from nanokv.rpc import add_servicer, make_server, rpc_errors, set_serving, stop_on_signals
+from nanokv.service_config import CacheConfig
 
 log = logging.getLogger("nanokv.cache_service")
 SERVICE_NAME = "nanokv.internal.v1.Cache"
 
 
 class CacheServicer(pb_grpc.CacheServicer):
-    def __init__(self, svc: CacheService):
+    def __init__(self, svc: CacheService, config: CacheConfig):
         self.svc = svc
+        self.config = config
+        self.model = ""  # the attached compute service's (PoolTerms.model)
+
+    def Info(self, request: pb.Empty, context: Any) -> pb.CacheInfo:
+        with rpc_errors(context):
+            return codec.cache_info_to_pb(self.config, self.model if self.svc.attached_epoch else "")
 
     def Attach(self, request: pb.AttachRequest, context: Any) -> pb.PoolHandle:
         with rpc_errors(context):
             layout = codec.layout_from_pb(request.layout)
+            if request.HasField("terms"):  # refused before anything changes: the pool stays as it was
+                terms = codec.terms_from_pb(request.terms)
+                try:
+                    check_attach(self.config, terms)
+                except Mismatch as e:
+                    log.warning("attach refused: %s", e)
+                    raise
+                self.model = terms.model
             handle = self.svc.attach(layout)
             log.info("pool attached: %d blocks, %d bytes, epoch %d (%s)", layout.num_blocks, handle.nbytes,
                      handle.epoch, handle.path or handle.kind)
@@ -77,13 +92,13 @@ class CacheServicer(pb_grpc.CacheServicer):
             return pb.Empty()
 
 
-def serve(config: EngineConfig, listen: str, stop: threading.Event | None = None) -> None:
+def serve(config: CacheConfig, listen: str, stop: threading.Event | None = None) -> None:
     remove_orphans()  # segments of a cache service that was killed (cache_service/segments.py)
     svc = CacheService(config, shared=True, ghosts=True)
     if config.device != "cpu":
         _init_cuda()
     server, hs = make_server(listen)
-    add_servicer(server, CacheServicer(svc), "Cache", pb)
+    add_servicer(server, CacheServicer(svc, config), "Cache", pb)
     server.start()
     set_serving(hs, [SERVICE_NAME], True)
     log.info("cache service on %s (policy %s)", listen, config.eviction_policy)
