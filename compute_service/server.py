@@ -144,7 +144,11 @@ def serve(config: ComputeConfig, listen: str, cache_address: str, stop: threadin
     set_serving(hs, [SERVICE_NAME], False)
     server.start()  # health answers NOT_SERVING while the model loads
     attach = attach_via(cache_address, config.rpc_timeout_s, config)
-    svc = servicer._svc = ComputeService(config, attach_pool=attach, error_probe=True)
+    try:  # (a refused attach, nanokv.agreement, ends here: the process exits with its message)
+        svc = servicer._svc = ComputeService(config, attach_pool=attach, error_probe=True)
+    except BaseException:
+        server.stop(grace=None)
+        raise
     set_serving(hs, [SERVICE_NAME], True)
     log.info("compute service on %s: %s, %d KV blocks (cache service %s)", listen, svc.model_name,
              svc.runner.num_blocks, cache_address)
