@@ -6,7 +6,8 @@ with a suggestion and every value is range-checked by the config of the service 
 another (block_size: cache and compute) sets both; reading it gives the gateway's, else the cache
 service's, else the compute service's value. ``cfg.cache``, ``cfg.compute`` and ``cfg.gateway`` are
 what each service runs with. Two settings belong to no single service: compression_sparsity and
-sparsity_policy reach into all three, so they work only with the services in one process.
+sparsity_policy reach into all three, so they work only with the services in one process. One is no
+flat name: metrics_port, a service process's own (`nanokv cache --metrics-port`), means nothing here.
 """
 
 from __future__ import annotations
@@ -26,17 +27,17 @@ from nanokv.config_checks import (  # noqa: F401 - the names callers import from
     KV_BITS,
     KV_WIDTHS,
     SPARSITY_POLICIES,
+    check_keys,
+    keys,
     parse_bitwidth,
 )
 from nanokv.errors import ConfigError
-from nanokv.service_config import CacheConfig, ComputeConfig, GatewayConfig, check_keys, keys
+from nanokv.service_config import CacheConfig, ComputeConfig, GatewayConfig
 
 __all__ = ["EngineConfig", "CacheConfig", "ComputeConfig", "GatewayConfig", "ConfigError", "parse_bitwidth"]
 
 SECTIONS: dict[str, type] = {"gateway": GatewayConfig, "cache": CacheConfig, "compute": ComputeConfig}
 IN_PROCESS = {"compression_sparsity": 0.0, "sparsity_policy": "streaming"}  # (name: default)
-
-
 # a service process's own settings, meaningless for LLM() (no servers in one process): not flat names
 PROCESS_ONLY = ("metrics_port",)
 

@@ -7,6 +7,8 @@ config or flag carried it.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
 from typing import Any
 
@@ -26,6 +28,20 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_BITS = (4, 8, 16)  # 16 = full precision (the model dtype) for that layer
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV on CPU unless told otherwise
+
+
+def keys(cls: type) -> list[str]:
+    """A config class's setting names, in declaration order."""
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def check_keys(given: Any, names: list[str]) -> None:
+    """Refuse a key not in `names` by name, with the closest allowed one and the whole list."""
+    for key in given:
+        if key not in names:
+            close = difflib.get_close_matches(key, sorted(names), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(key, f"unknown config key{hint} Allowed keys: {', '.join(sorted(names))}")
 
 
 def choice(cfg: Any, name: str, allowed: tuple[str, ...]) -> None:

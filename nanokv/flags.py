@@ -15,8 +15,8 @@ import typing
 from typing import Any
 
 from nanokv.config import IN_PROCESS, OWNERS, SECTIONS, EngineConfig
+from nanokv.config_checks import check_keys, keys
 from nanokv.errors import ConfigError
-from nanokv.service_config import check_keys, keys
 
 TITLES = {EngineConfig: "engine (EngineConfig keys)", SECTIONS["cache"]: "cache service (CacheConfig keys)",
           SECTIONS["compute"]: "compute service (ComputeConfig keys)",

@@ -16,7 +16,6 @@ EngineConfig (nanokv.config) composes the three under the flat names LLM() takes
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -248,28 +247,3 @@ class GatewayConfig(BatchLimits, Adaptive):
     @property
     def policy_candidates(self) -> tuple[str, ...]:
         return ck.policy_candidates(self.adaptive_policy_candidates)
-
-
-SERVICE_CONFIGS: dict[str, type] = {"cache": CacheConfig, "compute": ComputeConfig, "gateway": GatewayConfig}
-
-
-def keys(cls: type) -> list[str]:
-    """A config class's setting names, in declaration order."""
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def check_keys(given: Any, names: list[str]) -> None:
-    """Refuse a key not in `names` by name, with the closest allowed one and the whole list."""
-    import difflib
-
-    for key in given:
-        if key not in names:
-            close = difflib.get_close_matches(key, sorted(names), n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(key, f"unknown config key{hint} Allowed keys: {', '.join(sorted(names))}")
-
-
-def build(cls: type, kwargs: dict[str, Any]) -> Any:
-    """cls(**kwargs) with unknown keys refused by name (the allowed ones listed)."""
-    check_keys(kwargs, keys(cls))
-    return cls(**kwargs)
