@@ -12,14 +12,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from nanokv.agreement import Mismatch, check_attach
 from nanokv.cache_service.segments import remove_orphans
 from nanokv.cache_service.service import CacheService, NotAttached
-from nanokv.config import EngineConfig
 from nanokv.lease import start_reaper
 from nanokv.protos import codec
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
 from nanokv.rpc import add_servicer, make_server, rpc_errors, set_serving, stop_on_signals
+from nanokv.service_config import CacheConfig
 from nanokv.service_metrics import ServiceMetrics
 
 log = logging.getLogger("nanokv.cache_service")
@@ -27,12 +28,26 @@ SERVICE_NAME = "nanokv.internal.v1.Cache"
 
 
 class CacheServicer(pb_grpc.CacheServicer):
-    def __init__(self, svc: CacheService):
+    def __init__(self, svc: CacheService, config: CacheConfig):
         self.svc = svc
+        self.config = config
+        self.model = ""  # the attached compute service's (PoolTerms.model)
+
+    def Info(self, request: pb.Empty, context: Any) -> pb.CacheInfo:
+        with rpc_errors(context):
+            return codec.cache_info_to_pb(self.config, self.model if self.svc.attached_epoch else "")
 
     def Attach(self, request: pb.AttachRequest, context: Any) -> pb.PoolHandle:
         with rpc_errors(context):
             layout = codec.layout_from_pb(request.layout)
+            if request.HasField("terms"):  # refused before anything changes: the pool stays as it was
+                terms = codec.terms_from_pb(request.terms)
+                try:
+                    check_attach(self.config, terms)
+                except Mismatch as e:
+                    log.warning("attach refused: %s", e)
+                    raise
+                self.model = terms.model
             handle = self.svc.attach(layout)
             log.info("pool attached: %d blocks, %d bytes, epoch %d (%s)", layout.num_blocks, handle.nbytes,
                      handle.epoch, handle.path or handle.kind)
@@ -79,14 +94,15 @@ class CacheServicer(pb_grpc.CacheServicer):
             return pb.Empty()
 
 
-def serve(config: EngineConfig, listen: str, stop: threading.Event | None = None) -> None:
+def serve(config: CacheConfig, listen: str, stop: threading.Event | None = None) -> None:
     remove_orphans()  # segments of a cache service that was killed (cache_service/segments.py)
     svc = CacheService(config, shared=True, ghosts=True)
     if config.device != "cpu":
         _init_cuda()
     metrics = _metrics(svc)
     server, hs = make_server(listen)
-    add_servicer(server, metrics.instrument(CacheServicer(svc), pb.DESCRIPTOR.services_by_name["Cache"]), "Cache", pb)
+    add_servicer(server, metrics.instrument(CacheServicer(svc, config), pb.DESCRIPTOR.services_by_name["Cache"]),
+                 "Cache", pb)
     metrics.serve(config.metrics_port, config.metrics_host)
     server.start()
     set_serving(hs, [SERVICE_NAME], True)

@@ -25,7 +25,7 @@ from nanokv.cache_service.manager import KVCacheManager
 from nanokv.cache_service.plan_trace import plan_span
 from nanokv.cache_service.planner import Planner
 from nanokv.cache_service.validate import validate_plan
-from nanokv.config import ADAPTIVE_START_POLICY, EngineConfig
+from nanokv.config import ADAPTIVE_START_POLICY, CacheConfig
 from nanokv.errors import PreconditionError, StaleEpoch
 from nanokv.lease import Leases
 from nanokv.messages import PlanReply, PlanRequest, PoolHandle, PoolLayout
@@ -37,7 +37,7 @@ class NotAttached(PreconditionError):
 
 
 class CacheService:
-    def __init__(self, config: EngineConfig, *, shared: bool = False, ghosts: bool = False):
+    def __init__(self, config: CacheConfig, *, shared: bool = False, ghosts: bool = False):
         """shared: allocate the pool in shared memory (a compute service in another process maps it).
         ghosts: keep the adaptive controller's ghost caches here (when its policy rule is on)."""
         self.config = config

@@ -15,13 +15,13 @@ import threading
 from typing import Any
 
 from nanokv import tracing
+from nanokv.agreement import pool_terms
 from nanokv.compute_service.cache_watch import CacheWatch
 from nanokv.compute_service.service import ComputeService
 from nanokv.compute_service.validate import validate_step
-from nanokv.config import EngineConfig
 from nanokv.errors import PreconditionError
 from nanokv.lease import Leases, start_reaper
-from nanokv.messages import PoolHandle, PoolLayout
+from nanokv.messages import ModelInfo, PoolHandle, PoolLayout
 from nanokv.protos import codec
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
@@ -35,6 +35,7 @@ from nanokv.rpc import (
     stop_on_signals,
     wait_serving,
 )
+from nanokv.service_config import ComputeConfig
 from nanokv.service_metrics import ServiceMetrics
 from nanokv.trace_grpc import intercept_channel
 
@@ -43,11 +44,18 @@ SERVICE_NAME = "nanokv.internal.v1.Compute"
 
 
 class ComputeServicer(pb_grpc.ComputeServicer):
-    def __init__(self, step_timeout_s: float, lease_s: float = 180.0):
+    def __init__(self, step_timeout_s: float, lease_s: float = 180.0, config: ComputeConfig | None = None):
         self._svc: ComputeService | None = None  # set once the model is loaded and the pool attached
         self.turn = threading.Condition()
         self.step_timeout_s = step_timeout_s
         self.leases = Leases(lease_s)  # the gateway's: a dead one's sequences go (nanokv.lease)
+        self.config = config or ComputeConfig()
+
+    def _info(self, info: ModelInfo) -> pb.ModelInfo:
+        """ModelInfo with the batch this service sized its buffers for (the gateway checks its own against it)."""
+        info.max_num_seqs = self.config.max_num_seqs
+        info.max_num_batched_tokens = self.config.max_num_batched_tokens
+        return codec.info_to_pb(info)
 
     @property
     def svc(self) -> ComputeService:
@@ -57,7 +65,7 @@ class ComputeServicer(pb_grpc.ComputeServicer):
 
     def Info(self, request: pb.Empty, context: Any) -> pb.ModelInfo:
         with rpc_errors(context):
-            return codec.info_to_pb(self.svc.info())
+            return self._info(self.svc.info())
 
     def GetTokenizer(self, request: pb.Empty, context: Any) -> pb.TokenizerFiles:
         with rpc_errors(context):
@@ -91,7 +99,7 @@ class ComputeServicer(pb_grpc.ComputeServicer):
             with self.turn:  # no step runs while the views of the old segment go
                 info = self.svc.repool(request.num_blocks or None, list(request.layer_bits) or None)
                 self.turn.notify_all()
-            return codec.info_to_pb(info)
+            return self._info(info)
 
     def ProbeErrors(self, request: pb.Empty, context: Any) -> pb.ProbeErrorsReply:
         with rpc_errors(context):
@@ -113,28 +121,37 @@ class ComputeServicer(pb_grpc.ComputeServicer):
             self.svc.drop_sequences()
 
 
-def attach_via(cache_address: str, timeout_s: float):  # noqa: ANN201 - a closure for ComputeService
-    """ComputeService's attach_pool over gRPC: the cache service allocates, we map its handle."""
+def attach_via(cache_address: str, timeout_s: float, config: ComputeConfig | None = None):  # noqa: ANN201
+    """ComputeService's attach_pool over gRPC: the cache service allocates, we map its handle. With
+    `config`, every attach carries this service's PoolTerms: the cache service refuses a pool whose
+    block size or configured KV format is not its own (nanokv.agreement)."""
     def attach(layout: PoolLayout) -> PoolHandle:
         wait_serving(cache_address, timeout_s)
+        req = pb.AttachRequest(layout=codec.layout_to_pb(layout))
+        if config is not None:
+            model = config.model or "SmolLM2-135M-Instruct"  # (ComputeService.model_name)
+            req.terms.CopyFrom(codec.terms_to_pb(pool_terms(config, len(layout.layer_bits), model)))
         with tracing.span("nanokv.compute.attach_pool", {"nanokv.num_blocks": layout.num_blocks}), \
                 intercept_channel(channel(cache_address)) as ch:
-            stub = pb_grpc.CacheStub(ch)
-            reply = call(stub.Attach, pb.AttachRequest(layout=codec.layout_to_pb(layout)), timeout_s, "attach")
+            reply = call(pb_grpc.CacheStub(ch).Attach, req, timeout_s, "attach")
         return codec.handle_from_pb(reply)
     return attach
 
 
-def serve(config: EngineConfig, listen: str, cache_address: str, stop: threading.Event | None = None) -> None:
+def serve(config: ComputeConfig, listen: str, cache_address: str, stop: threading.Event | None = None) -> None:
     server, hs = make_server(listen)
-    servicer = ComputeServicer(config.rpc_timeout_s, config.gateway_lease_s)
+    servicer = ComputeServicer(config.rpc_timeout_s, config.gateway_lease_s, config)
     metrics = ServiceMetrics()  # up while the model loads: a scrape tells loading from gone
     add_servicer(server, metrics.instrument(servicer, pb.DESCRIPTOR.services_by_name["Compute"]), "Compute", pb)
     metrics.serve(config.metrics_port, config.metrics_host)
     set_serving(hs, [SERVICE_NAME], False)
     server.start()  # health answers NOT_SERVING while the model loads
-    attach = attach_via(cache_address, config.rpc_timeout_s)
-    svc = servicer._svc = ComputeService(config, attach_pool=attach, error_probe=True)
+    attach = attach_via(cache_address, config.rpc_timeout_s, config)
+    try:  # (a refused attach, nanokv.agreement, ends here: the process exits with its message)
+        svc = servicer._svc = ComputeService(config, attach_pool=attach, error_probe=True)
+    except BaseException:
+        server.stop(grace=None)
+        raise
     set_serving(hs, [SERVICE_NAME], True)
     log.info("compute service on %s: %s, %d KV blocks (cache service %s)", listen, svc.model_name,
              svc.runner.num_blocks, cache_address)

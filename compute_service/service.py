@@ -34,7 +34,7 @@ from nanokv.compute_service.runner.tp_protocol import TokenWindow
 from nanokv.compute_service.step_io import HostCopies, Launched
 from nanokv.compute_service.step_trace import forward_span
 from nanokv.compute_service.warmup import warm_logits
-from nanokv.config import EngineConfig
+from nanokv.config import ComputeConfig
 from nanokv.errors import NanoKVError, PreconditionError
 from nanokv.kv.monitor import CompressionMonitor
 from nanokv.messages import PLACEHOLDER, ModelInfo, PoolHandle, PoolLayout, StepRequest, StepResult
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 
 class ComputeService:
-    def __init__(self, config: EngineConfig, attach_pool: Callable[[PoolLayout], PoolHandle] | None = None,
+    def __init__(self, config: ComputeConfig, attach_pool: Callable[[PoolLayout], PoolHandle] | None = None,
                  error_probe: bool = False, free_segment: Callable[[int], None] | None = None):
         """free_segment: the in-process cache service's free_storage (KVPool._moved_out).
         error_probe: measure the KV-width errors the adaptive controller's width rule reads

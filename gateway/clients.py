@@ -20,6 +20,7 @@ from nanokv.protos import codec
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
 from nanokv.rpc import call, channel, remote_error, wait_serving
+from nanokv.service_config import CacheConfig
 from nanokv.trace_grpc import intercept_channel
 
 STARTUP_TIMEOUT_S = 120.0
@@ -64,6 +65,10 @@ class CacheClient:
 
     def stats(self) -> dict[str, Any]:
         return codec.cache_stats_from_pb(call(self.stub.Stats, pb.Empty(), self.timeout, "stats"))
+
+    def info(self) -> tuple[CacheConfig, str]:
+        """The cache service's config, and the model of the compute service attached ("": none)."""
+        return codec.cache_info_from_pb(call(self.stub.Info, pb.Empty(), self.timeout, "info"))
 
     def reset_prefix_cache(self, clear_stats: bool = False) -> None:
         call(self.stub.ResetPrefixCache, pb.ResetRequest(clear_stats=clear_stats), self.timeout, "reset")

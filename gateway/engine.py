@@ -48,8 +48,8 @@ class Engine:
             from nanokv.cache_service.service import CacheService
             from nanokv.compute_service.service import ComputeService
 
-            self.cache = self.local_cache = CacheService(cfg)
-            self.compute = self.local_compute = ComputeService(cfg, attach_pool=self.local_cache.attach,
+            self.cache = self.local_cache = CacheService(cfg.cache)
+            self.compute = self.local_compute = ComputeService(cfg.compute, attach_pool=self.local_cache.attach,
                                                                free_segment=self.local_cache.free_storage)
         info = self.model_info = self.compute.info()
         self.model_name = info.name
@@ -92,6 +92,7 @@ class Engine:
             self._async = AsyncStepper(self)
         self.controller: Any = None  # nanokv.gateway.adaptive.AdaptiveController: self-tuning, off unless asked
         warm_up(self)  # CUDA: compile what a chunked prompt needs now, not mid-request (nanokv.gateway.warmup)
+        cfg = self.config  # (with remote services: the cache service's settings, taken at attach)
         if cfg.adaptive or cfg.eviction_policy == "adaptive":
             from nanokv.gateway.adaptive.engine_glue import build_controller
             self.controller = build_controller(self)

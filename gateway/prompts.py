@@ -24,6 +24,8 @@ def load_gateway_tokenizer(config: EngineConfig, compute: Any) -> tuple[Any, tem
     if not config.remote:
         return load_tokenizer(model), None
     files = compute.tokenizer_files()
+    if not files:  # a compute service of random weights has no tokenizer
+        return None, None
     folder = tempfile.TemporaryDirectory(prefix="nanokv-tokenizer-")
     for name, data in files.items():
         if os.path.basename(name) != name:

@@ -5,7 +5,9 @@ A gateway attaches to the two services at start and after every outage:
   1. both answer grpc.health.v1 SERVING (the compute service only once it has mapped a pool);
   2. Cache.Release("") and Compute.Reset: whatever an earlier gateway, or this one before the outage,
      held goes (sequences, their blocks, the compute side's tables; steps count from 0 again);
-  3. the compute service's pool epoch (ModelInfo.epoch) must equal the one the cache service has
+  3. their settings agree with each other and with the gateway's (nanokv.agreement: block size, model,
+     batch limits), and the gateway takes the cache service's (eviction policy, prefix caching) as its own;
+  4. the compute service's pool epoch (ModelInfo.epoch) must equal the one the cache service has
      attached; plans and steps carry it from then on, so a peer that restarted in between rejects
      them with StaleEpoch instead of acting on a pool it never saw.
 
@@ -23,6 +25,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+from nanokv.agreement import check_gateway
 from nanokv.errors import PreconditionError, ServiceUnavailable
 from nanokv.gateway.scheduler import Scheduler
 from nanokv.rpc import wait_serving
@@ -47,7 +50,7 @@ class Recovery:
         self._next_try = 0.0
 
     def attach(self, probe_timeout_s: float | None = None) -> None:
-        """Steps 1-3 above; raises ServiceUnavailable (or a PreconditionError) while a peer is not back."""
+        """Steps 1-4 above; raises ServiceUnavailable (or a PreconditionError) while a peer is not back."""
         eng = self.engine
         cache, compute = eng.cache, eng.compute
         if probe_timeout_s is not None:
@@ -61,6 +64,9 @@ class Recovery:
         cache.release("")
         compute.reset()
         info = compute.info()
+        cache_config, _ = cache.info()
+        check_gateway(eng.config.gateway, cache_config, info)  # nanokv.agreement: a mismatch is refused
+        eng.config = eng.config.with_sections(cache=cache_config)  # the gateway runs by the cache's settings
         attached = cache.stats()["attached_epoch"]
         if not info.epoch or info.epoch != attached:
             raise ServiceUnavailable(f"the compute service's pool (epoch {info.epoch}) is not the cache "

@@ -137,20 +137,22 @@ def main(argv: list[str] | None = None) -> int:
 
     from nanokv.flags import add_config_args
     from nanokv.gateway.http.cli import add_serve_args
+    from nanokv.service_config import CacheConfig, ComputeConfig, GatewayConfig
 
+    # each service's flags are its own config's (nanokv.service_config); `up` and `serve` take them all
     c = sub.add_parser("cache", help="the cache service (gRPC): blocks, prefix hashes, eviction, KV storage")
     c.add_argument("--listen", default="127.0.0.1:50061", help="unix:/path.sock or HOST:PORT (default loopback)")
-    add_config_args(c)
+    add_config_args(c, CacheConfig)
     m = sub.add_parser("compute", help="the compute service (gRPC): the model, forward pass, sampling")
     m.add_argument("--listen", default="127.0.0.1:50062", help="unix:/path.sock or HOST:PORT (default loopback)")
     m.add_argument("--cache", required=True, help="the cache service's address")
-    add_config_args(m)
+    add_config_args(m, ComputeConfig)
     gw = sub.add_parser("gateway", help="the gateway: HTTP API and scheduler, on running cache/compute services")
     gw.add_argument("--cache", required=True, help="the cache service's address")
     gw.add_argument("--compute", required=True, help="the compute service's address")
     gw.add_argument("--wait-s", type=float, default=0.0,
                     help="wait up to this long for the cache and compute services to be SERVING (start-up order)")
-    add_serve_args(gw)
+    add_serve_args(gw, GatewayConfig, exclude=("cache_address", "compute_address"))  # (--cache, --compute)
     h = sub.add_parser("health", help="check a service's health (grpc.health.v1, or an http:// /health URL)")
     h.add_argument("address", help="unix:/path.sock, HOST:PORT, or http://HOST:PORT/health")
     h.add_argument("--service", default="", help="grpc.health.v1 service name (default: the server overall)")
@@ -196,20 +198,18 @@ def _service_main(args: argparse.Namespace) -> int:
     import logging
 
     from nanokv import tracing
-    from nanokv.config import EngineConfig
-    from nanokv.flags import engine_kwargs as config_kwargs
+    from nanokv.flags import service_config
     from nanokv.gateway.http.cli import serve_main
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tracing.set_role(args.cmd if args.cmd in ("cache", "compute") else "gateway")  # service.name by default
-    kw = config_kwargs(args)
-    if args.cmd == "cache":
+    if args.cmd == "cache":  # (its own config, from its own flags)
         from nanokv.cache_service.server import serve as serve_cache
-        serve_cache(EngineConfig.from_kwargs(**kw), args.listen)
+        serve_cache(service_config(args), args.listen)
         return 0
     if args.cmd == "compute":
         from nanokv.compute_service.server import serve as serve_compute
-        serve_compute(EngineConfig.from_kwargs(**kw), args.listen, args.cache)
+        serve_compute(service_config(args), args.listen, args.cache)
         return 0
     if args.cmd == "gateway":
         if args.wait_s > 0:

@@ -118,30 +118,33 @@ def _tail(path: str, n: int = 4000) -> str:
 
 # ---- nanokv up ------------------------------------------------------------------------------------
 def up_main(args: argparse.Namespace, argv: list[str]) -> int:
-    """`nanokv up`: argv is its command line after `up` (the gateway gets it, less --run-dir)."""
+    """`nanokv up`: every service gets the whole config as --config-json (each takes its own keys);
+    the gateway also gets up's server flags (host, ports, API keys, limits)."""
     from nanokv.config import EngineConfig
     from nanokv.flags import engine_kwargs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = EngineConfig.from_kwargs(**engine_kwargs(args)).to_dict()
     try:
-        return up(config, without_run_dir(argv), args.host, args.port, args.run_dir)
+        return up(config, server_argv(args) + ["--config-json", json.dumps(config)], args.host, args.port,
+                  args.run_dir)
     except StartFailed as e:
         print(f"nanokv up: error: {e}", file=sys.stderr)
         return 1
 
 
-def without_run_dir(argv: list[str]) -> list[str]:
-    """argv less `--run-dir X` / `--run-dir=X` (or an abbreviation argparse took for it)."""
-    out, skip = [], False
-    for a in argv:
-        name, eq, _ = a.partition("=")
-        if skip:
-            skip = False
-        elif len(name) > 3 and "--run-dir".startswith(name):
-            skip = not eq
-        else:
-            out.append(a)
+SERVER_FLAGS = ("host", "port", "grpc_port", "served_model_name", "max_waiting", "max_body_bytes", "log_level")
+
+
+def server_argv(args: argparse.Namespace) -> list[str]:
+    """The gateway's server flags (nanokv.gateway.http.cli.add_serve_args) as `up` was given them."""
+    out: list[str] = []
+    for name in SERVER_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    for key in getattr(args, "api_key", None) or []:
+        out += ["--api-key", key]
     return out
 
 

@@ -120,6 +120,16 @@ class PoolLayout:
 
 
 @dataclass
+class PoolTerms:
+    """What the compute service was started with that the cache service's config must match, sent
+    with every attach (nanokv.agreement): the configured KV format, not the live pool's (a repool
+    may widen a layer), and the model whose KV the pool will hold."""
+    block_size: int
+    layer_bits: list[int]
+    model: str = ""
+
+
+@dataclass
 class CudaIpcHandle:
     """A CUDA IPC export of the pool's device segment (nanokv.kv.cuda_ipc): the
     cudaIpcMemHandle of its allocation, where the segment sits in it, and PyTorch's shared
@@ -163,6 +173,9 @@ class ModelInfo:
     model: str | None = None  # the path the compute service loaded (the gateway's tokenizer reads it too)
     epoch: int = 0  # the pool the compute service has mapped (0: none)
     layer_bits: list[int] = field(default_factory=list)  # the pool's KV format per layer (16: full precision)
+    # the batch the compute service sized its buffers for (0: unknown): a gateway's may not exceed it
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,14 @@ from nanokv.messages import (
     PlanRequest,
     PoolHandle,
     PoolLayout,
+    PoolTerms,
     StepRequest,
     StepResult,
     TableDelta,
 )
 from nanokv.protos import internal_pb2 as pb
 from nanokv.sampling import SamplingParams
+from nanokv.service_config import CacheConfig
 
 _SWAP = sys.byteorder != "little"
 
@@ -70,6 +72,36 @@ def layout_to_pb(x: PoolLayout) -> pb.PoolLayout:
 def layout_from_pb(m: pb.PoolLayout) -> PoolLayout:
     return PoolLayout(m.num_blocks, m.block_size, m.num_kv_heads, m.head_dim, list(m.layer_bits), m.dtype,
                       m.stage_slots, m.device, list(m.rank_kv_heads), list(m.rank_devices))
+
+
+def terms_to_pb(t: PoolTerms) -> pb.PoolTerms:
+    return pb.PoolTerms(block_size=t.block_size, layer_bits=t.layer_bits, model=t.model)
+
+
+def terms_from_pb(m: pb.PoolTerms) -> PoolTerms:
+    return PoolTerms(m.block_size, list(m.layer_bits), m.model)
+
+
+def cache_info_to_pb(c: CacheConfig, model: str = "") -> pb.CacheInfo:
+    spec = c.quantization_bitwidth
+    return pb.CacheInfo(
+        block_size=c.block_size, enable_compression=c.enable_compression, default_bits=spec["default"],
+        layer_bits={int(k): b for k, b in spec["layers"].items()}, eviction_policy=c.eviction_policy,
+        enable_prefix_caching=c.enable_prefix_caching, lru_k=c.lru_k,
+        prefix_caching_hash_algo=c.prefix_caching_hash_algo, adaptive=c.adaptive,
+        adaptive_policy_candidates=c.adaptive_policy_candidates, device=c.device,
+        gateway_lease_s=c.gateway_lease_s, metrics_port=c.metrics_port, model=model)
+
+
+def cache_info_from_pb(m: pb.CacheInfo) -> tuple[CacheConfig, str]:
+    """(the cache service's config, validated again here; the attached model, "" if none)."""
+    spec = {"default": m.default_bits, "layers": {str(k): b for k, b in sorted(m.layer_bits.items())}}
+    return CacheConfig(
+        block_size=m.block_size, enable_compression=m.enable_compression, quantization_bitwidth=spec,
+        eviction_policy=m.eviction_policy, enable_prefix_caching=m.enable_prefix_caching, lru_k=m.lru_k,
+        prefix_caching_hash_algo=m.prefix_caching_hash_algo, adaptive=m.adaptive,
+        adaptive_policy_candidates=m.adaptive_policy_candidates, device=m.device,
+        gateway_lease_s=m.gateway_lease_s, metrics_port=m.metrics_port), m.model
 
 
 def handle_to_pb(h: PoolHandle) -> pb.PoolHandle:
@@ -170,13 +202,14 @@ def info_to_pb(i: ModelInfo) -> pb.ModelInfo:
     return pb.ModelInfo(name=i.name, vocab_size=i.vocab_size, eos_token_ids=i.eos_token_ids,
                         max_position_embeddings=i.max_position_embeddings, num_blocks=i.num_blocks,
                         block_size=i.block_size, device=i.device, dtype=i.dtype, model=i.model, epoch=i.epoch,
-                        layer_bits=i.layer_bits)
+                        layer_bits=i.layer_bits, max_num_seqs=i.max_num_seqs,
+                        max_num_batched_tokens=i.max_num_batched_tokens)
 
 
 def info_from_pb(m: pb.ModelInfo) -> ModelInfo:
     return ModelInfo(m.name, m.vocab_size, list(m.eos_token_ids), m.max_position_embeddings, m.num_blocks,
                      m.block_size, m.device, m.dtype, m.model if m.HasField("model") else None, m.epoch,
-                     list(m.layer_bits))
+                     list(m.layer_bits), m.max_num_seqs, m.max_num_batched_tokens)
 
 
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:

@@ -34,11 +34,62 @@ class PoolLayout(_message.Message):
     rank_devices: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_bits: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., stage_slots: _Optional[int] = ..., device: _Optional[str] = ..., rank_kv_heads: _Optional[_Iterable[int]] = ..., rank_devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class PoolTerms(_message.Message):
+    __slots__ = ("block_size", "layer_bits", "model")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BITS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    layer_bits: _containers.RepeatedScalarFieldContainer[int]
+    model: str
+    def __init__(self, block_size: _Optional[int] = ..., layer_bits: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ...) -> None: ...
+
 class AttachRequest(_message.Message):
-    __slots__ = ("layout",)
+    __slots__ = ("layout", "terms")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TERMS_FIELD_NUMBER: _ClassVar[int]
     layout: PoolLayout
-    def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ...) -> None: ...
+    terms: PoolTerms
+    def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., terms: _Optional[_Union[PoolTerms, _Mapping]] = ...) -> None: ...
+
+class CacheInfo(_message.Message):
+    __slots__ = ("block_size", "enable_compression", "default_bits", "layer_bits", "eviction_policy", "enable_prefix_caching", "lru_k", "prefix_caching_hash_algo", "adaptive", "adaptive_policy_candidates", "device", "gateway_lease_s", "metrics_port", "model")
+    class LayerBitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_BITS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BITS_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    LRU_K_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_POLICY_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    enable_compression: bool
+    default_bits: int
+    layer_bits: _containers.ScalarMap[int, int]
+    eviction_policy: str
+    enable_prefix_caching: bool
+    lru_k: int
+    prefix_caching_hash_algo: str
+    adaptive: bool
+    adaptive_policy_candidates: str
+    device: str
+    gateway_lease_s: float
+    metrics_port: int
+    model: str
+    def __init__(self, block_size: _Optional[int] = ..., enable_compression: _Optional[bool] = ..., default_bits: _Optional[int] = ..., layer_bits: _Optional[_Mapping[int, int]] = ..., eviction_policy: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., lru_k: _Optional[int] = ..., prefix_caching_hash_algo: _Optional[str] = ..., adaptive: _Optional[bool] = ..., adaptive_policy_candidates: _Optional[str] = ..., device: _Optional[str] = ..., gateway_lease_s: _Optional[float] = ..., metrics_port: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PoolHandle(_message.Message):
     __slots__ = ("kind", "nbytes", "epoch", "path", "cuda", "ranks")
@@ -268,7 +319,7 @@ class RepoolRequest(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., layer_bits: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "eos_token_ids", "max_position_embeddings", "num_blocks", "block_size", "device", "dtype", "model", "epoch", "layer_bits")
+    __slots__ = ("name", "vocab_size", "eos_token_ids", "max_position_embeddings", "num_blocks", "block_size", "device", "dtype", "model", "epoch", "layer_bits", "max_num_seqs", "max_num_batched_tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +331,8 @@ class ModelInfo(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAYER_BITS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -291,7 +344,9 @@ class ModelInfo(_message.Message):
     model: str
     epoch: int
     layer_bits: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_bits: _Optional[_Iterable[int]] = ...) -> None: ...
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_bits: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizerFiles(_message.Message):
     __slots__ = ("files",)

@@ -80,6 +80,11 @@ class CacheStub:
                 request_serializer=nanokv_dot_protos_dot_internal__pb2.SetPolicyRequest.SerializeToString,
                 response_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/nanokv.internal.v1.Cache/Info',
+                request_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+                response_deserializer=nanokv_dot_protos_dot_internal__pb2.CacheInfo.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -148,6 +153,14 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Info(self, request, context):
+        """The cache service's settings (its CacheConfig): a gateway checks them against the compute
+        service's at attach and runs its scheduler and adaptive controller by them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +208,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.SetPolicy,
                     request_deserializer=nanokv_dot_protos_dot_internal__pb2.SetPolicyRequest.FromString,
                     response_serializer=nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+                    response_serializer=nanokv_dot_protos_dot_internal__pb2.CacheInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -441,6 +459,33 @@ class Cache:
             '/nanokv.internal.v1.Cache/SetPolicy',
             nanokv_dot_protos_dot_internal__pb2.SetPolicyRequest.SerializeToString,
             nanokv_dot_protos_dot_internal__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanokv.internal.v1.Cache/Info',
+            nanokv_dot_protos_dot_internal__pb2.Empty.SerializeToString,
+            nanokv_dot_protos_dot_internal__pb2.CacheInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,7 +49,7 @@ def test_cpu_profile_runs_as_local_processes(tmp_path, llm):
         ids = [t for c in chunks for t in c.token_ids]
         assert ids == list(ref.token_ids)  # token for token what the in-process engine answers
         assert chunks[-1].finished and chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
-        assert info.kv_blocks_total == 2048  # the compose file's --config-json reached the cache service
+        assert info.kv_blocks_total == 2048  # the compose file's --num-gpu-blocks sized the pool
         body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True}
         r = httpx.post(f"http://127.0.0.1:{gw.ports[8000]}/v1/completions", json=body, timeout=120)

@@ -20,7 +20,7 @@ from nanokv.compute_service.attention.backend import AttentionBackend
 from nanokv.compute_service.runner.cuda_graph import DecodeGraphs
 from nanokv.compute_service.runner.kv_reformat import reformat_layer
 from nanokv.compute_service.runner.kv_resize import resize_layer_cache
-from nanokv.config import DEFAULT_CPU_KV_BYTES, ConfigError, EngineConfig
+from nanokv.config import DEFAULT_CPU_KV_BYTES, ComputeConfig, ConfigError
 from nanokv.kv.cache import LayerKVCache, bytes_per_block
 from nanokv.kv.rotation import rotation_matrix
 from nanokv.kv.segment import carve_layer_caches, map_handle, pool_nbytes
@@ -54,7 +54,7 @@ class RankPools:
 
 
 class KVPool:
-    cfg: EngineConfig
+    cfg: ComputeConfig
     model: Any
     mc: Any
     device: torch.device

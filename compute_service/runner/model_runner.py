@@ -20,7 +20,7 @@ from nanokv.compute_service.model.layers.fusion import set_fusion
 from nanokv.compute_service.runner.cuda_graph import DecodeGraphs
 from nanokv.compute_service.runner.h2d import PinnedUploader
 from nanokv.compute_service.runner.kv_pool import KVPool
-from nanokv.config import ConfigError, EngineConfig
+from nanokv.config import ComputeConfig, ConfigError
 from nanokv.kv.cache import LayerKVCache
 from nanokv.kv.metadata import AttentionMetadata, forward_context
 from nanokv.kv.segment import carve_layer_caches, map_handle, pool_nbytes
@@ -32,20 +32,20 @@ if TYPE_CHECKING:
     from nanokv.compute_service.sparsity.probe import AttentionProbe
 
 
-def resolve_device(cfg: EngineConfig) -> torch.device:
+def resolve_device(cfg: ComputeConfig) -> torch.device:
     if cfg.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(cfg.device)
 
 
-def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(cfg: ComputeConfig, device: torch.device) -> torch.dtype:
     if cfg.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, cfg.dtype)
 
 
 class ModelRunner(KVPool):
-    def __init__(self, cfg: EngineConfig, model: LlamaForCausalLM, model_config, device: torch.device,
+    def __init__(self, cfg: ComputeConfig, model: LlamaForCausalLM, model_config, device: torch.device,
                  dtype: torch.dtype, num_kv_heads_local: int | None = None,
                  attach_pool: Callable[[PoolLayout], PoolHandle] | None = None,
                  free_segment: Callable[[int], None] | None = None):

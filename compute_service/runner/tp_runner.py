@@ -46,7 +46,7 @@ from nanokv.compute_service.runner.tp_comm import (
 )
 from nanokv.compute_service.runner.tp_procs import WorkerProcesses
 from nanokv.compute_service.runner.tp_protocol import send_call, send_step, send_stop
-from nanokv.config import EngineConfig
+from nanokv.config import ComputeConfig
 from nanokv.errors import ConfigError, PreconditionError
 from nanokv.messages import PoolHandle, PoolLayout
 
@@ -55,7 +55,7 @@ _RANK0_ONLY_METHODS = frozenset({"bytes_per_block_all_layers", "build_metadata",
 
 
 class TPModelRunner:
-    def __init__(self, cfg: EngineConfig, model: Any, model_config, device: torch.device,
+    def __init__(self, cfg: ComputeConfig, model: Any, model_config, device: torch.device,
                  dtype: torch.dtype, attach_pool: Any = None, free_segment: Callable[[int], None] | None = None):
         """attach_pool: the KV pools from the cache service, one per rank: rank 0 asks for all of
         them (PoolLayout.rank_kv_heads) and sends the others theirs. Under torchrun (ranks may sit on
@@ -276,7 +276,7 @@ def _atexit_hook(ref: weakref.ReferenceType[TPModelRunner]) -> Callable[[], None
     return hook
 
 
-def _check_launch(cfg: EngineConfig, model: torch.nn.Module, device: torch.device,
+def _check_launch(cfg: ComputeConfig, model: torch.nn.Module, device: torch.device,
                   env: TorchrunEnv | None) -> None:
     """Clear errors for set-ups that cannot work, before any process starts."""
     world = cfg.tensor_parallel_size

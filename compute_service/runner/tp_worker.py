@@ -34,7 +34,7 @@ from nanokv.compute_service.runner.tp_comm import (
     torchrun_env,
 )
 from nanokv.compute_service.runner.tp_protocol import Step, recv
-from nanokv.config import EngineConfig
+from nanokv.config import ComputeConfig
 
 
 def watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
@@ -51,7 +51,7 @@ def watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="nanokv-tp-parent-watch", daemon=True).start()
 
 
-def load_shard(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, rank: int, size: int):
+def load_shard(cfg: ComputeConfig, device: torch.device, dtype: torch.dtype, rank: int, size: int):
     """This rank's shard of the model the engine loads (same seed, so random weights agree)."""
     from nanokv.compute_service.model.loader import load_model, random_model
 
@@ -61,7 +61,7 @@ def load_shard(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, rank
     return load_model(cfg.model, dtype, device, tp_rank=rank, tp_size=size)
 
 
-def _device(cfg: EngineConfig, local_rank: int, world: int) -> torch.device:
+def _device(cfg: ComputeConfig, local_rank: int, world: int) -> torch.device:
     device = resolve_device(cfg)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
@@ -78,7 +78,7 @@ def serve(rank: int, world: int, local_rank: int, store: dist.TCPStore | None) -
     The order of collectives mirrors TPModelRunner.__init__ exactly.
     """
     ctrl = init_groups(rank, world, store)
-    cfg: EngineConfig = broadcast_object(None)
+    cfg: ComputeConfig = broadcast_object(None)
     device = _device(cfg, local_rank, world)
     dtype = resolve_dtype(cfg, device)
     init_tensor_parallel(rank, world, make_data_group(device))

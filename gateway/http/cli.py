@@ -1,8 +1,9 @@
-"""`nanokv serve`: argparse wiring for the server.
+"""`nanokv serve` (and `up`, `gateway`): argparse wiring for the server.
 
-Engine flags are generated from EngineConfig's fields (`block_size` -> `--block-size`), so every
-config key is reachable from the command line and none can drift out of sync. Flags left out are
-not passed at all: defaults live in EngineConfig only.
+Engine flags are generated from the config's fields (`block_size` -> `--block-size`, nanokv.flags):
+EngineConfig's for `serve` and `up`, which run every service; GatewayConfig's for `gateway`, whose
+cache and compute services run with their own. Flags left out are not passed at all: defaults live
+in the config classes only.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from nanokv.gateway.http.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAI
 API_KEY_ENV = "NANOKV_API_KEY"
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
+def add_serve_args(parser: argparse.ArgumentParser, config_cls: type = EngineConfig,
+                   exclude: tuple[str, ...] = ()) -> None:
     srv = parser.add_argument_group("server")
     srv.add_argument("--host", default="127.0.0.1",
                      help="bind address (default loopback; exposing the server needs --api-key)")
@@ -38,7 +40,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                      help="larger request bodies get 413")
     srv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
-    add_config_args(parser)
+    add_config_args(parser, config_cls, exclude)
 
 
 def _api_keys(args: argparse.Namespace) -> list[str]:

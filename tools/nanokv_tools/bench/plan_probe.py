@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {"in_process": _drive(local, args.num_seqs, args.steps)}
     with tempfile.TemporaryDirectory() as d:
         address = f"unix:{d}/cache.sock"
+        # (the pool's size comes with the layout; the batch limit with each plan)
         proc = subprocess.Popen([sys.executable, "-m", "nanokv.cli", "cache", "--listen", address,
-                                 "--num-gpu-blocks", str(BLOCKS), "--max-num-seqs", str(args.num_seqs),
                                  "--eviction-policy", "lru"], stderr=subprocess.DEVNULL)
         try:
             client = CacheClient(address, 60.0)
