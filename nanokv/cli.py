@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     # each service's flags are its own config's (nanokv.service_config); `up` and `serve` take them all
     c = sub.add_parser("cache", help="the cache service (gRPC): blocks, prefix hashes, eviction, KV storage")
     c.add_argument("--listen", default="127.0.0.1:50061", help="unix:/path.sock or HOST:PORT (default loopback)")
-    add_config_args(c, CacheConfig)
+    helps = {"eviction_policy": policy_help()}  # each policy with its caveat
+    add_config_args(c, CacheConfig, helps=helps)
     m = sub.add_parser("compute", help="the compute service (gRPC): the model, forward pass, sampling")
     m.add_argument("--listen", default="127.0.0.1:50062", help="unix:/path.sock or HOST:PORT (default loopback)")
     m.add_argument("--cache", required=True, help="the cache service's address")
@@ -161,14 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="start cache, compute and gateway locally (unix sockets) and serve HTTP")
     up.add_argument("--run-dir", default=None, help="where the sockets, service logs and pids.json go (default: a "
                     "temp dir, removed at the end); the services are restarted when they exit (docs/operating.md)")
-    add_serve_args(up)
+    add_serve_args(up, helps=helps)
 
     for name, what in TOOL_COMMANDS.items():  # their flags are their own: the rest of the line goes to them
         t = sub.add_parser(name, help=f"{what} (nanokv-tools)", add_help=False)
         t.add_argument("rest", nargs=argparse.REMAINDER)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_serve_args(s)
+    add_serve_args(s, helps=helps)
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in TOOL_COMMANDS:

@@ -51,8 +51,9 @@ def config_keys(config_cls: type) -> list[str]:
 
 
 def add_config_args(parser: argparse.ArgumentParser, config_cls: type = EngineConfig,
-                    exclude: tuple[str, ...] = ()) -> None:
-    """exclude: keys the command sets from flags of its own (`gateway --cache ADDR`)."""
+                    exclude: tuple[str, ...] = (), helps: dict[str, str] | None = None) -> None:
+    """exclude: keys the command sets from flags of its own (`gateway --cache ADDR`); helps: longer help
+    texts by key (the default is added), from the layers that know them (the policies' caveats)."""
     group = parser.add_argument_group(TITLES[config_cls])
     for name, hint, default in _fields(config_cls):
         if name in exclude:
@@ -60,6 +61,8 @@ def add_config_args(parser: argparse.ArgumentParser, config_cls: type = EngineCo
         flag = "--" + name.replace("_", "-")
         kind = _flag_type(hint)
         help_text = f"default: {default!r}"
+        if helps and name in helps:
+            help_text = f"{helps[name]} ({help_text})"
         if kind is None:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)

@@ -72,9 +72,10 @@ def policy_caveat(name: str) -> str | None:
 def policy_help() -> str:
     """The --eviction-policy flag's help: every policy the engine takes, each with its caveat ('%'
     doubled for argparse)."""
-    from nanokv.config import ADAPTIVE_START_POLICY, EngineConfig
+    from nanokv.config import ADAPTIVE_START_POLICY
+    from nanokv.service_config import CacheConfig
 
-    default = EngineConfig.__dataclass_fields__["eviction_policy"].default
+    default = CacheConfig().eviction_policy
     items = [f"{n}: {_ABOUT.get(n) or CAVEATS[n]}" for n in ONLINE_POLICY_NAMES]
     items.append(f"adaptive: starts on {ADAPTIVE_START_POLICY}, switches to the policy whose ghost cache "
                  "would have hit more")

@@ -23,7 +23,7 @@ API_KEY_ENV = "NANOKV_API_KEY"
 
 
 def add_serve_args(parser: argparse.ArgumentParser, config_cls: type = EngineConfig,
-                   exclude: tuple[str, ...] = ()) -> None:
+                   exclude: tuple[str, ...] = (), helps: dict[str, str] | None = None) -> None:
     srv = parser.add_argument_group("server")
     srv.add_argument("--host", default="127.0.0.1",
                      help="bind address (default loopback; exposing the server needs --api-key)")
@@ -40,7 +40,7 @@ def add_serve_args(parser: argparse.ArgumentParser, config_cls: type = EngineCon
                      help="larger request bodies get 413")
     srv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
-    add_config_args(parser, config_cls, exclude)
+    add_config_args(parser, config_cls, exclude, helps)
 
 
 def _api_keys(args: argparse.Namespace) -> list[str]:
