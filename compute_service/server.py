@@ -146,7 +146,7 @@ def serve(config: EngineConfig, listen: str, cache_address: str, stop: threading
     finally:
         set_serving(hs, [SERVICE_NAME], False)
         server.stop(grace=2.0).wait()
-        svc.shutdown()
+        svc.close()
         _detach(cache_address, svc, config.rpc_timeout_s)
 
 

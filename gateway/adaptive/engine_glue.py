@@ -58,8 +58,7 @@ def _lander(engine: Any) -> Callable[[], None]:
     async scheduling the step in flight lands first (its outputs go out with the engine's next step),
     so no launched step runs on tensors that are being replaced."""
     def land() -> None:
-        if engine._async is not None:
-            engine.stashed.extend(engine._async.land())
+        engine.stashed.extend(engine.land())
     return land
 
 

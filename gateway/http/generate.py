@@ -29,6 +29,7 @@ from nanokv.gateway.http.schemas import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    Usage,
 )
 from nanokv.gateway.http.translate import (
     ModelInfo,
@@ -38,6 +39,8 @@ from nanokv.gateway.http.translate import (
     completion_logprobs,
     usage,
 )
+from nanokv.gateway.outputs import RequestOutput
+from nanokv.gateway.sequence import TokenLogprob
 from nanokv.sampling import SamplingParams
 
 RETRY_AFTER_S = 1
@@ -65,7 +68,7 @@ def _json(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def _sse(payload: BaseModel | dict) -> str:
+def _sse(payload: BaseModel | dict[str, Any]) -> str:
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {data}\n\n"
 
@@ -138,11 +141,11 @@ class _ReleasingStream(StreamingResponse):
             self._on_close()
 
 
-def _usage(out: Any):
+def _usage(out: RequestOutput) -> Usage:
     return usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
 
 
-def _new_entries(out: Any) -> list[dict]:
+def _new_entries(out: RequestOutput) -> list[TokenLogprob]:
     return out.logprobs[-len(out.new_token_ids):] if out.logprobs and out.new_token_ids else []
 
 
