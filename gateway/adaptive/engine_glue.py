@@ -18,15 +18,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
+from nanokv.config import EngineConfig
 from nanokv.gateway.adaptive.controller import AdaptiveController
 from nanokv.gateway.adaptive.settings import AdaptiveSettings
+
+if TYPE_CHECKING:
+    from nanokv.compute_service.adaptive.pool import PoolActuator
+    from nanokv.gateway.engine import Engine
 
 log = logging.getLogger("nanokv.gateway.adaptive")
 
 
-def build_controller(engine: Any) -> AdaptiveController:
+def build_controller(engine: Engine) -> AdaptiveController:
     cfg = engine.config
     full = bool(cfg.adaptive)
     if engine.local_cache is None:  # the services run apart: the same controller over their RPCs
@@ -53,7 +58,7 @@ def build_controller(engine: Any) -> AdaptiveController:
     return _log(ctl, cfg, "in process")
 
 
-def _lander(engine: Any) -> Callable[[], None]:
+def _lander(engine: Engine) -> Callable[[], None]:
     """What an in-process actuator calls right before it changes the KV tensors or the pool: with
     async scheduling the step in flight lands first (its outputs go out with the engine's next step),
     so no launched step runs on tensors that are being replaced."""
@@ -62,7 +67,7 @@ def _lander(engine: Any) -> Callable[[], None]:
     return land
 
 
-def _log(ctl: AdaptiveController, cfg: Any, where: str) -> AdaptiveController:
+def _log(ctl: AdaptiveController, cfg: EngineConfig, where: str) -> AdaptiveController:
     rules = [r.kind for r in (ctl.policy_rule, ctl.concurrency_rule, ctl.precision_rule) if r is not None]
     rules += ["pool"] if ctl.pool_rule is not None else []
     log.info("adaptive controller (%s mode, window %d steps, %s): rules %s", cfg.adaptive_mode,
@@ -70,7 +75,7 @@ def _log(ctl: AdaptiveController, cfg: Any, where: str) -> AdaptiveController:
     return ctl
 
 
-def _pool_actuator(engine: Any) -> Any:
+def _pool_actuator(engine: Engine) -> PoolActuator | None:
     cfg = engine.config
     if not cfg.adaptive:
         return None
