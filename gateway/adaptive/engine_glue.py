@@ -42,7 +42,7 @@ def build_controller(engine: Engine) -> AdaptiveController:
                     "over the services' RPCs")
     precision = None
     runner = engine.runner
-    if full and any(b < 16 for b in getattr(runner, "layer_bits", [])):
+    if full and any(b < 16 for b in runner.layer_bits):
         if any(getattr(c, "demoted", None) is not None for c in runner.kv_caches):
             # hybrid sparsity's demotion store re-quantizes int8 blocks: every layer must stay int8
             log.warning("adaptive: KV bit-width switching is off with hybrid sparsity (INT4 demotion store)")

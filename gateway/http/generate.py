@@ -26,6 +26,7 @@ from nanokv.gateway.http.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -106,10 +107,10 @@ async def collect(request: Request, stream: RequestStream) -> tuple[Any, dict[in
 
 
 def sse_response(aengine: AsyncEngine, stream: RequestStream, chunks: Callable[[Update], list[BaseModel]],
-                 final: Callable[[Any], list[BaseModel]]) -> Response:
+                 final: Callable[[RequestOutput | None], list[BaseModel]]) -> Response:
     async def body() -> AsyncIterator[str]:
         try:
-            last = None
+            last: RequestOutput | None = None
             async for u in stream:
                 last = u.output
                 for c in chunks(u):
@@ -181,7 +182,7 @@ async def completions(request: Request, aengine: AsyncEngine, info: ModelInfo) -
             choice = CompletionChoice(text=out.delta_text, logprobs=lp, finish_reason=reason)
             return [CompletionResponse(id=rid, model=info.name, choices=[choice])]
 
-        def final(out: Any) -> list[BaseModel]:
+        def final(out: RequestOutput | None) -> list[BaseModel]:
             if not (req.stream_options and req.stream_options.include_usage) or out is None:
                 return []
             return [CompletionResponse(id=rid, model=info.name, choices=[], usage=_usage(out))]
@@ -208,7 +209,8 @@ async def chat_completions(request: Request, aengine: AsyncEngine, info: ModelIn
     if req.stream:
         first = True
 
-        def chunk(delta: dict[str, str], lp: Any = None, reason: str | None = None) -> ChatCompletionChunk:
+        def chunk(delta: dict[str, str], lp: ChatLogprobs | None = None, reason: str | None = None
+                  ) -> ChatCompletionChunk:
             choice = ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=reason)
             return ChatCompletionChunk(id=rid, model=info.name, choices=[choice])
 
@@ -226,7 +228,7 @@ async def chat_completions(request: Request, aengine: AsyncEngine, info: ModelIn
                 result.append(chunk({}, reason=out.finish_reason))
             return result
 
-        def final(out: Any) -> list[BaseModel]:
+        def final(out: RequestOutput | None) -> list[BaseModel]:
             if not (req.stream_options and req.stream_options.include_usage) or out is None:
                 return []
             return [ChatCompletionChunk(id=rid, model=info.name, choices=[], usage=_usage(out))]
