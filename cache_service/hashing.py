@@ -12,7 +12,7 @@ import functools
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Protocol
 
 from nanokv.errors import NanoKVError
 
@@ -20,7 +20,15 @@ HASH_ALGOS = ("sha256", "blake2b")
 _ROOT_TAG = b"nanokv-prefix-root-v1"
 
 
-def _new(algo: str) -> Any:  # hashlib's object types differ per algorithm; both have update/digest
+class _Hasher(Protocol):
+    """What a hashlib object is to this module (sha256 and blake2b are objects of different types)."""
+
+    def update(self, data: bytes, /) -> None: ...
+
+    def digest(self) -> bytes: ...
+
+
+def _new(algo: str) -> _Hasher:
     if algo == "sha256":
         return hashlib.sha256()
     if algo == "blake2b":
@@ -41,12 +49,12 @@ def root_hash(cache_salt: str | None = None, algo: str = "sha256") -> bytes:
     return h.digest()
 
 
-def _constructor(algo: str) -> Callable[[bytes], Any]:
+def _constructor(algo: str) -> Callable[[bytes], _Hasher]:
     _new(algo)  # an unknown algorithm: the named error
     return hashlib.sha256 if algo == "sha256" else functools.partial(hashlib.blake2b, digest_size=32)
 
 
-def _node(new: Callable[[bytes], Any], parent: bytes, extra_keys: bytes, packed_tokens: bytes) -> bytes:
+def _node(new: Callable[[bytes], _Hasher], parent: bytes, extra_keys: bytes, packed_tokens: bytes) -> bytes:
     """The one block-hash layout: H(parent || len(extra) || extra || int64 token ids), one update."""
     return new(parent + struct.pack("<I", len(extra_keys)) + extra_keys + packed_tokens).digest()
 

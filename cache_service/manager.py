@@ -37,13 +37,13 @@ _NO_HOLE = 1 << 62
 __all__ = ["CacheStats", "KVCacheManager", "PrefixMatch"]
 
 
-def _check_int(name: str, value: Any, lo: int) -> int:
+def _check_int(name: str, value: object, lo: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise NanoKVError(name, f"got {value!r}; must be an integer >= {lo}")
     return value
 
 
-def _check_index(name: str, i: Any, n: int) -> None:
+def _check_index(name: str, i: object, n: int) -> None:
     if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
         raise NanoKVError(name, f"index {i!r} outside the block table (0..{n - 1})")
 

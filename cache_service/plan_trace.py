@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nanokv import tracing
 from nanokv.kv.formats import kv_format
 from nanokv.messages import PlanReply, PlanRequest
+
+if TYPE_CHECKING:
+    from nanokv.cache_service.service import CacheService
 
 _COUNTERS = ("prefix_queries_tokens", "prefix_hits_tokens", "blocks_allocated", "evictions", "blocks_cached",
              "preemptions", "recomputed_tokens")
 
 
 @contextlib.contextmanager
-def plan_span(svc: Any, request: PlanRequest) -> Iterator[Any]:
+def plan_span(svc: CacheService, request: PlanRequest) -> Iterator[_Reply | None]:
     """Around CacheService.plan; the body hands its reply to the yielded holder's `reply`."""
     if not tracing.on() or svc.manager is None:
         yield None
@@ -30,8 +33,8 @@ def plan_span(svc: Any, request: PlanRequest) -> Iterator[Any]:
     cm = svc.manager
     before = {k: getattr(cm.stats, k) for k in _COUNTERS}
     holder = _Reply()
-    layout = getattr(svc.storage, "layout", None)
-    attrs: dict[str, Any] = {
+    layout = svc.storage.layout if svc.storage is not None else None
+    attrs: dict[str, str | int | bool] = {
         "nanokv.eviction_policy": cm.policy_name,
         "nanokv.new_seqs": len(request.new_seqs),
         "nanokv.finished_seqs": len(request.finished),

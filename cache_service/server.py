@@ -31,11 +31,10 @@ class CacheServicer(pb_grpc.CacheServicer):
     def __init__(self, svc: CacheService, config: CacheConfig):
         self.svc = svc
         self.config = config
-        self.model = ""  # the attached compute service's (PoolTerms.model)
 
     def Info(self, request: pb.Empty, context: Any) -> pb.CacheInfo:
         with rpc_errors(context):
-            return codec.cache_info_to_pb(self.config, self.model if self.svc.attached_epoch else "")
+            return codec.cache_info_to_pb(*self.svc.info())
 
     def Attach(self, request: pb.AttachRequest, context: Any) -> pb.PoolHandle:
         with rpc_errors(context):
@@ -47,7 +46,7 @@ class CacheServicer(pb_grpc.CacheServicer):
                 except Mismatch as e:
                     log.warning("attach refused: %s", e)
                     raise
-                self.model = terms.model
+                self.svc.attached_model = terms.model
             handle = self.svc.attach(layout)
             log.info("pool attached: %d blocks, %d bytes, epoch %d (%s)", layout.num_blocks, handle.nbytes,
                      handle.epoch, handle.path or handle.kind)
@@ -89,8 +88,7 @@ class CacheServicer(pb_grpc.CacheServicer):
 
     def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.Empty:
         with rpc_errors(context):
-            n = self.svc.release(request.gateway_id or None)
-            log.info("released %d sequences of gateway %s", n, request.gateway_id or "(all)")
+            self.svc.release(request.gateway_id or None)  # (it logs how many sequences ended)
             return pb.Empty()
 
 
@@ -144,5 +142,5 @@ def _init_cuda() -> None:
     import torch
 
     if torch.cuda.is_available():
-        torch.cuda.init()
+        torch.cuda.init()  # type: ignore[no-untyped-call]  # (torch leaves it unannotated)
         torch.zeros(1, device="cuda")

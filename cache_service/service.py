@@ -17,18 +17,37 @@ reads their evidence once a window (ghost_window) and switches the live policy w
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
-from nanokv.cache_service.manager import KVCacheManager
+from nanokv.cache_service.manager import CacheStats, KVCacheManager
 from nanokv.cache_service.plan_trace import plan_span
 from nanokv.cache_service.planner import Planner
 from nanokv.cache_service.validate import validate_plan
 from nanokv.config import ADAPTIVE_START_POLICY, CacheConfig
 from nanokv.errors import PreconditionError, StaleEpoch
 from nanokv.lease import Leases
-from nanokv.messages import PlanReply, PlanRequest, PoolHandle, PoolLayout
+from nanokv.messages import CacheServiceStats, GhostScores, PlanReply, PlanRequest, PoolHandle, PoolLayout
+from nanokv.service_api import PendingPlan
+
+if TYPE_CHECKING:
+    from nanokv.cache_service.ghosts import GhostCaches
+    from nanokv.cache_service.storage import PoolStorage
+
+log = logging.getLogger("nanokv.cache_service")
+
+
+class PlanDone:
+    """CacheAPI.plan_async in process: the plan was made at once; wait() hands its reply over."""
+    __slots__ = ("reply",)
+
+    def __init__(self, reply: PlanReply):
+        self.reply = reply
+
+    def wait(self) -> PlanReply:
+        return self.reply
 
 
 class NotAttached(PreconditionError):
@@ -37,19 +56,24 @@ class NotAttached(PreconditionError):
 
 
 class CacheService:
+    """nanokv.service_api.CacheAPI in process (and behind the gRPC server), plus the pool's attach."""
+
+    plan_rtt_s = 0.0  # CacheAPI: a plan here is answered within plan_async, no round trip
+
     def __init__(self, config: CacheConfig, *, shared: bool = False, ghosts: bool = False):
         """shared: allocate the pool in shared memory (a compute service in another process maps it).
         ghosts: keep the adaptive controller's ghost caches here (when its policy rule is on)."""
         self.config = config
+        self.attached_model = ""  # the attached compute service's model (PoolTerms.model), as it told
         self.shared = shared
-        self.ghosts: Any = None  # nanokv.cache_service.ghosts.GhostCaches, made at the first attach
+        self.ghosts: GhostCaches | None = None  # made at the first attach
         self.live_policy: str | None = None  # set_policy's choice: a later pool (repool) keeps it
-        self._stats: Any = None  # the last pool's CacheStats, while none is attached
+        self._stats: CacheStats | None = None  # the last pool's counters, while none is attached
         self._want_ghosts = ghosts and config.enable_prefix_caching and (
             config.adaptive or config.eviction_policy == "adaptive")
         self.manager: KVCacheManager | None = None
         self.planner: Planner | None = None
-        self.storage: Any = None  # nanokv.cache_service.storage.PoolStorage (imports torch: loaded on attach)
+        self.storage: PoolStorage | None = None  # (its module imports torch: loaded on attach)
         # epochs start at this incarnation's start time (ms): a restarted cache service never hands
         # out an epoch a compute service or gateway still holds from the one before
         self.epoch = int(time.time() * 1000)
@@ -68,9 +92,10 @@ class CacheService:
             carried = self.manager.stats if self.manager is not None else self._stats
             if self.storage is not None and self.storage.reusable_for(layout):
                 self.storage.epoch = self.epoch  # same device segment, a new incarnation of its contents
+                storage = self.storage
             else:
                 self._drop_pool()
-                self.storage = PoolStorage(layout, self.shared, self.epoch)
+                storage = self.storage = PoolStorage(layout, self.shared, self.epoch)
             self.attached_epoch = self.epoch
             self.manager = KVCacheManager(
                 layout.num_blocks, layout.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
@@ -84,7 +109,7 @@ class CacheService:
                 self.manager.stats = carried
             self._attach_ghosts(layout)
             self.planner = Planner(self.manager, self.ghosts.observe if self.ghosts is not None else None)
-            return self.storage.handle()
+            return storage.handle()
 
     def _attach_ghosts(self, layout: PoolLayout) -> None:
         """The ghosts model the live pool: made once, then resized with it (a repool keeps their
@@ -134,6 +159,10 @@ class CacheService:
         return self.manager is not None
 
     # ---- the step ---------------------------------------------------------------------------------
+    def info(self) -> tuple[CacheConfig, str]:
+        """Its config, and the model of the compute service attached ("": none attached)."""
+        return self.config, self.attached_model if self.attached_epoch else ""
+
     def plan(self, request: PlanRequest) -> PlanReply:
         with self.lock:
             if self.planner is None:
@@ -149,18 +178,22 @@ class CacheService:
                     traced.reply = reply
             return reply
 
+    def plan_async(self, request: PlanRequest) -> PendingPlan:
+        """CacheAPI.plan_async: in process the plan is made now (a gRPC client's reply comes later)."""
+        return PlanDone(self.plan(request))
+
     # ---- administration -----------------------------------------------------------------------
-    def reset_prefix_cache(self, clear_stats: bool = False) -> bool:
+    def reset_prefix_cache(self, clear_stats: bool = False) -> None:
+        """Every cached block that no sequence holds is dropped (clear_stats: the counters too)."""
         with self.lock:
             if self.manager is None:
                 raise NotAttached()
-            ok = self.manager.reset_prefix_cache()
+            self.manager.reset_prefix_cache()
             if clear_stats:
                 self.manager.stats.clear()
-            return ok
 
     # ---- the adaptive controller's policy rule (a gateway in another process) ----------------------
-    def ghost_window(self) -> Any:
+    def ghost_window(self) -> tuple[GhostScores, GhostScores] | None:
         """GhostCaches.window_scores(): (this window's, recent) evidence, or None."""
         with self.lock:
             return self._ghosts().window_scores()
@@ -180,20 +213,21 @@ class CacheService:
             self.manager.set_policy(name, donor=ghosts.caches[name])
             self.live_policy = name
 
-    def _ghosts(self) -> Any:
+    def _ghosts(self) -> GhostCaches:
         if self.ghosts is None:
             raise PreconditionError("ghosts", "the cache service keeps no ghost caches (the adaptive policy rule is "
                                               "off in its config, or prefix caching is off, or no pool is attached)")
         return self.ghosts
 
-    def release(self, gateway_id: str | None = None) -> int:
+    def release(self, gateway_id: str | None = None) -> None:
         """A gateway went away (its lease ran out) or starts over: every sequence it held ends and
-        its blocks go back (None: every gateway's). Returns how many sequences ended."""
+        its blocks go back (None: every gateway's)."""
         with self.lock:
             self.leases.drop(gateway_id)
-            return self.planner.forget_all(gateway_id) if self.planner is not None else 0
+            n = self.planner.forget_all(gateway_id) if self.planner is not None else 0
+        log.info("released %d sequences of gateway %s", n, gateway_id or "(all)")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> CacheServiceStats:
         with self.lock:
             cm = self.manager
             if cm is None:

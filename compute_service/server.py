@@ -167,7 +167,7 @@ def serve(config: ComputeConfig, listen: str, cache_address: str, stop: threadin
         set_serving(hs, [SERVICE_NAME], False)
         server.stop(grace=2.0).wait()
         metrics.close()
-        svc.shutdown()
+        svc.close()
         _detach(cache_address, svc, config.rpc_timeout_s)
 
 

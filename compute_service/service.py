@@ -37,13 +37,24 @@ from nanokv.compute_service.warmup import warm_logits
 from nanokv.config import ComputeConfig
 from nanokv.errors import NanoKVError, PreconditionError
 from nanokv.kv.monitor import CompressionMonitor
-from nanokv.messages import PLACEHOLDER, ModelInfo, PoolHandle, PoolLayout, StepRequest, StepResult
+from nanokv.messages import (
+    PLACEHOLDER,
+    ComputeServiceStats,
+    ModelInfo,
+    PoolHandle,
+    PoolLayout,
+    StepRequest,
+    StepResult,
+)
 from nanokv.sampling import SamplingParams
+from nanokv.service_api import PendingStep
 
 log = logging.getLogger(__name__)
 
 
 class ComputeService:
+    """nanokv.service_api.ComputeAPI in process (and behind the gRPC server)."""
+
     def __init__(self, config: ComputeConfig, attach_pool: Callable[[PoolLayout], PoolHandle] | None = None,
                  error_probe: bool = False, free_segment: Callable[[int], None] | None = None):
         """free_segment: the in-process cache service's free_storage (KVPool._moved_out).
@@ -116,7 +127,7 @@ class ComputeService:
             return {name: open(os.path.join(d, name), "rb").read() for name in sorted(os.listdir(d))
                     if os.path.isfile(os.path.join(d, name))}
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ComputeServiceStats:
         return {"compression_error": self.compression_monitor.snapshot(), "compute_steps": self.steps,
                 "forward_s": self.forward_ns / 1e9, "num_seqs": len(self._tables),
                 "epoch": getattr(self.runner, "pool_epoch", 0),
@@ -190,9 +201,11 @@ class ComputeService:
         gc.collect()
         gc.freeze()
 
-    def launch(self, req: StepRequest) -> Launched:
-        with forward_span(self, req):  # a child of the gateway's step span when tracing is on
-            return self._launch(req)
+    def launch(self, request: StepRequest) -> PendingStep:
+        """The forward pass and sampling launched; the sampled ids are on their way to the host (a
+        Launched: collect, or its wait(), reads them)."""
+        with forward_span(self, request):  # a child of the gateway's step span when tracing is on
+            return self._launch(request)
 
     @torch.inference_mode()
     def _launch(self, req: StepRequest) -> Launched:
@@ -246,13 +259,13 @@ class ComputeService:
         self.forward_ns += ns
         return Launched(req.step_id, None, host, event)
 
-    def collect(self, launched: Launched) -> StepResult:
+    def collect(self, launched: PendingStep) -> StepResult:
         return launched.wait()
 
-    def step(self, req: StepRequest) -> StepResult:
-        return self.collect(self.launch(req))
+    def step(self, request: StepRequest) -> StepResult:
+        return self.collect(self.launch(request))
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         """Release what outlives a step: the tensor-parallel worker processes (no-op at tp 1)."""
         stop = getattr(getattr(self, "runner", None), "shutdown", None)
         if stop is not None:

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nanokv.gateway.sequence import Sequence
 from nanokv.messages import PLACEHOLDER
+from nanokv.service_api import PendingStep
 
 if TYPE_CHECKING:
-    from nanokv.gateway.engine import Engine, RequestOutput
+    from nanokv.gateway.engine import Engine
+    from nanokv.gateway.outputs import RequestOutput
 
 
 @dataclass
@@ -37,7 +39,7 @@ class Pending:
     """A launched step whose sampled tokens the host has not read yet."""
     seqs: list[Sequence]
     placeholder: list[bool]  # row got a placeholder token (else: its last, it finishes by length)
-    launched: Any  # the compute service's handle (ComputeService.launch / a gRPC future)
+    launched: PendingStep  # the compute service's handle (ComputeAPI.launch)
 
 
 class AsyncStepper:
@@ -56,7 +58,7 @@ class AsyncStepper:
         for seq, ph, tok in zip(prev.seqs, prev.placeholder, res.token_ids):
             if seq.is_finished:
                 continue  # aborted, or stopped: this was the token one too many
-            o = eng._on_token(seq, tok, None, finished_only, replace=ph)
+            o = eng.on_token(seq, tok, None, finished_only, replace=ph)
             if o is not None:
                 outputs.append(o)
         eng.rpc["tokens_s"] += time.perf_counter() - t1
@@ -94,12 +96,12 @@ class AsyncStepper:
         if sync:
             outputs = self._finish(prev, finished_only) if prev is not None else []  # overlaps the device
             eng.scheduler.update(out)
-            eng._count_step(out)
+            eng.counters.count_step(out)
             res = eng.compute.collect(launched)
             lps = res.logprobs or [None] * len(seqs)
             for seq, tok, lp in zip(seqs, res.token_ids, lps):
                 if not seq.is_finished:
-                    o = eng._on_token(seq, tok, lp, finished_only)
+                    o = eng.on_token(seq, tok, lp, finished_only)
                     if o is not None:
                         outputs.append(o)
             if eng.controller is not None:
@@ -107,7 +109,7 @@ class AsyncStepper:
             return outputs
         # the commits cover the tokens `prev` sampled, which the cache learns after _finish
         eng.scheduler.update(out, hold=True)
-        eng._count_step(out)
+        eng.counters.count_step(out)
         # a length limit is known now: the sequence's last token gets no placeholder
         placeholder = [seq.num_output_tokens + 1 < seq.max_tokens and seq.num_tokens + 1 < eng.max_model_len
                        for seq in seqs]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from nanokv.gateway.sequence import Sequence
 
 # Tokens of context decoded before the new ones, so byte-level merges and leading spaces come out
@@ -9,14 +11,14 @@ from nanokv.gateway.sequence import Sequence
 _CONTEXT_TOKENS = 6
 
 
-def detokenize_step(tokenizer, seq: Sequence) -> str:
+def detokenize_step(tokenizer: Any, seq: Sequence) -> str:  # a transformers tokenizer
     """Append the text of newly generated tokens to seq.text; returns the new text.
 
     A trailing U+FFFD means an incomplete UTF-8 sequence: wait for the next token.
     """
     out = seq.output_token_ids
-    prefix_text = tokenizer.decode(out[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-    full_text = tokenizer.decode(out[seq.prefix_offset:], skip_special_tokens=True)
+    prefix_text: str = tokenizer.decode(out[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
+    full_text: str = tokenizer.decode(out[seq.prefix_offset:], skip_special_tokens=True)
     if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
         return ""
     delta = full_text[len(prefix_text):]

@@ -13,58 +13,89 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from nanokv.config import EngineConfig
 from nanokv.errors import RequestError
 from nanokv.gateway import engine_stats, traces
 from nanokv.gateway.async_step import AsyncStepper
-from nanokv.gateway.outputs import RequestOutput, on_token  # RequestOutput: callers import it from here too
+from nanokv.gateway.engine_stats import EngineCounters
+from nanokv.gateway.outputs import RequestOutput  # callers import it from here too
+from nanokv.gateway.outputs import on_token as token_output
 from nanokv.gateway.prompts import chat_prompt, check_fits, load_gateway_tokenizer, tokenize
 from nanokv.gateway.scheduler import Scheduler, SchedulerOutput
 from nanokv.gateway.sequence import Sequence
 from nanokv.gateway.step_request import build_step_request
 from nanokv.gateway.warmup import warm_up
-from nanokv.messages import StepRequest
+from nanokv.messages import ModelInfo, StepRequest, StepResult
 from nanokv.sampling import SamplingParams
+from nanokv.service_api import CacheAPI, ComputeAPI
+
+if TYPE_CHECKING:  # the in-process services' types: their modules import torch, which the gateway never does
+    import torch
+
+    from nanokv.cache_service.manager import KVCacheManager
+    from nanokv.cache_service.service import CacheService
+    from nanokv.compute_service.model.config import ModelConfig
+    from nanokv.compute_service.service import ComputeService
+    from nanokv.compute_service.sparsity.engine_hook import EngineSparsity
+    from nanokv.gateway.adaptive.controller import AdaptiveController
+    from nanokv.gateway.recovery import Recovery
+
+__all__ = ["Engine", "RequestOutput"]
 
 log = logging.getLogger(__name__)
 
 
 class Engine:
+    _closers: list[Callable[[], None]] = []  # (shutdown: what to close; filled as the services come up)
+
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any):
         self.config = cfg = config if config is not None else EngineConfig.from_kwargs(**kwargs)
-        self.local_cache: Any = None  # the in-process services (None when they run elsewhere)
-        self.local_compute: Any = None
-        self.recovery: Any = None  # nanokv.gateway.recovery.Recovery: peers in other processes fail alone
+        self.local_cache: CacheService | None = None  # the in-process services (None when they run elsewhere)
+        self.local_compute: ComputeService | None = None
+        self.recovery: Recovery | None = None  # peers in other processes fail alone
+        self._closers = []
+        self.cache: CacheAPI
+        self.compute: ComputeAPI
         if cfg.remote:
             from nanokv.gateway.clients import CacheClient, ComputeClient
             from nanokv.gateway.recovery import Recovery
 
-            self.cache: Any = CacheClient(cfg.cache_address or "", cfg.rpc_timeout_s)
-            self.compute: Any = ComputeClient(cfg.compute_address or "", cfg.rpc_timeout_s)
-            self.recovery = Recovery(self)
+            cache_client = CacheClient(cfg.cache_address or "", cfg.rpc_timeout_s)
+            self.cache = cache_client
+            self._closers.append(cache_client.close)
+            compute_client = ComputeClient(cfg.compute_address or "", cfg.rpc_timeout_s)
+            self.compute = compute_client
+            self._closers.insert(0, compute_client.close)
+            self.recovery = Recovery(self, cache_client, compute_client)
         else:
             from nanokv.cache_service.service import CacheService
             from nanokv.compute_service.service import ComputeService
 
-            self.cache = self.local_cache = CacheService(cfg.cache)
-            self.compute = self.local_compute = ComputeService(cfg.compute, attach_pool=self.local_cache.attach,
-                                                               free_segment=self.local_cache.free_storage)
+            # an in-process cache service holds only memory; it goes with the engine (a later step then
+            # fails on the compute service's own "shut down" error, not on a missing pool)
+            local_cache = self.cache = self.local_cache = CacheService(cfg.cache)
+            local_compute = ComputeService(cfg.compute, attach_pool=local_cache.attach,
+                                           free_segment=local_cache.free_storage)
+            self.compute = self.local_compute = local_compute
+            self._closers.append(local_compute.close)
         info = self.model_info = self.compute.info()
         self.model_name = info.name
         self.max_model_len = info.max_position_embeddings
         self.num_blocks = info.num_blocks
         self.device_type = info.device
         # the model's own config in-process (tools and tests read it); its essentials otherwise
-        self.model_config: Any = self.local_compute.model_config if self.local_compute is not None else info
+        self.model_config: ModelConfig | ModelInfo = (self.local_compute.model_config
+                                                      if self.local_compute is not None else info)
+        # a transformers tokenizer (None for random-weight models): typed by no stub the gateway can read
+        self.tokenizer: Any
         self.tokenizer, self._tokenizer_dir = load_gateway_tokenizer(cfg, self.compute)
-        self.scheduler = Scheduler(self.cache, max_num_seqs=cfg.max_num_seqs,
-                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   enable_chunked_prefill=cfg.enable_chunked_prefill)
+        self.scheduler = self._new_scheduler()
         if self.recovery is not None:
             self.recovery.attach()  # a new gateway takes over: what any earlier one held is released
-        self.sparsity: Any = None
+        self.sparsity: EngineSparsity | None = None
         if self.local_compute is not None:
             from nanokv.compute_service.sparsity.engine_hook import attach as attach_sparsity
 
@@ -78,19 +109,17 @@ class Engine:
         self.stashed: list[RequestOutput] = []  # a step a repool landed mid-step: the next step returns them
         self._ids = itertools.count()
         self._step_ids = itertools.count()
-        self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0}
-        self._batch_sizes: list[int] = []
-        self._last_batch_size = 0
+        self.counters = EngineCounters()  # tokens and batch sizes (nanokv.gateway.engine_stats)
         # gateway time per step: in the plan call, blocked in the step call, building the step request,
         # reading the sampled tokens (the last two: async scheduling only)
-        self.rpc = {"steps": 0, "plan_calls": 0, "step_calls": 0, "plan_s": 0.0, "step_s": 0.0, "build_s": 0.0,
-                    "tokens_s": 0.0}
+        self.rpc: dict[str, float] = {"steps": 0, "plan_calls": 0, "step_calls": 0, "plan_s": 0.0, "step_s": 0.0,
+                                      "build_s": 0.0, "tokens_s": 0.0}
         self._async: AsyncStepper | None = None
         tp = cfg.tensor_parallel_size
         if cfg.async_scheduling or (cfg.async_scheduling is None and self.device_type == "cuda" and tp == 1
                                     and self.sparsity is None):
             self._async = AsyncStepper(self)
-        self.controller: Any = None  # nanokv.gateway.adaptive.AdaptiveController: self-tuning, off unless asked
+        self.controller: AdaptiveController | None = None  # self-tuning, off unless asked
         warm_up(self)  # CUDA: compile what a chunked prompt needs now, not mid-request (nanokv.gateway.warmup)
         cfg = self.config  # (with remote services: the cache service's settings, taken at attach)
         if cfg.adaptive or cfg.eviction_policy == "adaptive":
@@ -99,30 +128,41 @@ class Engine:
 
     # ---- the in-process services' internals (tools, tests, sparsity, the adaptive controller) ------
     @property
-    def runner(self) -> Any:
+    def runner(self) -> Any:  # ModelRunner, or TPModelRunner (a drop-in that forwards to rank 0's runner)
         if self.local_compute is None:
             raise AttributeError("runner: the compute service runs in another process")
         return self.local_compute.runner
 
     @property
-    def cache_manager(self) -> Any:
+    def cache_manager(self) -> KVCacheManager:
         if self.local_cache is None:
             raise AttributeError("cache_manager: the cache service runs in another process")
+        if self.local_cache.manager is None:
+            raise AttributeError("cache_manager: no pool is attached")
         return self.local_cache.manager
 
     @property
-    def model(self) -> Any:
-        return self.runner.model
+    def model(self) -> torch.nn.Module:
+        if self.local_compute is None:
+            raise AttributeError("model: the compute service runs in another process")
+        return self.local_compute.model
 
     @property
-    def dtype(self) -> Any:
-        return self.runner.dtype
+    def dtype(self) -> torch.dtype:
+        if self.local_compute is None:
+            raise AttributeError("dtype: the compute service runs in another process")
+        return self.local_compute.dtype
 
     @property
-    def device(self) -> Any:
+    def device(self) -> torch.device | _Device:
         if self.local_compute is not None:
             return self.local_compute.device
         return _Device(self.device_type)
+
+    def _new_scheduler(self) -> Scheduler:
+        cfg = self.config
+        return Scheduler(self.cache, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                         enable_chunked_prefill=cfg.enable_chunked_prefill)
 
     # ---- requests -----------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -148,23 +188,56 @@ class Engine:
         traces.start_request(seq, self.model_name)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
-        self._counters["prompt_tokens"] += n
+        self.counters.tokens["prompt_tokens"] += n
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
         if seq is None or seq.is_finished:
             return
-        self.scheduler.abort(seq)
-        self._finished_ids.append(seq.seq_id)
         seq.finish_reason = "abort"
-        traces.end_request(seq)
+        self.retire(seq)
         self.flush()  # its blocks go back now (one plan call), not with the next step
+
+    def retire(self, seq: Sequence) -> None:
+        """`seq` ended (finished or aborted; finish_reason set): its blocks go back to the cache with the
+        next plan, the compute service forgets it with the next step, its span ends."""
+        self.scheduler.finish(seq)
+        self._finished_ids.append(seq.seq_id)
+        self._seqs.pop(seq.request_id, None)
+        traces.end_request(seq)
+
+    def drop_all_requests(self) -> list[str]:
+        """A peer failed (nanokv.gateway.recovery): every request ends here without a word to the
+        services, which start over at the next attach; a fresh scheduler. Returns the requests' ids."""
+        ended = list(self._seqs)
+        self._seqs.clear()
+        self._finished_ids = []
+        if self._async is not None:
+            self._async.pending = None
+        self.scheduler = self._new_scheduler()
+        return ended
+
+    def attached(self, info: ModelInfo) -> None:
+        """(Re)attached to the compute service's pool `info` (recovery): steps count from 0 again."""
+        self.model_info = info
+        self._step_ids = itertools.count()
+
+    def pool_changed(self, info: ModelInfo) -> None:
+        """The compute service runs on a new pool (nanokv.gateway.repool): it forgot every sequence."""
+        self._finished_ids = []
+        self.num_blocks = info.num_blocks
+        self.model_info = info
+
+    def land(self) -> list[RequestOutput]:
+        """Async scheduling: finish the step in flight now (its outputs are returned) and wait for the plan
+        sent ahead, before anything changes the KV tensors or the pool (AsyncStepper.land)."""
+        return self._async.land() if self._async is not None else []
 
     @property
     def num_kv_blocks(self) -> int:
         """Blocks in the pool (in-process the adaptive pool rule may resize it)."""
         cm = self.local_cache.manager if self.local_cache is not None else None
-        return cm.num_blocks if cm is not None else self.num_blocks
+        return int(cm.num_blocks) if cm is not None else self.num_blocks
 
     @property
     def ready(self) -> bool:
@@ -212,11 +285,11 @@ class Engine:
             # publish this step's blocks before any of them is dropped (a dropped block stays cached)
             self.scheduler.flush()
             self.sparsity.after_step(sched)
-        self._count_step(out)
+        self.counters.count_step(out)
         outputs: list[RequestOutput] = []
         lps = res.logprobs or [None] * len(res.token_ids)
         for r, tok, lp in zip(req.sample_rows, res.token_ids, lps):
-            o = self._on_token(sched[r].seq, tok, lp, finished_only)
+            o = self.on_token(sched[r].seq, tok, lp, finished_only)
             if o is not None:
                 outputs.append(o)
         if self.controller is not None:
@@ -244,7 +317,7 @@ class Engine:
             self.rpc["plan_calls"] += 1
             self.rpc["plan_s"] += time.perf_counter() - t0
 
-    def run_step(self, req: StepRequest) -> Any:
+    def run_step(self, req: StepRequest) -> StepResult:
         t0 = time.perf_counter()
         res = self.compute.step(req)
         self.rpc["steps"] += 1
@@ -279,9 +352,6 @@ class Engine:
             self.rpc["steps"] -= 1  # not a scheduling step
             self._finished_ids = []
 
-    def _count_step(self, out: Any) -> None:
-        engine_stats.count_step(self, out)
-
     def tick_idle(self) -> None:
         """Nothing to run: the controller still counts a step, so its windows keep closing while the
         engine is idle (the pool rule shrinks a grown KV pool back after idle windows). The server's
@@ -291,22 +361,18 @@ class Engine:
         if self.controller is not None and not self.scheduler.has_unfinished():
             self.controller.on_step(None)
 
-    def _on_token(self, seq: Sequence, tok: int, lp: tuple[float, dict[int, float]] | None,
-                  finished_only: bool = False, replace: bool = False) -> RequestOutput | None:
+    def on_token(self, seq: Sequence, tok: int, lp: tuple[float, dict[int, float]] | None,
+                 finished_only: bool = False, replace: bool = False) -> RequestOutput | None:
         """The sampled token `tok` joins `seq`: stop checks and its output (nanokv.gateway.outputs)."""
-        return on_token(self, seq, tok, lp, finished_only, replace)
+        return token_output(self, seq, tok, lp, finished_only, replace)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Release what outlives a step: in-process services (tensor-parallel workers, the KV
-        segment) or the gRPC channels. Idempotent."""
-        # an in-process cache service holds only memory; it goes with the engine (a later step then
-        # fails on the compute service's own "shut down" error, not on a missing pool)
-        cache = None if getattr(self, "local_cache", None) is not None else getattr(self, "cache", None)
-        for svc in (getattr(self, "compute", None), cache):
-            stop = getattr(svc, "shutdown", None) or getattr(svc, "close", None)
-            if stop is not None:
-                stop()
+        segment) or the gRPC channels. Idempotent; safe on an engine whose start-up failed halfway."""
+        closers, self._closers = self._closers, []
+        for close in closers:
+            close()
 
     def __del__(self) -> None:
         try:
@@ -319,7 +385,7 @@ class Engine:
         """Every counter stats() reports back to zero (nanokv.gateway.engine_stats)."""
         engine_stats.reset_counters(self)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> engine_stats.EngineStats:
         """One snapshot of the engine and its services (nanokv.gateway.engine_stats)."""
         return engine_stats.stats(self)
 

@@ -1,24 +1,65 @@
 """Observability: the engine's counters, counted per step, read as one stats() snapshot (what
-/metrics, the benches and the tests report) and reset at start-up. The counters themselves live on
-the Engine (`_counters`, `rpc`, `_batch_sizes`, `_last_batch_size`); these functions fill, read and
-zero them.
+/metrics, the benches and the tests report) and reset at start-up. EngineCounters holds the token
+and batch-size counters (the gateway's time per step is Engine.rpc); stats() reads them with the
+services' own counters.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
     from nanokv.gateway.engine import Engine
+    from nanokv.gateway.scheduler import SchedulerOutput
+
+_MAX_BATCH_SAMPLES = 10000  # the samples stay bounded when no one calls stats()
 
 
-def count_step(eng: Engine, out: Any) -> None:
-    """A scheduled step's tokens and batch size (the samples stay bounded when no one calls stats())."""
-    eng._counters["computed_tokens"] += out.num_tokens
-    eng._last_batch_size = len(out.scheduled)
-    eng._batch_sizes.append(len(out.scheduled))
-    if len(eng._batch_sizes) > 10000:
-        del eng._batch_sizes[:5000]
+class EngineStats(TypedDict):
+    kv_cache_usage: float
+    kv_blocks_total: int  # changes when the adaptive pool rule resizes
+    num_running: int
+    num_waiting: int
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    evictions_by_policy: dict[str, int]
+    eviction_policy: str  # the live one (the controller may switch)
+    recomputed_tokens: int
+    preemptions: int
+    last_batch_size: int
+    batch_sizes: list[int]  # every step's since the last stats()
+    compression_error: dict[int, float]
+    adaptations: dict[str, int]
+    rpc: dict[str, float]
+    prompt_tokens: int
+    generation_tokens: int
+    computed_tokens: int
+
+
+class EngineCounters:
+    """Tokens in (prompts), out (sampled) and through the model, and the batch size of every step."""
+
+    def __init__(self) -> None:
+        self.tokens = {"prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0}
+        self.batch_sizes: list[int] = []  # drained by stats()
+        self.last_batch_size = 0
+
+    def count_step(self, out: SchedulerOutput) -> None:
+        """A scheduled step's tokens and batch size."""
+        self.tokens["computed_tokens"] += out.num_tokens
+        self.last_batch_size = len(out.scheduled)
+        self.batch_sizes.append(self.last_batch_size)
+        if len(self.batch_sizes) > _MAX_BATCH_SAMPLES:
+            del self.batch_sizes[:_MAX_BATCH_SAMPLES // 2]
+
+    def drain_batch_sizes(self) -> list[int]:
+        sizes, self.batch_sizes = self.batch_sizes, []
+        return sizes
+
+    def reset(self) -> None:
+        self.tokens = dict.fromkeys(self.tokens, 0)
+        self.batch_sizes.clear()
+        self.last_batch_size = 0
 
 
 def reset_counters(eng: Engine) -> None:
@@ -27,34 +68,27 @@ def reset_counters(eng: Engine) -> None:
     eng.cache.reset_prefix_cache(clear_stats=True)
     eng.compute.reset_stats()
     eng.scheduler.num_preemptions = 0
-    eng._counters = dict.fromkeys(eng._counters, 0)
-    eng._batch_sizes.clear()
-    eng._last_batch_size = 0
-    eng.rpc = dict.fromkeys(eng.rpc, 0) | {k: 0.0 for k in eng.rpc if k.endswith("_s")}
-    if hasattr(eng.cache, "plan_rtt_s"):
-        eng.cache.plan_rtt_s = 0.0
+    eng.counters.reset()
+    for k in eng.rpc:
+        eng.rpc[k] = 0.0 if k.endswith("_s") else 0
+    eng.cache.plan_rtt_s = 0.0
 
 
-def stats(eng: Engine) -> dict[str, Any]:
+def stats(eng: Engine) -> EngineStats:
     """One snapshot of the engine, its cache and compute services. Drains the batch-size samples."""
     cs = eng.cache.stats()
     comp = eng.compute.stats()
-    batch_sizes, eng._batch_sizes = eng._batch_sizes, []
-    return {
-        "kv_cache_usage": cs["kv_cache_usage"],
-        "kv_blocks_total": cs["kv_blocks_total"],  # changes when the adaptive pool rule resizes
-        "num_running": eng.num_running(),
-        "num_waiting": eng.num_waiting(),
-        "prefix_queries_tokens": cs["prefix_queries_tokens"],
-        "prefix_hits_tokens": cs["prefix_hits_tokens"],
-        "evictions_by_policy": cs["evictions_by_policy"],
-        "eviction_policy": cs["eviction_policy"],  # the live one (the controller may switch)
-        "recomputed_tokens": cs["recomputed_tokens"],
-        "preemptions": eng.scheduler.num_preemptions,
-        "last_batch_size": eng._last_batch_size,
-        "batch_sizes": batch_sizes,
-        "compression_error": comp["compression_error"],
-        "adaptations": dict(eng.controller.counts) if eng.controller is not None else {},
-        "rpc": dict(eng.rpc, plan_rtt_s=getattr(eng.cache, "plan_rtt_s", 0.0)),
-        **eng._counters,
-    }
+    tokens = eng.counters.tokens
+    return EngineStats(
+        kv_cache_usage=cs["kv_cache_usage"], kv_blocks_total=cs["kv_blocks_total"],
+        num_running=eng.num_running(), num_waiting=eng.num_waiting(),
+        prefix_queries_tokens=cs["prefix_queries_tokens"], prefix_hits_tokens=cs["prefix_hits_tokens"],
+        evictions_by_policy=cs["evictions_by_policy"], eviction_policy=cs["eviction_policy"],
+        recomputed_tokens=cs["recomputed_tokens"], preemptions=eng.scheduler.num_preemptions,
+        last_batch_size=eng.counters.last_batch_size, batch_sizes=eng.counters.drain_batch_sizes(),
+        compression_error=comp["compression_error"],
+        adaptations=dict(eng.controller.counts) if eng.controller is not None else {},
+        rpc=dict(eng.rpc, plan_rtt_s=eng.cache.plan_rtt_s),
+        prompt_tokens=tokens["prompt_tokens"], generation_tokens=tokens["generation_tokens"],
+        computed_tokens=tokens["computed_tokens"],
+    )

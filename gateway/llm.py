@@ -29,8 +29,8 @@ class LLM:
         """Run every prompt to completion. A bad prompt fails alone: its output carries `error`
         and finish_reason 'error'; the rest of the batch runs normally."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+            prompts = [prompts]
+        prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \

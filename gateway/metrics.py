@@ -15,11 +15,14 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from nanokv.gateway.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -44,7 +47,7 @@ class EngineMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.hit_ratio_window_s = hit_ratio_window_s
         self._lock = threading.Lock()
-        self._stats: dict[str, Any] = {}
+        self._stats: Mapping[str, Any] = {}  # an engine.stats() snapshot (EngineStats), {} before the first
         self._window: deque[tuple[float, int, int]] = deque()  # (time, query tokens, hit tokens)
         r = self.registry
         self.batch_size = Histogram(
@@ -72,7 +75,7 @@ class EngineMetrics:
         r.register(_StatsCollector(self))
 
     # ---- feeding (engine thread / request handlers) -----------------------------------------
-    def update(self, stats: dict[str, Any]) -> None:
+    def update(self, stats: Mapping[str, Any]) -> None:
         """Take one `engine.stats()` snapshot (its `batch_sizes` were drained for us)."""
         for b in stats.get("batch_sizes", ()):
             self.batch_size.observe(b)
@@ -85,10 +88,10 @@ class EngineMetrics:
             while len(self._window) > 2 and self._window[1][0] <= now - self.hit_ratio_window_s:
                 self._window.popleft()
 
-    def observe_finished(self, output: Any) -> None:
+    def observe_finished(self, output: RequestOutput) -> None:
         self.finished.labels(output.finish_reason or "unknown").inc()
         m = output.metrics
-        arrival, first, finish = (_get(m, k) for k in ("arrival_time", "first_token_time", "finish_time"))
+        arrival, first, finish = m.arrival_time, m.first_token_time, m.finish_time
         if arrival is not None and first is not None:
             self.ttft.observe(max(0.0, first - arrival))
         if arrival is not None and finish is not None:
@@ -104,7 +107,7 @@ class EngineMetrics:
         self.rejected.labels(str(status)).inc()
 
     # ---- reading ----------------------------------------------------------------------------
-    def snapshot(self) -> tuple[dict[str, Any], float]:
+    def snapshot(self) -> tuple[Mapping[str, Any], float]:
         """The latest stats and the prefix-cache hit ratio over the window (NaN: no lookups)."""
         with self._lock:
             stats = self._stats
@@ -115,11 +118,6 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _get(m: Any, key: str) -> float | None:
-    value = m.get(key) if isinstance(m, dict) else getattr(m, key, None)
-    return float(value) if value is not None else None
 
 
 class _StatsCollector:

@@ -9,9 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nanokv.gateway import traces
 from nanokv.gateway.detokenizer import check_stop_strings, detokenize_step
-from nanokv.gateway.sequence import RequestMetrics, Sequence
+from nanokv.gateway.sequence import RequestMetrics, Sequence, TokenLogprob
 
 if TYPE_CHECKING:
     from nanokv.gateway.engine import Engine
@@ -28,10 +27,10 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int
-    logprobs: list[dict[str, Any]] | None
+    logprobs: list[TokenLogprob] | None
     metrics: RequestMetrics
     error: str | None = None
-    stop_reason: Any = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -45,7 +44,7 @@ def on_token(eng: Engine, seq: Sequence, tok: int, lp: tuple[float, dict[int, fl
     else:
         seq.append_token(tok)
     eng.scheduler.note_token(seq, tok)
-    eng._counters["generation_tokens"] += 1
+    eng.counters.tokens["generation_tokens"] += 1
     if seq.metrics.first_token_time is None:
         seq.metrics.first_token_time = now
     if lp is not None:
@@ -67,10 +66,7 @@ def on_token(eng: Engine, seq: Sequence, tok: int, lp: tuple[float, dict[int, fl
     if reason is not None:
         seq.finish_reason = reason
         seq.metrics.finish_time = now
-        eng.scheduler.finish(seq)
-        eng._finished_ids.append(seq.seq_id)
-        eng._seqs.pop(seq.request_id, None)
-        traces.end_request(seq)
+        eng.retire(seq)
     elif finished_only:
         return None
     new_tokens = seq.output_token_ids[seq.sent_tokens:]

@@ -12,9 +12,11 @@ from typing import Any
 from nanokv.config import EngineConfig
 from nanokv.errors import RequestError
 from nanokv.model_files import load_tokenizer
+from nanokv.service_api import ComputeAPI
 
 
-def load_gateway_tokenizer(config: EngineConfig, compute: Any) -> tuple[Any, tempfile.TemporaryDirectory | None]:
+def load_gateway_tokenizer(config: EngineConfig, compute: ComputeAPI
+                           ) -> tuple[Any, tempfile.TemporaryDirectory[str] | None]:
     """The model's tokenizer: from its files in process; from the compute service otherwise (the
     gateway needs no model files), loaded without torch. Also returns the folder its files were
     written to, which must live as long as the tokenizer."""

@@ -19,7 +19,6 @@ attach is retried every RETRY_S until it succeeds. No torch here.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 import uuid
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from nanokv.agreement import check_gateway
 from nanokv.errors import PreconditionError, ServiceUnavailable
-from nanokv.gateway.scheduler import Scheduler
+from nanokv.gateway.clients import CacheClient, ComputeClient
 from nanokv.rpc import wait_serving
 
 if TYPE_CHECKING:
@@ -40,8 +39,12 @@ PEER_ERRORS = (ServiceUnavailable, PreconditionError)
 
 
 class Recovery:
-    def __init__(self, engine: Engine):
+    """The gRPC transport's attach and re-attach (the engine's cache and compute are these clients)."""
+
+    def __init__(self, engine: Engine, cache: CacheClient, compute: ComputeClient):
         self.engine = engine
+        self.cache = cache
+        self.compute = compute
         self.gateway_id = uuid.uuid4().hex[:16]
         self.ready = False
         self.reason = "not attached yet"
@@ -52,16 +55,15 @@ class Recovery:
     def attach(self, probe_timeout_s: float | None = None) -> None:
         """Steps 1-4 above; raises ServiceUnavailable (or a PreconditionError) while a peer is not back."""
         eng = self.engine
-        cache, compute = eng.cache, eng.compute
+        cache, compute = self.cache, self.compute
         if probe_timeout_s is not None:
-            for client in (cache, compute):
+            for address in (cache.address, compute.address):
                 try:
-                    wait_serving(client.address, probe_timeout_s)
+                    wait_serving(address, probe_timeout_s)
                 except TimeoutError as e:
                     raise ServiceUnavailable(str(e)) from None
-        for client in (cache, compute):
-            client.gateway_id = self.gateway_id
-        cache.release("")
+        cache.gateway_id = compute.gateway_id = self.gateway_id
+        cache.release()  # every gateway's
         compute.reset()
         info = compute.info()
         cache_config, _ = cache.info()
@@ -76,8 +78,7 @@ class Recovery:
             raise ServiceUnavailable(f"the compute service came back with another model or pool ({info.name}, "
                                      f"{info.num_blocks} blocks); restart the gateway")
         cache.epoch = compute.epoch = info.epoch
-        eng.model_info = info
-        eng._step_ids = itertools.count()
+        eng.attached(info)
         self.ready, self.reason = True, ""
 
     def on_failure(self, exc: BaseException) -> list[str]:
@@ -85,16 +86,8 @@ class Recovery:
         eng = self.engine
         self.outages += 1
         self.ready, self.reason = False, f"{type(exc).__name__}: {exc}"
-        log.warning("a service failed (%s): ending %d requests, re-attaching", self.reason, len(eng._seqs))
-        ended = list(eng._seqs)
-        eng._seqs.clear()
-        eng._finished_ids = []
-        if eng._async is not None:
-            eng._async.pending = None
-        cfg = eng.config
-        eng.scheduler = Scheduler(eng.cache, max_num_seqs=cfg.max_num_seqs,
-                                  max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                  enable_chunked_prefill=cfg.enable_chunked_prefill)
+        ended = eng.drop_all_requests()
+        log.warning("a service failed (%s): ending %d requests, re-attaching", self.reason, len(ended))
         self._next_try = 0.0
         return ended
 

@@ -16,22 +16,23 @@ The prefix cache starts empty. No torch here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nanokv.errors import PreconditionError
-from nanokv.messages import NewSeq, PlanRequest
 
 if TYPE_CHECKING:
     from nanokv.gateway.engine import Engine
+    from nanokv.gateway.outputs import RequestOutput
 
 
-def repool(eng: Engine, num_blocks: int | None = None, layer_bits: list[int] | None = None) -> list[Any]:
+def repool(eng: Engine, num_blocks: int | None = None, layer_bits: list[int] | None = None
+           ) -> list[RequestOutput]:
     """Change the pool; returns the outputs of the step that was in flight (async scheduling)."""
     if eng.sparsity is not None or (eng.controller is not None and eng.local_cache is not None):
         # (across processes the controller changes the pool through this very function)
         raise PreconditionError("repool", "block sparsity and the in-process adaptive controller hold the pool; "
                                           "they change it themselves")
-    outputs: list[Any] = eng._async.land() if eng._async is not None else []  # 1. the step in flight lands
+    outputs = eng.land()  # 1. the step in flight lands
     sch = eng.scheduler
     sch.settle()  # a plan sent ahead is answered before the cache service attaches the new pool
     try:
@@ -39,14 +40,8 @@ def repool(eng: Engine, num_blocks: int | None = None, layer_bits: list[int] | N
     except Exception:
         eng.stashed.extend(outputs)  # the landed step's outputs still go out, with the next step
         raise
-    sch.preempt_all()  # 3. running ones back to the front of the queue, oldest first
-    sch.news = PlanRequest()  # what the old pool's cache would have learned: it is gone
-    eng._finished_ids = []
-    for seq in sch.waiting:
-        seq.params_sent = False  # the compute service forgot every sequence's sampling params
-        sch.news.new_seqs.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.cache_salt))
-    eng.num_blocks = info.num_blocks
-    eng.model_info = info
+    sch.requeue_all()  # 3. every sequence waits, to be announced to the new pool's cache anew
+    eng.pool_changed(info)
     if eng.recovery is not None:  # 4. (gRPC) the new epoch
         eng.recovery.attach()  # (it releases what the cache service held: nothing; the news is not sent yet)
     return outputs

@@ -19,14 +19,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 from nanokv.gateway.sequence import SeqStatus, Sequence
 from nanokv.messages import PLACEHOLDER, NewSeq, PlanReply, PlanRequest, TableDelta
-
-
-class CachePlanner(Protocol):
-    def plan(self, request: PlanRequest) -> PlanReply: ...
+from nanokv.service_api import CacheAPI, PendingPlan
 
 
 @dataclass
@@ -61,21 +57,22 @@ class SchedulerOutput:
 
 
 class _Planned:
-    """A plan on its way: the running sequences it grows, and its reply (or the call's future)."""
-    __slots__ = ("picked", "reply")
+    """A plan on its way: the running sequences it grows, and its reply once read."""
+    __slots__ = ("picked", "pending", "reply")
 
-    def __init__(self, picked: list[tuple[Sequence, int]], reply: Any):
+    def __init__(self, picked: list[tuple[Sequence, int]], pending: PendingPlan):
         self.picked = picked
-        self.reply = reply
+        self.pending = pending
+        self.reply: PlanReply | None = None
 
     def wait(self) -> PlanReply:
-        if not isinstance(self.reply, PlanReply):
-            self.reply = self.reply.result()
+        if self.reply is None:
+            self.reply = self.pending.wait()
         return self.reply
 
 
 class Scheduler:
-    def __init__(self, cache: CachePlanner, *, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, cache: CacheAPI, *, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True):
         self.cache = cache
         self.max_num_seqs = max_num_seqs  # may be lowered at run time by the adaptive controller
@@ -147,6 +144,16 @@ class Scheduler:
         for seq in reversed(list(self.running)):
             self._preempt(seq, out, count=False)
 
+    def requeue_all(self) -> None:
+        """A new pool (nanokv.gateway.repool): running sequences back to the front of the queue, oldest
+        first (preempt_all), and every sequence announced anew, as the new pool's cache service and the
+        compute service know none of them. What the old pool's cache would have learned is dropped."""
+        self.preempt_all()
+        self.news = PlanRequest()
+        for seq in self.waiting:
+            seq.params_sent = False  # the compute service forgot every sequence's sampling params
+            self.news.new_seqs.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.cache_salt))
+
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """This step's batch: the plan sent ahead (plan_ahead), or one planned now."""
@@ -201,8 +208,8 @@ class Scheduler:
             req.running = []
             return None
         self.plan_calls += 1
-        start = getattr(self.cache, "plan_async", None)  # the gRPC client: a future; in process: at once
-        return _Planned(picked, start(req) if start is not None else self.cache.plan(req))
+        # the gRPC client: a future; in process: planned at once
+        return _Planned(picked, self.cache.plan_async(req))
 
     def _apply(self, planned: _Planned) -> SchedulerOutput:
         """The reply applied. A plan sent ahead may name sequences that stopped (or were aborted)

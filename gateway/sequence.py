@@ -5,15 +5,24 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from nanokv.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class TokenLogprob(TypedDict):
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the most likely tokens' logprobs (SamplingParams.logprobs of them)
 
 
 @dataclass
@@ -42,8 +51,8 @@ class Sequence:
     num_preemptions: int = 0
     computed_before_preemption: int = 0  # for the recomputation counter
     finish_reason: str | None = None
-    stop_reason: Any = None
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     # detokenizer state
     text: str = ""
@@ -51,7 +60,7 @@ class Sequence:
     read_offset: int = 0
     sent_text_len: int = 0
     sent_tokens: int = 0
-    trace: Any = None  # the request's span (nanokv.gateway.traces) while tracing is on
+    trace: Span | None = None  # the request's span (nanokv.gateway.traces) while tracing is on
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -12,12 +12,17 @@ context crosses to them in gRPC metadata). Off, every hook returns after one glo
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nanokv import tracing
 
+if TYPE_CHECKING:
+    from nanokv.gateway.engine import Engine
+    from nanokv.gateway.scheduler import SchedulerOutput
+    from nanokv.gateway.sequence import Sequence
 
-def start_request(seq: Any, model: str, operation: str = "text_completion") -> None:
+
+def start_request(seq: Sequence, model: str, operation: str = "text_completion") -> None:
     """Open `seq`'s request span (stored on seq.trace)."""
     if not tracing.on():
         return
@@ -28,7 +33,7 @@ def start_request(seq: Any, model: str, operation: str = "text_completion") -> N
         "gen_ai.request.model": model,
         "gen_ai.request.max_tokens": seq.max_tokens,
         "gen_ai.request.temperature": float(p.temperature),
-        "gen_ai.request.top_p": float(getattr(p, "top_p", 1.0)),
+        "gen_ai.request.top_p": float(p.top_p),
         "gen_ai.usage.input_tokens": len(seq.prompt_token_ids),
         "nanokv.request_id": seq.request_id,
         "nanokv.seq_id": seq.seq_id,
@@ -36,9 +41,9 @@ def start_request(seq: Any, model: str, operation: str = "text_completion") -> N
     }, kind="INTERNAL")
 
 
-def end_request(seq: Any) -> None:
+def end_request(seq: Sequence) -> None:
     """Close `seq`'s request span with what it produced (finish reason "abort" when aborted)."""
-    s = getattr(seq, "trace", None)
+    s = seq.trace
     if s is None:
         return
     seq.trace = None
@@ -53,7 +58,7 @@ def end_request(seq: Any) -> None:
     s.end()
 
 
-def step_span(engine: Any) -> contextlib.AbstractContextManager:
+def step_span(engine: Engine) -> contextlib.AbstractContextManager[object]:
     """The span of one engine step, current for its plan and compute calls (a root: a new trace)."""
     if not tracing.on():
         return tracing._NULL
@@ -63,14 +68,14 @@ def step_span(engine: Any) -> contextlib.AbstractContextManager:
                         context=otel_context.Context())
 
 
-def link_step(out: Any) -> None:
+def link_step(out: SchedulerOutput) -> None:
     """Link the current step span to every request the scheduler put in this step."""
     s = tracing.current_span()
     if s is None:
         return
     prefill_tokens = 0
     for sch in out.scheduled:
-        rs = getattr(sch.seq, "trace", None)
+        rs = sch.seq.trace
         if rs is not None:
             s.add_link(rs.get_span_context(), {"nanokv.num_new_tokens": sch.num_new_tokens})
     for sch in out.prefills:

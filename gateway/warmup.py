@@ -12,12 +12,15 @@ forgets them: prefix cache, counters.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nanokv.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from nanokv.gateway.engine import Engine
 
-def warm_up(engine: Any, force: bool = False) -> None:
+
+def warm_up(engine: Engine, force: bool = False) -> None:
     """force: also off a GPU (tests: the warm-up must leave the engine as it found it)."""
     cfg = engine.config
     if (engine.device_type != "cuda" and not force) or not cfg.enable_chunked_prefill:

@@ -15,6 +15,7 @@ sequence's prompt travels once (PlanRequest.new_seqs), its sampling params once
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from nanokv.sampling import SamplingParams
 
@@ -198,3 +199,32 @@ class GhostScores:
         d = self.hits[a] - self.hits[b]
         sq = self.pair_sq.get((a, b), self.pair_sq.get((b, a), 0.0))
         return d / sq**0.5 if sq > 0 else 0.0
+
+
+class CacheServiceStats(TypedDict):
+    """The cache service's counters (CacheAPI.stats; the Cache.Stats reply, field for field)."""
+    kv_cache_usage: float
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    evictions_by_policy: dict[str, int]
+    eviction_policy: str  # the live one (the adaptive controller may switch it)
+    recomputed_tokens: int
+    cache_preemptions: int
+    num_seqs: int
+    epoch: int  # the last pool allocated
+    attached_epoch: int  # the pool a compute service holds now (0: none)
+    plan_calls: int
+
+
+class ComputeServiceStats(TypedDict):
+    """The compute service's counters (ComputeAPI.stats; the Compute.Stats reply)."""
+    compression_error: dict[int, float]  # layer -> running relative K/V quantization error
+    compute_steps: int
+    forward_s: float
+    num_seqs: int  # sequences whose tables the service keeps
+    epoch: int  # the pool it has mapped
+    device_free_bytes: int  # free device memory now (CUDA; 0 elsewhere)
+    kv_bytes_per_block: int  # one block in every layer at its current width

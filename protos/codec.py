@@ -11,11 +11,12 @@ import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from itertools import chain
-from typing import Any
 
-from nanokv.messages import GhostScores
 from nanokv.messages import (
+    CacheServiceStats,
+    ComputeServiceStats,
     CudaIpcHandle,
+    GhostScores,
     ModelInfo,
     NewSeq,
     PlanReply,
@@ -56,10 +57,14 @@ def pack_tuples(rows: Sequence[tuple[int, ...]]) -> bytes:
     return pack(chain.from_iterable(rows))
 
 
-def unpack_tuples(data: bytes, field: str, width: int) -> list[tuple[int, ...]]:
-    flat = unpack(data, field, width)
-    it = iter(flat)
-    return list(zip(*([it] * width)))  # consecutive groups of `width`, built in C
+def unpack_pairs(data: bytes, field: str) -> list[tuple[int, int]]:
+    it = iter(unpack(data, field, 2))
+    return list(zip(it, it))  # consecutive pairs, built in C
+
+
+def unpack_triples(data: bytes, field: str) -> list[tuple[int, int, int]]:
+    it = iter(unpack(data, field, 3))
+    return list(zip(it, it, it))
 
 
 # ---- cache service ------------------------------------------------------------------------------
@@ -140,11 +145,9 @@ def plan_request_from_pb(m: pb.PlanRequest) -> PlanRequest:
     return PlanRequest(
         new_seqs=[NewSeq(s.seq_id, unpack(s.token_ids, "new_seqs.token_ids"),
                          s.cache_salt if s.HasField("cache_salt") else None) for s in m.new_seqs],
-        appended=unpack_tuples(m.appended, "appended", 2),  # type: ignore[arg-type]
-        commits=unpack_tuples(m.commits, "commits", 2),  # type: ignore[arg-type]
+        appended=unpack_pairs(m.appended, "appended"), commits=unpack_pairs(m.commits, "commits"),
         finished=unpack(m.finished, "finished"), running=unpack(m.running, "running"),
-        grows=unpack_tuples(m.grows, "grows", 3),  # type: ignore[arg-type]
-        waiting=unpack_tuples(m.waiting, "waiting", 3),  # type: ignore[arg-type]
+        grows=unpack_triples(m.grows, "grows"), waiting=unpack_triples(m.waiting, "waiting"),
         token_budget=m.token_budget, max_num_seqs=m.max_num_seqs, chunked_prefill=m.chunked_prefill,
         epoch=m.epoch, gateway_id=m.gateway_id)
 
@@ -163,19 +166,22 @@ def plan_reply_to_pb(r: PlanReply) -> pb.PlanReply:
 
 
 def plan_reply_from_pb(m: pb.PlanReply) -> PlanReply:
-    return PlanReply(unpack(m.preempted, "preempted"),
-                     unpack_tuples(m.admitted, "admitted", 3),  # type: ignore[arg-type]
+    return PlanReply(unpack(m.preempted, "preempted"), unpack_triples(m.admitted, "admitted"),
                      _deltas_from_pb(m.tables), m.used_blocks)
 
 
-def cache_stats_to_pb(s: dict[str, Any]) -> pb.CacheStats:
+def cache_stats_to_pb(s: CacheServiceStats) -> pb.CacheStats:
     return pb.CacheStats(**s)
 
 
-def cache_stats_from_pb(m: pb.CacheStats) -> dict[str, Any]:
-    out = {f.name: getattr(m, f.name) for f in pb.CacheStats.DESCRIPTOR.fields}
-    out["evictions_by_policy"] = dict(m.evictions_by_policy)
-    return out
+def cache_stats_from_pb(m: pb.CacheStats) -> CacheServiceStats:
+    return CacheServiceStats(
+        kv_cache_usage=m.kv_cache_usage, kv_blocks_total=m.kv_blocks_total, kv_blocks_free=m.kv_blocks_free,
+        kv_blocks_cached=m.kv_blocks_cached, prefix_queries_tokens=m.prefix_queries_tokens,
+        prefix_hits_tokens=m.prefix_hits_tokens, evictions_by_policy=dict(m.evictions_by_policy),
+        eviction_policy=m.eviction_policy, recomputed_tokens=m.recomputed_tokens,
+        cache_preemptions=m.cache_preemptions, num_seqs=m.num_seqs, epoch=m.epoch, attached_epoch=m.attached_epoch,
+        plan_calls=m.plan_calls)
 
 
 def ghost_scores_to_pb(g: GhostScores) -> pb.GhostScores:
@@ -221,13 +227,12 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
 
 def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
     """Validated like any SamplingParams (RequestError names the field)."""
-    def opt(name: str) -> Any:
-        return getattr(m, name) if m.HasField(name) else None
-
     return SamplingParams(
-        temperature=m.temperature, top_k=m.top_k, top_p=m.top_p, min_p=m.min_p, seed=opt("seed"),
-        max_tokens=opt("max_tokens"), stop=list(m.stop), stop_token_ids=list(m.stop_token_ids),
-        ignore_eos=m.ignore_eos, logprobs=opt("logprobs"), include_stop_str_in_output=m.include_stop_str_in_output)
+        temperature=m.temperature, top_k=m.top_k, top_p=m.top_p, min_p=m.min_p,
+        seed=m.seed if m.HasField("seed") else None, max_tokens=m.max_tokens if m.HasField("max_tokens") else None,
+        stop=list(m.stop), stop_token_ids=list(m.stop_token_ids), ignore_eos=m.ignore_eos,
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        include_stop_str_in_output=m.include_stop_str_in_output)
 
 
 def step_request_to_pb(r: StepRequest) -> pb.StepRequest:
@@ -279,18 +284,18 @@ def step_result_from_pb(m: pb.StepResult) -> StepResult:
     return StepResult(m.step_id, unpack(m.token_ids, "token_ids"), lps, m.forward_ns)
 
 
-def compute_stats_to_pb(s: dict[str, Any]) -> pb.ComputeStats:
+def compute_stats_to_pb(s: ComputeServiceStats) -> pb.ComputeStats:
     return pb.ComputeStats(compression_error={int(k): float(v) for k, v in s["compression_error"].items()},
-                           compute_steps=s["compute_steps"], forward_s=s["forward_s"],
-                           num_seqs=s.get("num_seqs", 0), epoch=s.get("epoch", 0),
-                           device_free_bytes=s.get("device_free_bytes", 0),
-                           kv_bytes_per_block=s.get("kv_bytes_per_block", 0))
+                           compute_steps=s["compute_steps"], forward_s=s["forward_s"], num_seqs=s["num_seqs"],
+                           epoch=s["epoch"], device_free_bytes=s["device_free_bytes"],
+                           kv_bytes_per_block=s["kv_bytes_per_block"])
 
 
-def compute_stats_from_pb(m: pb.ComputeStats) -> dict[str, Any]:
-    return {"compression_error": dict(sorted(m.compression_error.items())), "compute_steps": m.compute_steps,
-            "forward_s": m.forward_s, "num_seqs": m.num_seqs, "epoch": m.epoch,
-            "device_free_bytes": m.device_free_bytes, "kv_bytes_per_block": m.kv_bytes_per_block}
+def compute_stats_from_pb(m: pb.ComputeStats) -> ComputeServiceStats:
+    return ComputeServiceStats(
+        compression_error=dict(sorted(m.compression_error.items())), compute_steps=m.compute_steps,
+        forward_s=m.forward_s, num_seqs=m.num_seqs, epoch=m.epoch, device_free_bytes=m.device_free_bytes,
+        kv_bytes_per_block=m.kv_bytes_per_block)
 
 
 def probe_errors_to_pb(errors: dict[int, dict[int, float]]) -> pb.ProbeErrorsReply:

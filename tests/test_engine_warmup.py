@@ -31,7 +31,7 @@ def test_warmup_chunks_a_prompt_beside_a_decode_and_forgets_it(chat_ids):
     assert not eng.has_unfinished_requests() and eng.cache_manager.num_used_blocks() == 0
     st = eng.cache_manager.stats
     assert (st.prefix_queries, st.blocks_allocated, st.blocks_cached, st.evictions) == (0, 0, 0, 0)
-    assert eng._counters == {k: 0 for k in eng._counters} and eng.scheduler.num_preemptions == 0
+    assert eng.counters.tokens == dict.fromkeys(eng.counters.tokens, 0) and eng.scheduler.num_preemptions == 0
 
     # the warm-up's blocks are gone from the prefix cache and the outputs are a fresh engine's
     outs = llm.generate(chat_ids[:2], GREEDY16, use_tqdm=False)

@@ -232,6 +232,8 @@ def test_server_engine_thread_ticks_the_controller_while_idle() -> None:
 
     class IdleEngine:
         ticks = 0
+        ready = True  # (Engine: no recovery, attached in process)
+        recovery = None
 
         def has_unfinished_requests(self) -> bool:
             return False

@@ -17,7 +17,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nanokv.cache_service.ghosts import GhostCaches
 from nanokv.cache_service.hashing import hash_full_blocks
@@ -25,6 +25,10 @@ from nanokv.gateway.adaptive.pool_rule import PoolControl, PoolRule
 from nanokv.gateway.adaptive.rules import ConcurrencyRule, PolicyRule, PrecisionRule, Proposal
 from nanokv.gateway.adaptive.settings import AdaptiveSettings
 from nanokv.gateway.adaptive.window import Counters, WindowMeter, WindowStats
+
+if TYPE_CHECKING:
+    from nanokv.gateway.scheduler import SchedulerOutput
+    from nanokv.gateway.sequence import Sequence as Seq
 
 log = logging.getLogger("nanokv.gateway.adaptive")
 
@@ -107,7 +111,7 @@ class AdaptiveController:
         self.step = 0
         self._computed = 0
         self._meter = WindowMeter(self._counters())
-        self._admitted: dict[int, tuple[Any, int]] = {}  # seq_id -> (sequence, preemptions at admission)
+        self._admitted: dict[int, tuple[Seq, int]] = {}  # seq_id -> (sequence, preemptions at admission)
         self._recommended: dict[str, str] = {}
 
     # ---- inputs ---------------------------------------------------------------------------------
@@ -117,7 +121,7 @@ class AdaptiveController:
         if self.ghosts is not None:
             self.ghosts.observe(block_hashes)
 
-    def _observe_admissions(self, out: Any, ghosts: GhostCaches) -> None:
+    def _observe_admissions(self, out: SchedulerOutput, ghosts: GhostCaches) -> None:
         cm = self.cache
         for item in out.prefills:
             seq = item.seq
@@ -140,7 +144,7 @@ class AdaptiveController:
                              self._computed, preemptions)
 
     # ---- the loop -------------------------------------------------------------------------------
-    def on_step(self, out: Any = None, computed_tokens: int | None = None) -> list[Decision]:
+    def on_step(self, out: SchedulerOutput | None = None, computed_tokens: int | None = None) -> list[Decision]:
         """After every engine step (``out``: its SchedulerOutput, or None outside the scheduler).
         Returns the decisions taken at a window's end (usually none)."""
         self.step += 1

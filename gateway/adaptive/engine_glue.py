@@ -18,15 +18,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
+from nanokv.config import EngineConfig
 from nanokv.gateway.adaptive.controller import AdaptiveController
 from nanokv.gateway.adaptive.settings import AdaptiveSettings
+
+if TYPE_CHECKING:
+    from nanokv.compute_service.adaptive.pool import PoolActuator
+    from nanokv.gateway.engine import Engine
 
 log = logging.getLogger("nanokv.gateway.adaptive")
 
 
-def build_controller(engine: Any) -> AdaptiveController:
+def build_controller(engine: Engine) -> AdaptiveController:
     cfg = engine.config
     full = bool(cfg.adaptive)
     if engine.local_cache is None:  # the services run apart: the same controller over their RPCs
@@ -37,7 +42,7 @@ def build_controller(engine: Any) -> AdaptiveController:
                     "over the services' RPCs")
     precision = None
     runner = engine.runner
-    if full and any(b < 16 for b in getattr(runner, "layer_bits", [])):
+    if full and any(b < 16 for b in runner.layer_bits):
         if any(getattr(c, "demoted", None) is not None for c in runner.kv_caches):
             # hybrid sparsity's demotion store re-quantizes int8 blocks: every layer must stay int8
             log.warning("adaptive: KV bit-width switching is off with hybrid sparsity (INT4 demotion store)")
@@ -53,17 +58,16 @@ def build_controller(engine: Any) -> AdaptiveController:
     return _log(ctl, cfg, "in process")
 
 
-def _lander(engine: Any) -> Callable[[], None]:
+def _lander(engine: Engine) -> Callable[[], None]:
     """What an in-process actuator calls right before it changes the KV tensors or the pool: with
     async scheduling the step in flight lands first (its outputs go out with the engine's next step),
     so no launched step runs on tensors that are being replaced."""
     def land() -> None:
-        if engine._async is not None:
-            engine.stashed.extend(engine._async.land())
+        engine.stashed.extend(engine.land())
     return land
 
 
-def _log(ctl: AdaptiveController, cfg: Any, where: str) -> AdaptiveController:
+def _log(ctl: AdaptiveController, cfg: EngineConfig, where: str) -> AdaptiveController:
     rules = [r.kind for r in (ctl.policy_rule, ctl.concurrency_rule, ctl.precision_rule) if r is not None]
     rules += ["pool"] if ctl.pool_rule is not None else []
     log.info("adaptive controller (%s mode, window %d steps, %s): rules %s", cfg.adaptive_mode,
@@ -71,7 +75,7 @@ def _log(ctl: AdaptiveController, cfg: Any, where: str) -> AdaptiveController:
     return ctl
 
 
-def _pool_actuator(engine: Any) -> Any:
+def _pool_actuator(engine: Engine) -> PoolActuator | None:
     cfg = engine.config
     if not cfg.adaptive:
         return None

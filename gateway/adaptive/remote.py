@@ -25,10 +25,15 @@ hold before it drops the old one (Compute.Repool); a refusal is the decision's n
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from nanokv.config import KV_WIDTHS
 from nanokv.errors import NanoKVError
+from nanokv.messages import CacheServiceStats, GhostScores
+from nanokv.service_api import CacheAPI
+
+if TYPE_CHECKING:
+    from nanokv.gateway.engine import Engine
 
 log = logging.getLogger("nanokv.gateway.adaptive")
 
@@ -36,7 +41,7 @@ log = logging.getLogger("nanokv.gateway.adaptive")
 class _CacheCounters:
     """What Counters.read takes from a CacheStats, from the cache service's Stats reply."""
 
-    def __init__(self, s: dict[str, Any]):
+    def __init__(self, s: CacheServiceStats):
         self.prefix_queries_tokens = int(s["prefix_queries_tokens"])
         self.prefix_hits_tokens = int(s["prefix_hits_tokens"])
         self.evictions = int(sum(s["evictions_by_policy"].values()))
@@ -54,10 +59,10 @@ class _RepooledPool:
 class RemoteCache:
     """The cache manager as the controller sees it, over the cache service's RPCs."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Engine):
         cfg = engine.config
         self.engine = engine
-        self.client = engine.cache  # nanokv.gateway.clients.CacheClient
+        self.client = engine.cache  # (a nanokv.gateway.clients.CacheClient)
         self.enable_prefix_caching = cfg.enable_prefix_caching
         self.block_size = engine.model_info.block_size
         self.lru_k = cfg.lru_k
@@ -75,7 +80,7 @@ class RemoteCache:
     def num_used_blocks(self) -> int:
         return int(self.engine.scheduler.used_blocks)
 
-    def set_policy(self, name: str, donor: Any = None) -> None:
+    def set_policy(self, name: str, donor: object = None) -> None:
         self.client.set_policy(name)  # (the donor is the cache service's own ghost of `name`)
         self.policy_name = name
 
@@ -83,11 +88,11 @@ class RemoteCache:
 class RemoteGhosts:
     """The cache service's ghost caches (nanokv.cache_service.ghosts), read once a window."""
 
-    def __init__(self, client: Any):
+    def __init__(self, client: CacheAPI):
         self.client = client
-        self.caches: dict[str, Any] = {}  # no local donor: SetPolicy takes the cache service's ghost
+        self.caches: dict[str, object] = {}  # no local donor: SetPolicy takes the cache service's ghost
 
-    def window_scores(self) -> Any:
+    def window_scores(self) -> tuple[GhostScores, GhostScores] | None:
         return self.client.ghost_window()
 
     def restart_recent(self) -> None:
@@ -97,11 +102,11 @@ class RemoteGhosts:
         """Nothing to do: the cache service resizes its ghosts with the pool it allocates."""
 
 
-def _repool(engine: Any, **change: Any) -> str:
+def _repool(engine: Engine, num_blocks: int | None = None, layer_bits: list[int] | None = None) -> str:
     """Engine.repool; '' on success, else why not (a refused layout changes nothing). With async
     scheduling the step in flight lands first: its outputs go out with the engine's next step."""
     try:
-        engine.stashed.extend(engine.repool(**change))
+        engine.stashed.extend(engine.repool(num_blocks, layer_bits))
     except NanoKVError as e:
         return str(e)
     return ""
@@ -110,7 +115,7 @@ def _repool(engine: Any, **change: Any) -> str:
 class RemotePrecision:
     """The KV-width rule's actuator (PrecisionControl): widths change through a repool."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self.base_bits: list[int] = list(engine.model_info.layer_bits)
 
@@ -140,7 +145,7 @@ class RemotePrecision:
 class RemotePool:
     """The pool rule's actuator (PoolControl): the pool grows and shrinks through a repool."""
 
-    def __init__(self, engine: Any, reserve_bytes: int | None, margin_bytes: int):
+    def __init__(self, engine: Engine, reserve_bytes: int | None, margin_bytes: int):
         self.engine = engine
         self.base_blocks: int = int(engine.num_blocks)
         self.reserve_bytes = reserve_bytes
@@ -170,20 +175,28 @@ class RemotePool:
         return int(self.engine.num_blocks), why
 
 
-def remote_parts(engine: Any, full: bool) -> dict[str, Any]:
+class RemoteParts(TypedDict):
+    """AdaptiveController's keyword arguments for a gateway with remote services."""
+    cache: RemoteCache
+    ghosts: RemoteGhosts | None
+    policy_rule: bool
+    precision: RemotePrecision | None
+    pool: RemotePool | None
+
+
+def remote_parts(engine: Engine, full: bool) -> RemoteParts:
     """The controller's keyword arguments for a gateway with remote services."""
     cfg = engine.config
     cache = RemoteCache(engine)
-    parts: dict[str, Any] = {"cache": cache, "ghosts": RemoteGhosts(engine.cache), "policy_rule": True,
-                             "precision": None, "pool": None}
+    parts = RemoteParts(cache=cache, ghosts=RemoteGhosts(engine.cache), policy_rule=True, precision=None, pool=None)
     if not cfg.enable_prefix_caching:
-        parts.update(ghosts=None, policy_rule=False)
+        parts["ghosts"], parts["policy_rule"] = None, False
     else:
         try:
             engine.cache.ghost_window()  # (an empty window: nothing was admitted yet)
         except NanoKVError as e:  # a cache service started without the controller in its config
             log.warning("adaptive: eviction-policy rule off: the cache service keeps no ghost caches (%s)", e)
-            parts.update(ghosts=None, policy_rule=False)
+            parts["ghosts"], parts["policy_rule"] = None, False
     if not full:
         return parts
     if any(b < 16 for b in engine.model_info.layer_bits):

@@ -5,7 +5,15 @@ controller reacts to what the engine does now."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
+
+
+class CacheCounters(Protocol):
+    """The cache counters a window reads: a KVCacheManager's CacheStats, or the remote cache's."""
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    evictions: int
+    recomputed_tokens: int
 
 
 @dataclass(frozen=True)
@@ -21,7 +29,7 @@ class Counters:
     preemptions: int = 0
 
     @classmethod
-    def read(cls, step: int, cache_stats: Any | None, computed_tokens: int, preemptions: int) -> Counters:
+    def read(cls, step: int, cache_stats: CacheCounters | None, computed_tokens: int, preemptions: int) -> Counters:
         cs = cache_stats
         if cs is None:
             return cls(step, computed_tokens=computed_tokens, preemptions=preemptions)

@@ -66,7 +66,7 @@ def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(abort)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # (grpc ships no type stubs)
     def __init__(self, keys: KeyRing, on_reject: Callable[[int], None] | None = None):
         self.keys = keys
         self.on_reject = on_reject

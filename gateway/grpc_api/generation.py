@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -22,6 +22,10 @@ from nanokv.gateway.grpc_api.auth import KeyRing
 from nanokv.gateway.grpc_api.errors import DuplicateRequest
 from nanokv.gateway.http.async_engine import AsyncEngine, RequestStream, Update
 from nanokv.protos import nanokv_v1_pb2 as pb
+
+if TYPE_CHECKING:
+    from nanokv.gateway.engine import Engine
+    from nanokv.gateway.outputs import RequestOutput
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class PublicModelInfo:
     block_size: int
 
     @classmethod
-    def from_engine(cls, engine: Any, name: str) -> PublicModelInfo:
+    def from_engine(cls, engine: Engine, name: str) -> PublicModelInfo:
         mi = engine.model_info
         return cls(name=name, max_model_len=int(engine.max_model_len), vocab_size=int(mi.vocab_size),
                    eos_token_ids=tuple(sorted(int(t) for t in engine.eos_token_ids)), block_size=int(mi.block_size))
@@ -61,7 +65,7 @@ def _logprobs(u: Update) -> list[pb.TokenLogprob]:
             for e in out.logprobs[-len(out.new_token_ids):]]
 
 
-def usage(out: Any) -> pb.Usage:
+def usage(out: RequestOutput) -> pb.Usage:
     return pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
                     cached_prompt_tokens=out.num_cached_tokens)
 

@@ -220,7 +220,7 @@ class KServeServicer:
                                context: grpc.aio.ServicerContext) -> AsyncIterator[ks.ModelStreamInferResponse]:
         tenant = self.keys.tenant(context.invocation_metadata())
         out: asyncio.Queue[ks.ModelStreamInferResponse | None] = asyncio.Queue()
-        tasks: set[asyncio.Task] = set()
+        tasks: set[asyncio.Task[None]] = set()
 
         async def one(req: ks.ModelInferRequest | Exception) -> None:
             try:

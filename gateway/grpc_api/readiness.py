@@ -17,9 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpc_health.v1 import health_pb2
+
+if TYPE_CHECKING:
+    from nanokv.gateway.http.async_engine import AsyncEngine
 
 log = logging.getLogger("nanokv.gateway.grpc")
 
@@ -28,7 +31,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-async def publish(health: Any, aengine: Any, services: Sequence[str],
+async def publish(health: Any, aengine: AsyncEngine, services: Sequence[str],
                   last: tuple[bool, bool] | None = None) -> tuple[bool, bool]:
     """Set the statuses from `aengine` (AsyncEngine) if they changed since `last`; returns them."""
     now = (aengine.healthy, aengine.ready)
@@ -41,7 +44,7 @@ async def publish(health: Any, aengine: Any, services: Sequence[str],
     return now
 
 
-async def mirror(health: Any, aengine: Any, services: Sequence[str], poll_s: float = POLL_S) -> None:
+async def mirror(health: Any, aengine: AsyncEngine, services: Sequence[str], poll_s: float = POLL_S) -> None:
     """Run until cancelled: keep `health` (a grpc aio HealthServicer) in step with the engine."""
     last = await publish(health, aengine, services)
     while True:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,6 +30,9 @@ from nanokv.gateway.grpc_api.validate import parse
 from nanokv.gateway.http.async_engine import AsyncEngine
 from nanokv.protos import nanokv_v1_pb2 as pb
 from nanokv.protos.kserve import grpc_service_pb2 as ks
+
+if TYPE_CHECKING:
+    from nanokv.gateway.engine import Engine
 
 log = logging.getLogger("nanokv.gateway.grpc")
 
@@ -102,7 +105,7 @@ def _service(descriptor: Any, servicer: Any) -> grpc.GenericRpcHandler:
 class GrpcApi:
     """Built with the HTTP app (reading the engine before its thread starts); started in its lifespan."""
 
-    def __init__(self, engine: Any, aengine: AsyncEngine, *, address: str, model_name: str,
+    def __init__(self, engine: Engine, aengine: AsyncEngine, *, address: str, model_name: str,
                  api_keys: Sequence[str] = (), max_message_bytes: int = 4 << 20,
                  on_reject: Callable[[int], None] | None = None):
         self.address = address

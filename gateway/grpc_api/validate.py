@@ -8,7 +8,7 @@ the wrong wire type, which protobuf files as unknown) must not get a silently di
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
@@ -35,7 +35,7 @@ def parse(data: bytes, cls: type[M]) -> M:
                                       f"({len(data)} bytes that protobuf cannot decode)") from None
     reject_unknown(msg, "")
     reject_two_of_a_oneof(data, msg)
-    return msg
+    return cast(M, msg)  # (protobuf's Message is untyped here: cls() reads as Any)
 
 
 def _top_level_numbers(data: bytes) -> set[int]:

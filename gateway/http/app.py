@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -27,9 +27,12 @@ from nanokv.gateway.http.tracing import install as install_tracing
 from nanokv.gateway.http.translate import ModelInfo
 from nanokv.gateway.metrics import CONTENT_TYPE, EngineMetrics
 
+if TYPE_CHECKING:
+    from nanokv.gateway.engine import Engine
+
 
 def build_app(
-    engine: Any,
+    engine: Engine,
     *,
     api_key: str | Sequence[str] | None = None,
     max_waiting: int = DEFAULT_MAX_WAITING,

@@ -21,46 +21,56 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from nanokv import tracing
+from nanokv.errors import RequestError
 from nanokv.gateway.http.streams import EngineUnavailable, QueueFull, RequestStream, Update
+from nanokv.gateway.outputs import RequestOutput
 from nanokv.gateway.recovery import PEER_ERRORS
+from nanokv.gateway.sequence import TokenLogprob
 from nanokv.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from nanokv.gateway.engine import Engine
+    from nanokv.gateway.metrics import EngineMetrics
+    from nanokv.gateway.recovery import Recovery
 
 __all__ = ["AsyncEngine", "EngineUnavailable", "QueueFull", "RequestStream", "Update"]
 
 log = logging.getLogger("nanokv.gateway.http")
+T = TypeVar("T")
 
 
 @dataclass
 class _Add:
     request_id: str
     prompt: str | list[int] | None
-    messages: list[dict] | None
+    messages: list[dict[str, Any]] | None  # chat messages as the client sent them (JSON objects)
     params: SamplingParams
     cache_salt: str | None
-    done: concurrent.futures.Future
-    trace: Any = None  # the handler's trace context: the request span's parent (nanokv.gateway.traces)
+    done: concurrent.futures.Future[None]
+    trace: object = None  # the handler's trace context: the request span's parent (nanokv.gateway.traces)
 
 
 @dataclass
 class _Call:
-    fn: Callable[[Any], Any]
-    done: concurrent.futures.Future
+    fn: Callable[[Engine], object]
+    done: concurrent.futures.Future[Any]  # (of fn's result type)
 
 
 _STOP = object()
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, metrics: Any = None, *, max_waiting: int = 256,
+    def __init__(self, engine: Engine, metrics: EngineMetrics | None = None, *, max_waiting: int = 256,
                  stats_interval_s: float = 0.25):
         self.engine = engine
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.stats_interval_s = stats_interval_s
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # _Add, _Call, ("abort", request_id) or _STOP
+        self._commands: queue.SimpleQueue[_Add | _Call | tuple[str, str] | object] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # loop thread only
         self._active: dict[str, bool] = {}  # engine thread only: request id -> wants token texts
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -85,11 +95,11 @@ class AsyncEngine:
     @property
     def ready(self) -> bool:
         """Healthy and attached to its services (false while one is down: nanokv.gateway.recovery)."""
-        return self.healthy and getattr(self.engine, "ready", True)
+        return self.healthy and self.engine.ready
 
     @property
     def not_ready_reason(self) -> str:
-        recovery = getattr(self.engine, "recovery", None)
+        recovery = self.engine.recovery
         return recovery.reason if recovery is not None and not recovery.ready else "engine not running"
 
     @property
@@ -98,7 +108,7 @@ class AsyncEngine:
 
     # ---- requests (loop thread) -------------------------------------------------------------
     async def generate(self, request_id: str, params: SamplingParams, *,
-                       prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+                       prompt: str | list[int] | None = None, messages: list[dict[str, Any]] | None = None,
                        cache_salt: str | None = None) -> RequestStream:
         """Queue a request; raises RequestError (bad input), QueueFull or EngineUnavailable."""
         if not self.healthy:
@@ -107,7 +117,7 @@ class AsyncEngine:
             raise EngineUnavailable(f"a service is unavailable ({self.not_ready_reason}); retry later")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream  # before the add, so no output can arrive unrouted
-        done: concurrent.futures.Future = concurrent.futures.Future()
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._commands.put(_Add(request_id, prompt, messages, params, cache_salt, done, tracing.capture()))
         try:
             await asyncio.wrap_future(done)
@@ -122,13 +132,13 @@ class AsyncEngine:
         if self._streams.pop(stream.request_id, None) is not None and not stream.finished:
             self._commands.put(("abort", stream.request_id))
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run fn(engine) on the engine thread (debug/test hook; e.g. read block counts)."""
         return await asyncio.wrap_future(self.submit_call(fn))
 
-    def submit_call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+    def submit_call(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
         """Thread-safe variant of `call` for code outside the event loop: `.result(timeout)`."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
         if not (self._thread is not None and self._thread.is_alive()):
             done.set_exception(EngineUnavailable("the engine thread is not running"))
         else:
@@ -159,7 +169,7 @@ class AsyncEngine:
         for s in streams.values():
             s._queue.put_nowait(exc)
 
-    def _to_loop(self, fn: Callable[..., None], *args: Any) -> None:
+    def _to_loop(self, fn: Callable[..., None], *args: object) -> None:
         try:
             assert self._loop is not None
             self._loop.call_soon_threadsafe(fn, *args)
@@ -174,23 +184,23 @@ class AsyncEngine:
                 try:
                     if not self._drain(block=not self.engine.has_unfinished_requests()):
                         break
-                    if not getattr(self.engine, "ready", True):
-                        self.engine.recovery.try_attach()  # a service is down: retry, serve nothing
+                    if (recovery := self.engine.recovery) is not None and not recovery.ready:
+                        recovery.try_attach()  # a service is down: retry, serve nothing
                         continue
                     if self.engine.has_unfinished_requests():
                         outputs = self.engine.step()
                         if outputs:
                             self._deliver(outputs)
-                    elif (tick := getattr(self.engine, "tick_idle", None)) is not None:
-                        tick()  # the adaptive controller's windows go on while idle (pool shrink)
+                    else:
+                        self.engine.tick_idle()  # the controller's windows go on while idle (pool shrink)
                     now = time.monotonic()
                     if now >= next_stats:
                         next_stats = now + self.stats_interval_s
                         self._publish_stats()
                 except PEER_ERRORS as exc:
-                    if getattr(self.engine, "recovery", None) is None:
+                    if self.engine.recovery is None:
                         raise
-                    self._outage(exc)
+                    self._outage(self.engine.recovery, exc)
             reason: BaseException = EngineUnavailable("the server is shutting down")
         except Exception as exc:  # an engine bug: fail loudly, free what we can, report unhealthy
             log.exception("engine step failed; the engine thread stops")
@@ -199,10 +209,10 @@ class AsyncEngine:
         self._to_loop(self._fail_all, EngineUnavailable(f"engine stopped: {reason}"))
         self._fail_pending_commands()
 
-    def _outage(self, exc: BaseException) -> None:
+    def _outage(self, recovery: Recovery, exc: BaseException) -> None:
         """A service failed: every request in flight ends with EngineUnavailable (HTTP 503, gRPC
         UNAVAILABLE) now, not after a client timeout; the thread lives on and re-attaches."""
-        self.engine.recovery.on_failure(exc)
+        recovery.on_failure(exc)
         self._active.clear()
         self._to_loop(self._fail_all, EngineUnavailable(f"a service failed mid-request: {exc}"))
 
@@ -221,7 +231,7 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _apply(self, cmd: Any) -> None:
+    def _apply(self, cmd: object) -> None:
         if isinstance(cmd, _Add):
             self._add(cmd)
         elif isinstance(cmd, _Call):
@@ -230,7 +240,7 @@ class AsyncEngine:
                     cmd.done.set_result(cmd.fn(self.engine))
                 except Exception as exc:
                     cmd.done.set_exception(exc)
-        elif self._active.pop(cmd[1], None) is not None:  # ("abort", request_id) of a live request
+        elif isinstance(cmd, tuple) and self._active.pop(cmd[1], None) is not None:  # ("abort", request_id)
             self.engine.abort(cmd[1])
             if self.metrics is not None:
                 self.metrics.observe_abort()
@@ -240,6 +250,8 @@ class AsyncEngine:
             return  # the client left before we got here
         try:
             prompt = self.engine.apply_chat_template(cmd.messages) if cmd.messages is not None else cmd.prompt
+            if prompt is None:
+                raise RequestError("prompt", "must be a non-empty string or a non-empty list of token ids")
             with tracing.attached(cmd.trace):
                 self.engine.add_request(cmd.request_id, prompt, cmd.params, cache_salt=cmd.cache_salt)
             if self.engine.num_waiting() > self.max_waiting:
@@ -251,7 +263,7 @@ class AsyncEngine:
         self._active[cmd.request_id] = cmd.params.logprobs is not None
         cmd.done.set_result(None)
 
-    def _deliver(self, outputs: list[Any]) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         updates = []
         for out in outputs:
             text: dict[int, str] = {}
@@ -264,7 +276,7 @@ class AsyncEngine:
             updates.append(Update(out, text))
         self._to_loop(self._route, updates)
 
-    def _token_text(self, entries: list[dict]) -> dict[int, str]:
+    def _token_text(self, entries: list[TokenLogprob]) -> dict[int, str]:
         ids = {e["token_id"] for e in entries} | {t for e in entries for t in e["top"]}
         tok = self.engine.tokenizer
         if tok is None:  # random-weight test models have no tokenizer: show the ids

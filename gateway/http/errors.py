@@ -7,6 +7,7 @@ path — validation, auth, admission, unknown routes, engine failures — must p
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -53,7 +54,8 @@ class OpenAIError(Exception):
         return cls(400, f"{err.field}: {err.message}", param=err.field)
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None
+               ) -> dict[str, dict[str, str | None]]:
     kind, default_code = _KINDS.get(status, ("invalid_request_error", None))
     return {"error": {"message": message, "type": kind, "param": param, "code": code or default_code}}
 
@@ -62,7 +64,7 @@ def error_response(err: OpenAIError) -> JSONResponse:
     return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, err.headers)
 
 
-def install_error_handlers(app: FastAPI, on_error=None) -> None:
+def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None = None) -> None:
     """Route every exception type to the OpenAI shape. `on_error(status)` feeds a metrics counter."""
 
     def respond(err: OpenAIError) -> JSONResponse:

@@ -26,9 +26,11 @@ from nanokv.gateway.http.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    Usage,
 )
 from nanokv.gateway.http.translate import (
     ModelInfo,
@@ -38,6 +40,8 @@ from nanokv.gateway.http.translate import (
     completion_logprobs,
     usage,
 )
+from nanokv.gateway.outputs import RequestOutput
+from nanokv.gateway.sequence import TokenLogprob
 from nanokv.sampling import SamplingParams
 
 RETRY_AFTER_S = 1
@@ -65,7 +69,7 @@ def _json(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def _sse(payload: BaseModel | dict) -> str:
+def _sse(payload: BaseModel | dict[str, Any]) -> str:
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {data}\n\n"
 
@@ -103,10 +107,10 @@ async def collect(request: Request, stream: RequestStream) -> tuple[Any, dict[in
 
 
 def sse_response(aengine: AsyncEngine, stream: RequestStream, chunks: Callable[[Update], list[BaseModel]],
-                 final: Callable[[Any], list[BaseModel]]) -> Response:
+                 final: Callable[[RequestOutput | None], list[BaseModel]]) -> Response:
     async def body() -> AsyncIterator[str]:
         try:
-            last = None
+            last: RequestOutput | None = None
             async for u in stream:
                 last = u.output
                 for c in chunks(u):
@@ -138,11 +142,11 @@ class _ReleasingStream(StreamingResponse):
             self._on_close()
 
 
-def _usage(out: Any):
+def _usage(out: RequestOutput) -> Usage:
     return usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
 
 
-def _new_entries(out: Any) -> list[dict]:
+def _new_entries(out: RequestOutput) -> list[TokenLogprob]:
     return out.logprobs[-len(out.new_token_ids):] if out.logprobs and out.new_token_ids else []
 
 
@@ -178,7 +182,7 @@ async def completions(request: Request, aengine: AsyncEngine, info: ModelInfo) -
             choice = CompletionChoice(text=out.delta_text, logprobs=lp, finish_reason=reason)
             return [CompletionResponse(id=rid, model=info.name, choices=[choice])]
 
-        def final(out: Any) -> list[BaseModel]:
+        def final(out: RequestOutput | None) -> list[BaseModel]:
             if not (req.stream_options and req.stream_options.include_usage) or out is None:
                 return []
             return [CompletionResponse(id=rid, model=info.name, choices=[], usage=_usage(out))]
@@ -205,7 +209,8 @@ async def chat_completions(request: Request, aengine: AsyncEngine, info: ModelIn
     if req.stream:
         first = True
 
-        def chunk(delta: dict[str, str], lp: Any = None, reason: str | None = None) -> ChatCompletionChunk:
+        def chunk(delta: dict[str, str], lp: ChatLogprobs | None = None, reason: str | None = None
+                  ) -> ChatCompletionChunk:
             choice = ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=reason)
             return ChatCompletionChunk(id=rid, model=info.name, choices=[choice])
 
@@ -223,7 +228,7 @@ async def chat_completions(request: Request, aengine: AsyncEngine, info: ModelIn
                 result.append(chunk({}, reason=out.finish_reason))
             return result
 
-        def final(out: Any) -> list[BaseModel]:
+        def final(out: RequestOutput | None) -> list[BaseModel]:
             if not (req.stream_options and req.stream_options.include_usage) or out is None:
                 return []
             return [ChatCompletionChunk(id=rid, model=info.name, choices=[], usage=_usage(out))]

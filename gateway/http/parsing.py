@@ -46,7 +46,7 @@ def _reject_constant(name: str) -> None:
     raise OpenAIError(400, f"request body is not valid JSON: {name} is not a JSON number")
 
 
-def _field_path(loc: tuple) -> str:
+def _field_path(loc: tuple[int | str, ...]) -> str:
     """('messages', 0, 'role') -> 'messages[0].role'; stops at pydantic's union-member tags."""
     path = ""
     for part in loc:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
 
 from nanokv.errors import ServiceUnavailable
+from nanokv.gateway.outputs import RequestOutput
 
 
 class QueueFull(Exception):
@@ -21,7 +21,7 @@ class EngineUnavailable(ServiceUnavailable):
 
 @dataclass
 class Update:
-    output: Any  # nanokv.gateway.engine.RequestOutput
+    output: RequestOutput
     token_text: dict[int, str] = field(default_factory=dict)  # text of token ids in new logprob entries
 
 

@@ -12,9 +12,14 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from nanokv.gateway.engine import Engine
 
 # A small CPU configuration: the embedded model, fp32, a KV cache of 256 blocks x 16 tokens (about
 # 190 MB for SmolLM2-135M) so tests bound their memory and can build a request that never fits.
@@ -22,14 +27,14 @@ SMALL_ENGINE_CONFIG = dict(device="cpu", dtype="float32", block_size=16, num_gpu
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_engine(items: tuple[tuple[str, Any], ...]) -> Any:
+def _cached_engine(items: tuple[tuple[str, Any], ...]) -> Engine:
     from nanokv.config import EngineConfig
     from nanokv.gateway.engine import Engine
 
     return Engine(EngineConfig.from_kwargs(**dict(items)))
 
 
-def shared_engine(**overrides: Any) -> Any:
+def shared_engine(**overrides: Any) -> Engine:
     """One Engine per configuration per process, so test modules don't each reload the model.
 
     Apps built over it must run one at a time (each drives it from its own engine thread).
@@ -44,7 +49,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @contextmanager
-def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int | None = None,
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int | None = None,
                     startup_timeout_s: float = 120.0) -> Iterator[str]:
     """Start uvicorn on host:port (a free port by default); yields the base URL; stops on exit."""
     port = port or free_port(host)

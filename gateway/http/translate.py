@@ -20,6 +20,7 @@ from nanokv.gateway.http.schemas import (
     TopLogprob,
     Usage,
 )
+from nanokv.gateway.sequence import TokenLogprob as LogprobEntry
 from nanokv.sampling import SamplingParams
 
 
@@ -77,7 +78,7 @@ def completion_inputs(req: CompletionRequest, info: ModelInfo) -> tuple[str | li
     return prompt, _params(req, req.max_tokens, req.logprobs, info)
 
 
-def chat_inputs(req: ChatCompletionRequest, info: ModelInfo) -> tuple[list[dict], SamplingParams]:
+def chat_inputs(req: ChatCompletionRequest, info: ModelInfo) -> tuple[list[dict[str, str]], SamplingParams]:
     _check_common(req, info)
     if req.top_logprobs is not None:
         if not req.logprobs:
@@ -109,7 +110,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
     )
 
 
-def completion_logprobs(entries: list[dict], token_text: dict[int, str], offset: int) -> CompletionLogprobs:
+def completion_logprobs(entries: list[LogprobEntry], token_text: dict[int, str], offset: int) -> CompletionLogprobs:
     """`offset`: characters of generated text before these entries (OpenAI's text_offset)."""
     lp = CompletionLogprobs()
     for e in entries:
@@ -122,7 +123,7 @@ def completion_logprobs(entries: list[dict], token_text: dict[int, str], offset:
     return lp
 
 
-def chat_logprobs(entries: list[dict], token_text: dict[int, str]) -> ChatLogprobs:
+def chat_logprobs(entries: list[LogprobEntry], token_text: dict[int, str]) -> ChatLogprobs:
     def top(tid: int, value: float) -> TopLogprob:
         tok = token_text.get(tid, "")
         return TopLogprob(token=tok, logprob=value, bytes=list(tok.encode("utf-8")))

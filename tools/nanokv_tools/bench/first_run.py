@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             prof[0] = None
         t = time.perf_counter()
         out = inner(*a, **kw)
-        steps.append((time.perf_counter() - t, eng._last_batch_size))
+        steps.append((time.perf_counter() - t, eng.counters.last_batch_size))
         return out
     eng.step = step  # type: ignore[method-assign]
     for run in range(2):

@@ -48,7 +48,7 @@ def _prefill_phase(llm, prompts, params, prof: cProfile.Profile | None) -> dict[
     while eng.num_waiting() or any(s.num_uncomputed > 1 for s in eng.scheduler.running):
         a = time.perf_counter()
         eng.step(finished_only=True)
-        steps.append((time.perf_counter() - a, eng._last_batch_size))
+        steps.append((time.perf_counter() - a, eng.counters.last_batch_size))
     if prof is not None:
         prof.disable()
     _sync()
