@@ -16,6 +16,7 @@ from nanokv.agreement import Mismatch, check_attach
 from nanokv.cache_service.segments import remove_orphans
 from nanokv.cache_service.service import CacheService, NotAttached
 from nanokv.lease import start_reaper
+from nanokv.messages import CacheServiceStats
 from nanokv.protos import codec
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
@@ -121,18 +122,19 @@ def _metrics(svc: CacheService) -> ServiceMetrics:
     """The service's own /metrics, with the pool's occupancy (zeros until a compute service attaches)."""
     m = ServiceMetrics()
 
-    def read(key: str) -> Callable[[], float]:
+    def read(pick: Callable[[CacheServiceStats], float]) -> Callable[[], float]:
         def value() -> float:
             try:
-                return float(svc.stats()[key])
+                return float(pick(svc.stats()))
             except NotAttached:
                 return 0.0
         return value
-    m.gauge("nanokv_cache_pool_blocks", "KV blocks in the attached pool.", read("kv_blocks_total"))
+    m.gauge("nanokv_cache_pool_blocks", "KV blocks in the attached pool.", read(lambda s: s["kv_blocks_total"]))
     m.gauge("nanokv_cache_pool_free_blocks", "KV blocks free (cached blocks included: they can be evicted).",
-            read("kv_blocks_free"))
-    m.gauge("nanokv_cache_pool_cached_blocks", "KV blocks holding a reusable prefix.", read("kv_blocks_cached"))
-    m.gauge("nanokv_cache_pool_sequences", "Sequences holding blocks.", read("num_seqs"))
+            read(lambda s: s["kv_blocks_free"]))
+    m.gauge("nanokv_cache_pool_cached_blocks", "KV blocks holding a reusable prefix.",
+            read(lambda s: s["kv_blocks_cached"]))
+    m.gauge("nanokv_cache_pool_sequences", "Sequences holding blocks.", read(lambda s: s["num_seqs"]))
     return m
 
 
