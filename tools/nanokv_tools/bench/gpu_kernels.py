@@ -30,7 +30,7 @@ from nanokv.kernels import triton_decode  # noqa: E402
 from nanokv.kernels.triton_backend import TritonBackend, choose_splits, decode_options, sm_count  # noqa: E402
 from nanokv.kernels.triton_config import TritonConfig  # noqa: E402
 from nanokv.kernels.triton_selfcheck import Shapes, check_all, check_variants, make_batch  # noqa: E402
-from nanokv.kv.cache import LayerKVCache  # noqa: E402
+from nanokv.kv.cache import LayerKV  # noqa: E402
 from nanokv.kv.metadata import AttentionMetadata  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
@@ -101,7 +101,7 @@ def decode_shapes() -> list[tuple[int, int]]:
     return [(2, 64), (4, 32)] if SMOKE else [(64, 4096), (256, 1024)]
 
 
-def decode_fn(cache: LayerKVCache, md: AttentionMetadata, cfg: TritonConfig,
+def decode_fn(cache: LayerKV, md: AttentionMetadata, cfg: TritonConfig,
               fill: torch.Tensor | None = None) -> Callable[[int], object]:
     """A decode call on fresh queries; fill: the step's slots, for the int4 kernel that also quantizes
     the blocks they complete (the same blocks again on every call: what it writes does not change)."""
@@ -174,7 +174,7 @@ def bench_prefill() -> None:
                 be = TritonBackend(TritonConfig(prefill_block_m=bm, prefill_block_n=bn, prefill_warps=w,
                                                 prefill_stages=st, sdpa_prefill_min_tokens=0))
 
-                def step(i: int, be: TritonBackend = be, q: torch.Tensor = q, c: LayerKVCache = cache,
+                def step(i: int, be: TritonBackend = be, q: torch.Tensor = q, c: LayerKV = cache,
                          md: AttentionMetadata = md, o: torch.Tensor = out) -> object:
                     return be.paged_attention(q, c, md, SCALE, out=o)
                 try:
