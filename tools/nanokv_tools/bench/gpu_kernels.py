@@ -112,9 +112,12 @@ def decode_fn(cache: LayerKV, md: AttentionMetadata, cfg: TritonConfig,
     kw = decode_options(cfg, cache)
     # as the engine: one argsort per step (here: once), read by every layer's int4 decode
     order = md.decode_order() if cache.bits == 4 and cfg.quant_cuda4_by_length else None
-    return lambda i: triton_decode.paged_decode(qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE,
-                                                num_splits=splits, seq_order=order,
-                                                fill_slots=fill if cfg.quant_cuda4_fill else None, **kw)
+
+    def call(i: int) -> torch.Tensor:
+        triton_decode.paged_decode(qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE, num_splits=splits,
+                                   seq_order=order, fill_slots=fill if cfg.quant_cuda4_fill else None, **kw)
+        return out  # (written in place)
+    return call
 
 
 def bench_copy() -> None:
