@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from nanokv.compute_service.error_probe import ErrorProbe, probe_widths
+from nanokv.compute_service.kv_hooks import LayerHooks
 from nanokv.errors import PreconditionError
 from nanokv.kv.cache import bytes_per_block
+from nanokv.kv.demote import HybridInt8KV
 
 log = logging.getLogger(__name__)
 
@@ -29,19 +31,19 @@ def make_error_probe(cfg: Any, runner: Any) -> ErrorProbe | None:
     bits = list(getattr(runner, "layer_bits", []))
     if not cfg.adaptive or not any(b < 16 for b in bits):
         return None
-    if any(getattr(c, "demoted", None) is not None for c in runner.kv_caches):
+    if any(isinstance(c, HybridInt8KV) for c in runner.kv_caches):
         log.warning("adaptive: no KV-width error probe with hybrid sparsity")
         return None
     probe = ErrorProbe(probe_widths(bits))
-    attach_error_probe(probe, runner.kv_caches)
+    attach_error_probe(probe, runner.layer_hooks)
     return probe
 
 
-def attach_error_probe(probe: ErrorProbe, kv_caches: list[Any]) -> None:
+def attach_error_probe(probe: ErrorProbe, layer_hooks: list[LayerHooks]) -> None:
     """Hook ``probe`` into the layers it measures (also after a repool, at any width: a layer backed
     off to 16 bits is still measured at its narrower widths, so the rule can narrow it again)."""
     for i in probe.widths:
-        kv_caches[i].probe = probe
+        layer_hooks[i].probe = probe
 
 
 def kv_bytes_per_block(runner: Any) -> int:

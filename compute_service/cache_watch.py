@@ -102,7 +102,7 @@ class CacheWatch:
                 svc = self.servicer.svc
                 with self.servicer.turn:
                     svc.runner.remap_pool(self.attach_pool)
-                    svc.compression_monitor = CompressionMonitor().attach(svc.runner.kv_caches)
+                    svc.compression_monitor = CompressionMonitor().attach(svc.runner.layer_hooks)
                 self.reattaches += 1
                 log.info("re-attached to the cache service: pool epoch %d", svc.runner.pool_epoch)
                 self.set_serving(True)

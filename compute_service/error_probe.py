@@ -10,8 +10,8 @@ each query head against its kv head) and accumulates the squared score error
 is its RMS, in logits: ~0.02-0.03 for int8 and ~0.15-0.45 for int4 on SmolLM2, 3.5 for the
 outlier layer at int4 (0.38 at int8). Values are not probed (their error is not amplified by q).
 
-Called by nanokv.compute_service.kv_hooks.before_store through ``LayerKVCache.probe``: after rotation, on exactly
-the q/k the backend stores and attends with, on every backend; skipped while a CUDA graph is
+Called by nanokv.compute_service.kv_hooks.before_store through the layer's ``LayerHooks.probe``:
+after rotation, on exactly the q/k the backend stores and attends with, on every backend; skipped while a CUDA graph is
 captured, so decode steps replayed from graphs are not sampled (prefills and eager steps are).
 Cost: one call in ``every`` per layer, ``rows`` rows, a [Hq, rows, rows] score block per width;
 the sums stay on the device until the window closes (one sync per layer per window).

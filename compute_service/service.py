@@ -88,7 +88,7 @@ class ComputeService:
             self.runner.fold_value_rotations()  # (this service owns the model; tensor parallel keeps the GEMMs)
         self.runner.capture_cudagraphs(self.max_model_len)
         # running K/V quantization error per layer (sampled on eager steps), read by stats()
-        self.compression_monitor = CompressionMonitor().attach(self.runner.kv_caches)
+        self.compression_monitor = CompressionMonitor().attach(self.runner.layer_hooks)
         self.error_probe = make_error_probe(cfg, self.runner) if error_probe else None
         self.sampler = Sampler(self.device)
         self._tables: dict[int, list[int]] = {}
@@ -169,9 +169,9 @@ class ComputeService:
         stage = getattr(self.runner, "stage", None)
         if stage is not None:
             stage.block_free = self._block_free
-        self.compression_monitor = CompressionMonitor().attach(self.runner.kv_caches)
+        self.compression_monitor = CompressionMonitor().attach(self.runner.layer_hooks)
         if self.error_probe is not None:  # the new layers are measured as the old ones were
-            attach_error_probe(self.error_probe, self.runner.kv_caches)
+            attach_error_probe(self.error_probe, self.runner.layer_hooks)
         return self.info()
 
     def _block_free(self, block: int) -> bool:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import FullKV, LayerKV
 from nanokv.kv.metadata import AttentionMetadata
 
 _PLAN_KEY = "cpu_attention_plan"
@@ -64,13 +64,12 @@ def step_plan(md: AttentionMetadata, block_size: int) -> StepPlan | None:
     return plan
 
 
-def applies(q: torch.Tensor, cache: LayerKVCache) -> bool:
+def applies(q: torch.Tensor, cache: LayerKV) -> bool:
     """Unquantized cache in q's dtype, on the CPU: the gathered K/V are exactly what was stored.
-    Not for a simulated format (fake_quant): the eval scores it against the real quantized cache,
-    which takes the masked path, and the two must round alike to compare exactly. Never for a
-    cache with a demotion store (hybrid sparsity: int8 only anyway): this path reads only k and v."""
-    return (q.device.type == "cpu" and cache.bits == 16 and cache.k.dtype == q.dtype
-            and cache.fake_quant is None and cache.demoted is None)
+    Exactly FullKV, not a simulated format (nanokv.kv.fakequant.SimulatedKV): the eval scores it
+    against the real quantized cache, which takes the masked path, and the two must round alike to
+    compare exactly. (A cache with a demotion store is int8, never this path: it reads only k and v.)"""
+    return q.device.type == "cpu" and type(cache) is FullKV and cache.k.dtype == q.dtype
 
 
 class _Scratch(threading.local):
@@ -109,7 +108,7 @@ def gather_heads(x: torch.Tensor, block_ids: torch.Tensor, side: int = 0) -> tor
     return out.view(H, n * bs, D)
 
 
-def paged_attention(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata, scale: float,
+def paged_attention(q: torch.Tensor, cache: LayerKV, md: AttentionMetadata, scale: float,
                     plan: StepPlan) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]; K/V of this step are already stored."""
     T, Hq, D = q.shape

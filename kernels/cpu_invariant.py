@@ -32,14 +32,14 @@ import torch
 
 from nanokv.kernels.reference import _key_valid, gather_kv_heads
 from nanokv.kv import quant
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import Int4KV, LayerKV
 from nanokv.kv.metadata import AttentionMetadata
 
 TILE = 256  # keys per tile: fixed, or the P @ V sums would change with the context length
 MIN_ROWS = 4  # fewer query rows change a CPU matmul's rounding (measured: 1-3 rows differ)
 
 
-def paged_attention(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, cache: LayerKV, md: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]; this step's K/V are already stored. Prefill chunks and
     decodes take the same path: a decode is a one-token chunk."""
     T, Hq, D = q.shape
@@ -62,7 +62,7 @@ def paged_attention(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata,
         ntile = -(-L // TILE)
         ids = tables[i, :nb]
         k, v, valid = K[i, :, :nb * bs], V[i, :, :nb * bs], VALID[i, :nb * bs]
-        kq, vq = _quantized_view(cache, ids, k, v, (L - 1) // bs) if cache.stage is not None else (None, None)
+        kq, vq = _quantized_view(cache, ids, k, v, (L - 1) // bs) if isinstance(cache, Int4KV) else (None, None)
         # rows (g, m): head kvh * G + g of query m, [H, G * M, D]
         rows = q[s:e].reshape(M, H, G, D).permute(1, 2, 0, 3).reshape(H, G * M, D)
         R = max(G * M, MIN_ROWS)
@@ -75,14 +75,13 @@ def paged_attention(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata,
     return out
 
 
-def _quantized_view(cache: LayerKVCache, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: int
+def _quantized_view(cache: Int4KV, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """int4: K, V [H, nb * bs, D] as gathered (staged blocks in full precision) -> the same with
     every staged block before block `last` (the newest query's) replaced by its quantize-dequantize
     round trip (blockquant's functions on the same staging rows, so bit for bit what the pool will
     hold once the block is quantized). Block `last` and later are only ever read by their own rows
     or masked, so they are left as they are: a decode step round-trips nothing."""
-    assert cache.stage is not None and cache.k_stage is not None and cache.v_stage is not None
     H, _, D = k.shape
     bs = cache.block_size
     st = torch.where(ids >= 0, cache.stage.stage_of[ids.clamp_min(0)].long(), -1)  # [nb]

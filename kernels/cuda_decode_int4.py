@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import Int4KV, LayerKV
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cuda") / "decode_int4.cu"
@@ -34,18 +34,17 @@ _16BIT = (torch.float16, torch.bfloat16)
 _BROKEN: list[str] = []  # why NVRTC failed, once: the Triton kernels serve from then on
 
 
-def supported(q: torch.Tensor, out: torch.Tensor, cache: LayerKVCache) -> bool:
+def supported(q: torch.Tensor, out: torch.Tensor, cache: LayerKV) -> bool:
     """Whether the CUDA kernel can serve this decode: int4 cache in the engine's layouts, 16-bit q and out."""
-    if q.device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel") or cache.bits != 4 or _BROKEN:
-        return False
-    if cache.k_stage is None or cache.v_stage is None or cache.k_scale is None or cache.k_zero is None:
+    if (q.device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel") or not isinstance(cache, Int4KV)
+            or _BROKEN):
         return False
     _, Hq, D = q.shape
     H, bs = cache.num_kv_heads, cache.block_size
     tensors = (cache.k, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero, cache.k_stage, cache.v_stage)
     return (D == 128 and Hq % H == 0 and Hq // H <= 8 and bs % 16 == 0 and q.dtype in _16BIT and out.dtype in _16BIT
             and cache.k_stage.dtype in _16BIT and q.stride(-1) == 1 and out.stride(-1) == 1
-            and all(t is not None and t.is_contiguous() for t in tensors)
+            and all(t.is_contiguous() for t in tensors)
             and cache.v.stride(2) == 1 and cache.v.stride(3) == bs and cache.v.transpose(2, 3).is_contiguous())
 
 
@@ -131,7 +130,7 @@ def _launch(kern, grid: tuple[int, int, int], args: list, direct: bool) -> None:
         kern(grid=grid, block=(32, 1, 1), args=args)
 
 
-def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+def try_decode(q: torch.Tensor, cache: Int4KV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                out: torch.Tensor, qk_scale: float, num_splits: int, part_o: torch.Tensor, part_ml: torch.Tensor,
                counts: torch.Tensor, maxnreg: int = 0, stages: int = 2,
                fill_slots: torch.Tensor | None = None, order: torch.Tensor | None = None, tiles: int = 1,
@@ -143,16 +142,15 @@ def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor,
     counts zero between launches). maxnreg: register cap (0 = none); stages: depth of the
     shared-memory ring the tiles stream through (cp.async, stages - 1 tiles ahead). fill_slots:
     [B] int64, this step's slot of each row's token (-1 = none): the block a token completes is
-    quantized from staging into the pool by the same launch (cuda/fill_int4.cuh), and
-    cache.filled_in_step is set. order: [B] int64, the rows longest first (argsort of seq_lens,
-    descending): the programs of longer sequences start first. tiles: 16-token tiles per loop step
-    (sharing the block's key scales; fewer where the block is smaller). direct_launch: through
-    _Launcher, else torch's launcher. False (nothing launched) where it does not apply."""
+    quantized from staging into the pool by the same launch (cuda/fill_int4.cuh). order: [B] int64,
+    the rows longest first (argsort of seq_lens, descending): the programs of longer sequences start
+    first. tiles: 16-token tiles per loop step (sharing the block's key scales; fewer where the block
+    is smaller). direct_launch: through _Launcher, else torch's launcher. True when it launched (and
+    so filled, given fill_slots); False (nothing launched) where it does not apply."""
     if not supported(q, out, cache):
         return False
     B, Hq, _ = q.shape
     H = cache.num_kv_heads
-    assert cache.k_stage is not None and cache.v_stage is not None and cache.stage is not None
     nt = max(1, tiles)
     while cache.block_size % (16 * nt):
         nt //= 2
@@ -170,6 +168,4 @@ def try_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor,
         if t is not None and (t.dtype != torch.int64 or t.shape[0] != B):
             raise ValueError(f"{name} must be int64, one per row: got {t.dtype} {tuple(t.shape)} for {B} rows")
     _launch(kern, (B, H, num_splits) if order is None else (num_splits, H, B), args, direct_launch)
-    if fill_slots is not None:
-        cache.filled_in_step = True
     return True

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from nanokv.kernels import triton_store
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import Int8KV
 from nanokv.kv.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def sdpa_fresh_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: At
             out[s:e] = o.transpose(0, 1)
 
 
-def int8_as_stored(q: torch.Tensor, cache: LayerKVCache, slots: torch.Tensor
+def int8_as_stored(q: torch.Tensor, cache: Int8KV, slots: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash operands for fresh prompts in an int8 cache: (q, k, v) in the quantized kernels'
     compute dtype (fp16 unless fp32), K/V [T, Hk, D] read back from the cache at the step's slots

@@ -14,11 +14,12 @@ import torch.nn.functional as F
 
 from nanokv.kernels import cpu_attention
 from nanokv.kv import blockquant, quant
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import FullKV, Int8KV, LayerKV
+from nanokv.kv.demote import HybridInt8KV
 from nanokv.kv.metadata import AttentionMetadata
 
 
-def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
@@ -27,40 +28,36 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
     bs = cache.block_size
     blk = slot_mapping // bs
     off = slot_mapping % bs
-    if cache.bits == 16:
+    if isinstance(cache, FullKV):
         cache.k[blk, :, off] = k.to(cache.k.dtype)
         cache.v[blk, :, off] = v.to(cache.v.dtype)
-    elif cache.bits == 8:
+    elif isinstance(cache, Int8KV):
         kc, ks = quant.quantize_int8(k)
         vc, vs = quant.quantize_int8(v)
         cache.k[blk, :, off], cache.v[blk, :, off] = kc, vc
-        assert cache.k_scale is not None and cache.v_scale is not None
         cache.k_scale[blk, :, off], cache.v_scale[blk, :, off] = ks, vs
-    elif cache.bits == 4:  # full precision into staging; quantized when the block fills
+    else:  # int4: full precision into staging; quantized when the block fills
         blockquant.store(cache, k, v, blk, off)
-    else:
-        raise ValueError(f"unsupported KV bit width {cache.bits}")
 
 
-def gather_kv(cache: LayerKVCache, block_ids: torch.Tensor,
+def gather_kv(cache: LayerKV, block_ids: torch.Tensor,
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """block_ids: [..., nb] -> K, V [..., nb, H, bs, D]. Entries >= 0 are pool blocks; holes (-1) read
     block 0 (callers mask them); entries <= -2 (int8 layers under hybrid sparsity) are slots of the
     layer's INT4 demotion store (nanokv.kv.demote)."""
     ids = block_ids.clamp_min(0).long()
-    if cache.bits == 16:
+    if isinstance(cache, FullKV):
         return cache.k[ids].to(dtype), cache.v[ids].to(dtype)
-    assert cache.k_scale is not None and cache.v_scale is not None
-    if cache.bits == 8:
+    if isinstance(cache, Int8KV):
         k = quant.dequantize_int8(cache.k[ids], cache.k_scale[ids], dtype)
         v = quant.dequantize_int8(cache.v[ids], cache.v_scale[ids], dtype)
-        if cache.demoted is not None:  # hybrid sparsity: entries <= -2 read the demotion store instead
+        if isinstance(cache, HybridInt8KV):  # hybrid sparsity: entries <= -2 read the demotion store instead
             cache.demoted.overwrite(block_ids, k, v)
         return k, v
     return blockquant.gather(cache, ids, dtype)
 
 
-def gather_kv_heads(cache: LayerKVCache, block_ids: torch.Tensor,
+def gather_kv_heads(cache: LayerKV, block_ids: torch.Tensor,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """block_ids: [B, nb] -> K, V [B, H, nb*bs, D], what SDPA takes.
 
@@ -71,7 +68,7 @@ def gather_kv_heads(cache: LayerKVCache, block_ids: torch.Tensor,
     """
     B, nb = block_ids.shape
     H, bs = cache.num_kv_heads, cache.block_size
-    if cache.bits == 16 and dtype == cache.k.dtype:
+    if isinstance(cache, FullKV) and dtype == cache.k.dtype:
         ids = block_ids.clamp_min(0).long()
         k = cache.k.transpose(0, 1)[:, ids].transpose(0, 1)  # [B, H, nb, bs, D]
         v = cache.v.transpose(0, 1)[:, ids].transpose(0, 1)
@@ -92,7 +89,7 @@ def _key_valid(block_ids: torch.Tensor, bs: int, seq_len: torch.Tensor) -> torch
     return valid & not_hole
 
 
-def paged_attention(q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata,
+def paged_attention(q: torch.Tensor, cache: LayerKV, md: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     if cpu_attention.applies(q, cache):
         plan = cpu_attention.step_plan(md, cache.block_size)

@@ -19,7 +19,7 @@ from nanokv.kernels import triton_decode, triton_prefill, triton_store
 from nanokv.kernels.fresh_prefill import int8_as_stored, runs, sdpa_fresh_prefill
 from nanokv.kernels.triton_config import TritonConfig, default_config
 from nanokv.kernels.triton_decode_swap import runs_transposed
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import Int4KV, Int8KV, LayerKV
 from nanokv.kv.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def quant_rows(cfg: TritonConfig, bits: int) -> int:
     return cfg.quant_min_rows or (1 if bits == 4 else 16)
 
 
-def decode_options(cfg: TritonConfig, cache: LayerKVCache) -> dict:
+def decode_options(cfg: TritonConfig, cache: LayerKV) -> dict:
     """paged_decode's keyword arguments (all but num_splits) for this cache format."""
     bn, warps, stages = decode_tiles(cfg, cache.quantized)
     q = cache.quantized
@@ -96,11 +96,11 @@ class TritonBackend:
         # float32 caches are for exactness checks: full-precision dots, not Triton's tf32 default
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
-    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
                       slot_mapping: torch.Tensor) -> None:
         triton_store.store_kvcache(k, v, cache, slot_mapping)
 
-    def _fresh(self, cache: LayerKVCache, md: AttentionMetadata, k: torch.Tensor | None) -> list[int]:
+    def _fresh(self, cache: LayerKV, md: AttentionMetadata, k: torch.Tensor | None) -> list[int]:
         """Prefills that SDPA serves: whole prompts with no cached prefix, when this step's K/V are
         at hand exactly as attention would read them and the longest is long enough to pay off.
         Exact means a 16-bit cache of the model's dtype, or int4: a block is quantized only after
@@ -108,19 +108,20 @@ class TritonBackend:
         holds k and v as given (already rotated). int8 quantizes on the store: its fresh prompts
         attend on the codes read back (int8_as_stored). The others go to the paged prefill kernel."""
         P, lim = md.num_prefills, self.config.sdpa_prefill_min_tokens
-        as_read = cache.k_stage if cache.k_stage is not None else cache.k
+        as_read = cache.k_stage if isinstance(cache, Int4KV) else cache.k
         if lim <= 0 or k is None or (k.dtype != as_read.dtype and cache.bits != 8):
             return []
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
         fresh = [i for i in range(P) if lens[i] == qsl[i + 1] - qsl[i]]
         return fresh if fresh and max(lens[i] for i in fresh) >= lim else []
 
-    def paged_attention(self, q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata, scale: float,
+    def paged_attention(self, q: torch.Tensor, cache: LayerKV, md: AttentionMetadata, scale: float,
                         k: torch.Tensor | None = None, v: torch.Tensor | None = None,
                         out: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D] -> out [T, Hq, D] (written in place when given; else in v's dtype when v is
         given: the model's, q may be fp16, nanokv.compute_service.kv_hooks.qk_dtype). k, v: this step's K/V
-        [T, Hk, D] as just stored (optional: lets fresh prompts skip the cache)."""
+        [T, Hk, D] as just stored (optional: lets fresh prompts skip the cache). A decode launch that
+        also quantized the int4 blocks the step fills sets md.fills_quantized (AttentionMetadata)."""
         cfg = self.config
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -129,7 +130,7 @@ class TritonBackend:
         P = md.num_prefills
         fresh = self._fresh(cache, md, k) if P > 0 else []
         if fresh and k is not None and v is not None:
-            if cache.bits == 8:
+            if isinstance(cache, Int8KV):
                 sdpa_fresh_prefill(*int8_as_stored(q, cache, md.slot_mapping), md, out, scale, fresh,
                                    cudnn=self.config.fresh_prefill_cudnn)
             else:
@@ -148,9 +149,9 @@ class TritonBackend:
             splits = choose_splits(cfg, nd, cache.num_kv_heads, md.max_seq_len, sm_count(q.device), cache.bits,
                                    cache.block_size)
             # a decode-only step's row i is token i: its slot says whether it completes a staged block
-            fill = md.slot_mapping if P == 0 and cache.stage is not None and cfg.quant_cuda4_fill else None
+            fill = md.slot_mapping if P == 0 and isinstance(cache, Int4KV) and cfg.quant_cuda4_fill else None
             order = md.decode_order() if cache.bits == 4 and cfg.quant_cuda4 and cfg.quant_cuda4_by_length else None
-            triton_decode.paged_decode(q[s0:s0 + nd], cache, md.block_tables[P:], md.seq_lens[P:], out[s0:s0 + nd],
-                                       scale, num_splits=splits, fill_slots=fill, seq_order=order,
-                                       **decode_options(cfg, cache))
+            md.fills_quantized = triton_decode.paged_decode(
+                q[s0:s0 + nd], cache, md.block_tables[P:], md.seq_lens[P:], out[s0:s0 + nd], scale,
+                num_splits=splits, fill_slots=fill, seq_order=order, **decode_options(cfg, cache))
         return out

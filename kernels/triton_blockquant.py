@@ -24,7 +24,7 @@ import triton.language as tl
 from nanokv.kernels.triton_config import TritonConfig, apply_overrides, overrides
 from nanokv.kernels.triton_kvtile import next_pow2
 from nanokv.kernels.triton_store import _rne_clip, _safe_scale
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import Int4KV
 
 
 @triton.jit
@@ -128,15 +128,12 @@ def prefill_fill_warps() -> int:
     return 1 if _recip_default() else 8
 
 
-def quantize_filled_graphsafe(cache: LayerKVCache, slot_mapping: torch.Tensor, num_warps: int = 0,
+def quantize_filled_graphsafe(cache: Int4KV, slot_mapping: torch.Tensor, num_warps: int = 0,
                               recip: bool | None = None) -> None:
     """After the step's attention: quantize every block whose last slot this step wrote, from its
     staging slot into the pool. slot_mapping: [T] int64 (the step's; -1 = not stored). num_warps per
     program, 0 = by block size. recip: codes through div_by_recip (the same codes; None =
     TritonConfig.fill_recip)."""
-    assert cache.stage is not None and cache.k_stage is not None and cache.v_stage is not None
-    assert cache.k_scale is not None and cache.k_zero is not None
-    assert cache.v_scale is not None and cache.v_zero is not None
     T, H, D = int(slot_mapping.shape[0]), cache.num_kv_heads, cache.k_stage.shape[-1]
     bs = cache.block_size
     if T == 0:

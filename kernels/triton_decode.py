@@ -37,7 +37,7 @@ from nanokv.kernels.triton_kvtile import (
     tile_rows,
 )
 from nanokv.kernels.triton_softmax import decode_softmax_step, merge_splits, store_decode
-from nanokv.kv.cache import LayerKVCache, check_layout
+from nanokv.kv.cache import Int4KV, LayerKV, check_layout
 
 LOG2E = 1.4426950408889634
 
@@ -125,7 +125,7 @@ def _buffer(kind: str, device: torch.device, numel: int, dtype: torch.dtype) -> 
     return buf[:numel]
 
 
-def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+def paged_decode(q: torch.Tensor, cache: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 2, asm: bool | None = None,
                  words: bool | None = None, fold_k: bool = True, fold_v: bool = True,
@@ -134,7 +134,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                  swap4: bool = False, swap4_prefetch: int = 0, swap4_maxnreg: int = 0, cuda4: bool = False,
                  cuda4_maxnreg: int = 0, cuda4_stages: int = 2, fill_slots: torch.Tensor | None = None,
                  seq_order: torch.Tensor | None = None, cuda4_tiles: int = 1, cuda4_direct: bool = True
-                 ) -> torch.Tensor:
+                 ) -> bool:
     """q: [B, Hq, D] (one token per sequence); block_tables: [B, max_blocks] int32 (-1 holes);
     seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
     fold_k: int4 keys' per-block channel scales folded into the query (triton_decode_int4), else
@@ -158,13 +158,14 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     (cuda4_direct: launched through cuda_decode_int4._Launcher).
     fill_slots ([B] int64, the step's slot of each row's token, -1 = none): when the CUDA kernel serves
     the call, it also quantizes the staged blocks these tokens complete (the quantize-on-fill of
-    compute_service.kv_hooks.after_attention) and sets cache.filled_in_step, so that after_attention skips its own
-    fill launch. seq_order ([B] int64, rows longest first): the CUDA kernel starts the programs of longer
+    compute_service.kv_hooks.after_attention), and paged_decode returns True (the caller tells
+    after_attention, AttentionMetadata.fills_quantized, which then skips its own fill launch); False
+    otherwise. seq_order ([B] int64, rows longest first): the CUDA kernel starts the programs of longer
     sequences first."""
     B, Hq, D = q.shape
     H = cache.num_kv_heads
     if B == 0:
-        return out
+        return False
     assert Hq % H == 0 and D % 2 == 0 and q.stride(-1) == 1 and out.stride(-1) == 1
     check_layout(cache)
     G = Hq // H
@@ -191,7 +192,7 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
                   ASM=use_asm(q.device) if asm is None else asm, BLOCK_DH=max(16, next_pow2(D // 2)),
                   BLOCK_N=block_n, SPLIT=split, LAZY_TAU=lazy_tau, num_warps=num_warps, num_stages=num_stages,
                   **({"maxnreg": maxnreg} if maxnreg > 0 else {}))
-    merged = False
+    merged = filled = False
     if transposed:
         common.update(BLOCK_N=swap_block_n, num_stages=swap_stages or num_stages)
         common.pop("maxnreg", None)
@@ -201,10 +202,12 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
         merged = split and swap_merge
         counts = _buffer("counts", q.device, B * H, torch.int32) if merged else seq_lens  # (unused unless merged)
         swap = dict(count_ptr=counts, **common, BLOCK_G=next_pow2(G), MERGE=merged, BLOCK_S=next_pow2(num_splits))
-        if cache.bits == 4:  # the CUDA kernel where it applies and runs, else Triton's
-            if not (cuda4 and (merged or not split) and cuda_decode_int4.try_decode(
-                    q, cache, block_tables, seq_lens, out, scale * LOG2E, num_splits, part_o, part_ml, counts,
-                    cuda4_maxnreg, cuda4_stages, fill_slots, seq_order, cuda4_tiles, cuda4_direct)):
+        if isinstance(cache, Int4KV):  # the CUDA kernel where it applies and runs, else Triton's
+            cuda_ran = cuda4 and (merged or not split) and cuda_decode_int4.try_decode(
+                q, cache, block_tables, seq_lens, out, scale * LOG2E, num_splits, part_o, part_ml, counts,
+                cuda4_maxnreg, cuda4_stages, fill_slots, seq_order, cuda4_tiles, cuda4_direct)
+            filled = cuda_ran and fill_slots is not None
+            if not cuda_ran:
                 decode_int4_swap_kernel[(B, H, num_splits)](
                     *args, stride_vd=cache.v.stride(3), stride_vt=cache.v.stride(2), PREFETCH=swap4_prefetch, **swap)
         else:
@@ -218,4 +221,4 @@ def paged_decode(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tenso
     if split and not merged:
         _reduce_kernel[(B, Hq)](part_o, part_ml, out, num_splits, out.stride(0), out.stride(1),
                                 D=D, BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(D), num_warps=4)
-    return out
+    return filled

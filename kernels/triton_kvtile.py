@@ -22,6 +22,7 @@ import triton.language as tl
 
 from nanokv.kernels.triton_dequant import load_code_words
 from nanokv.kernels.triton_vcodes import int4_value_codes, int8_value_codes
+from nanokv.kv.cache import FullKV, Int4KV, LayerKV
 
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -224,16 +225,16 @@ def fold_v_weights(p, vs, CDT: tl.constexpr):
     return (p * vs.to(tl.float32)[None, :]).to(CDT)
 
 
-def stage_args(cache) -> tuple:
+def stage_args(cache: LayerKV) -> tuple:
     """(k_stage, v_stage, stage map, k-scale strides n/h, staging strides n/h); placeholders and 0
     for the formats without staging (never dereferenced there)."""
-    if cache.stage is None:
+    if not isinstance(cache, Int4KV):
         return cache.k, cache.k, cache.k, 0, 0, 0, 0
     return (cache.k_stage, cache.v_stage, cache.stage.stage_of, cache.k_scale.stride(0),
             cache.k_scale.stride(1), cache.k_stage.stride(0), cache.k_stage.stride(1))
 
 
-def code_args(cache, words: bool, byte_keys: bool = False) -> tuple:
+def code_args(cache: LayerKV, words: bool, byte_keys: bool = False) -> tuple:
     """(k, v) code tensors as the kernels take them: keys as an int32 view where codes are read as
     words, as stored otherwise or when the kernel reads byte tiles (`byte_keys`: the transposed int8
     kernel, both int4 kernels). Values are never words (quantized ones are stored dims-major,
@@ -241,13 +242,14 @@ def code_args(cache, words: bool, byte_keys: bool = False) -> tuple:
     return (cache.k.view(torch.int32) if words and not byte_keys else cache.k), cache.v
 
 
-def kv_meta_args(cache) -> tuple:
+def kv_meta_args(cache: LayerKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(k_scale, v_scale, k_zero, v_zero) with placeholders for the formats that lack them."""
     ph = cache.k  # any tensor: never dereferenced when BITS says the field is absent
-    return (cache.k_scale if cache.k_scale is not None else ph,
-            cache.v_scale if cache.v_scale is not None else ph,
-            cache.k_zero if cache.k_zero is not None else ph,
-            cache.v_zero if cache.v_zero is not None else ph)
+    if isinstance(cache, FullKV):
+        return ph, ph, ph, ph
+    if isinstance(cache, Int4KV):
+        return cache.k_scale, cache.v_scale, cache.k_zero, cache.v_zero
+    return cache.k_scale, cache.v_scale, ph, ph
 
 
 def next_pow2(n: int) -> int:

@@ -32,7 +32,7 @@ from nanokv.kernels.triton_kvtile import (
     tile_rows,
 )
 from nanokv.kernels.triton_softmax import online_softmax_step
-from nanokv.kv.cache import LayerKVCache, check_layout
+from nanokv.kv.cache import LayerKV, check_layout
 
 LOG2E = 1.4426950408889634
 
@@ -143,7 +143,7 @@ def _prefill_kernel(
     tl.store(o_rows + DH + offs_d[None, :], (acc_hi * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=qm)
 
 
-def paged_prefill(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+def paged_prefill(q: torch.Tensor, cache: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, max_query_len: int, out: torch.Tensor, scale: float,
                   block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                   asm: bool | None = None, words: bool | None = None, tile_kinds: bool = True) -> torch.Tensor:

@@ -17,7 +17,7 @@ from nanokv.kernels import reference, triton_store
 from nanokv.kernels.triton_backend import TritonBackend
 from nanokv.kernels.triton_config import TritonConfig
 from nanokv.kv.blockquant import quantize_filled
-from nanokv.kv.cache import LayerKVCache, allocate_layer_cache
+from nanokv.kv.cache import Int4KV, LayerKV, allocate_layer_cache
 from nanokv.kv.metadata import AttentionMetadata
 
 
@@ -37,7 +37,7 @@ class Shapes:
 
 
 def make_batch(sh: Shapes, bits: int, bs: int, q_lens: list[int], seq_lens: list[int], num_prefills: int,
-               holes: float = 0.0, store: bool = True) -> tuple[LayerKVCache, AttentionMetadata]:
+               holes: float = 0.0, store: bool = True) -> tuple[LayerKV, AttentionMetadata]:
     """Scattered block tables; blocks wholly before a sequence's first query token are dropped with
     probability `holes`. store: K/V written by the Triton store, else random codes (timing only)."""
     nbs = [-(-L // bs) for L in seq_lens]
@@ -58,7 +58,7 @@ def make_batch(sh: Shapes, bits: int, bs: int, q_lens: list[int], seq_lens: list
     if store:
         kv = torch.randn(2, N * bs, sh.H, sh.D, device=sh.dev, dtype=sh.dtype)
         _store_all(cache, kv, torch.arange(N * bs, device=sh.dev))
-        if cache.stage is not None:  # int4: blocks holding this step's tokens are open (staged)
+        if isinstance(cache, Int4KV):  # int4: blocks holding this step's tokens are open (staged)
             open_blocks = torch.cat(slots).div(bs, rounding_mode="floor").unique()
             rows = (open_blocks[:, None] * bs + torch.arange(bs, device=sh.dev)).reshape(-1)
             cache.stage.plan(rows.cpu().numpy())
@@ -68,9 +68,8 @@ def make_batch(sh: Shapes, bits: int, bs: int, q_lens: list[int], seq_lens: list
         for t in (cache.k, cache.v):
             t.copy_(torch.randn(t.shape, device=sh.dev).to(t.dtype) if bits == 16
                     else torch.randint_like(t, lo, hi))
-        for meta in (cache.k_scale, cache.v_scale, cache.k_zero, cache.v_zero):
-            if meta is not None:
-                meta.uniform_(0.005, 0.02)
+        for name in cache.block_fields[2:]:  # scales and zero points
+            getattr(cache, name).uniform_(0.005, 0.02)
     qsl = [0]
     for ql in q_lens:
         qsl.append(qsl[-1] + ql)
@@ -84,14 +83,14 @@ def make_batch(sh: Shapes, bits: int, bs: int, q_lens: list[int], seq_lens: list
     return cache, md
 
 
-def _store_all(cache: LayerKVCache, kv: torch.Tensor, slots: torch.Tensor) -> None:
+def _store_all(cache: LayerKV, kv: torch.Tensor, slots: torch.Tensor) -> None:
     """Triton store of kv [2, T, H, D] at slots; int4 as the runner does it: staged, then every filled
     block quantized once (nanokv.kv.blockquant) and its staging released."""
     for part in slots.split(1 << 16):
-        if cache.stage is not None:
+        if isinstance(cache, Int4KV):
             cache.stage.plan(part.cpu().numpy())
         triton_store.store_kvcache(kv[0][part], kv[1][part], cache, part)
-        if cache.stage is not None:
+        if isinstance(cache, Int4KV):
             quantize_filled(cache)
             cache.stage.finish()
 
@@ -107,15 +106,14 @@ def check_store(sh: Shapes, bits: int) -> None:
     (int4: the full-precision staging the store writes, bit-equal)."""
     T, bs = (50, 16) if sh.small else (8192, 16)
     a, b = (allocate_layer_cache(bits, T // bs + 8, sh.H, bs, sh.D, sh.dtype, sh.dev) for _ in range(2))
-    names = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero", "k_stage", "v_stage")
-    pairs = [(getattr(a, n), getattr(b, n)) for n in names if getattr(a, n) is not None]
+    pairs = [(x, b.tensors()[n]) for n, x in a.tensors().items()]
     for x, y in pairs:  # untouched slots must stay poisoned
         x.copy_(torch.full_like(x, float("nan")) if x.is_floating_point() else torch.randint_like(x, 0, 100))
         y.copy_(x)
     slots = torch.randperm(a.num_blocks * bs, device=sh.dev)[:T]
     slots[::9] = -1
     for c in (a, b):  # int4 stores into staging: slots planned first, as the runner does
-        if c.stage is not None:
+        if isinstance(c, Int4KV):
             c.stage.plan(slots.cpu().numpy())
     qkv = torch.randn(T, 3 * sh.H, sh.D, device=sh.dev, dtype=sh.dtype) * 3
     reference.store_kvcache(qkv[:, sh.H:2 * sh.H], qkv[:, 2 * sh.H:], a, slots)
@@ -224,9 +222,10 @@ def check_int4_fill_graph(sh: Shapes) -> None:
     B = 64
     lens = (torch.randint(1, 257, (B,)) * 16 - torch.randint(0, 2, (B,)) * 5).tolist()  # half fill a block
     cache, md = make_batch(sh, 4, 16, [1] * B, lens, 0)
-    assert cache.stage is not None
+    if not isinstance(cache, Int4KV):
+        raise TypeError(f"an int4 batch, got {type(cache).__name__}")
     cache.stage.plan(md.slot_mapping.cpu().numpy())  # this step's fill list (the runner's plan)
-    names = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
+    names = cache.block_fields
     before = [getattr(cache, n).clone() for n in names]
     quantize_filled(cache)
     eager = [getattr(cache, n).clone() for n in names]

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from nanokv.kernels.triton_kvtile import kv_meta_args, next_pow2
-from nanokv.kv.cache import LayerKVCache, check_layout
+from nanokv.kv.cache import Int4KV, Int8KV, LayerKV, check_layout
 
 
 @triton.jit
@@ -97,7 +97,7 @@ def _store_kernel(
                 offs_h, h_ok, offs_d, m2, DH, BITS)
 
 
-def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor,
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor,
                   heads_per_program: int = 0) -> None:
     """k, v: [T, H, D] (last dim contiguous); slot_mapping: [T] int64, -1 = skip. heads_per_program:
     KV heads one program stores (0 = by format: 1 for int8, all for 16-bit rows)."""
@@ -109,12 +109,12 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
     ks, vs, kz, vz = kv_meta_args(cache)
     bits = cache.bits if cache.quantized else 16
     kc, vc, stage_of = cache.k, cache.v, slot_mapping  # (stage_of: unused unless staged)
-    if cache.stage is not None:
+    staged = False
+    if isinstance(cache, Int4KV):
         # int4: rows go to their block's full-precision staging slot, laid out like a 16-bit cache
         # ([S, H, bs, D], slot = stage slot * bs + offset, looked up in the kernel: as torch ops it was
         # five small kernels per layer and step); nanokv.kv.blockquant quantizes full blocks
-        assert cache.k_stage is not None and cache.v_stage is not None
-        kc, vc, bits, stage_of = cache.k_stage, cache.v_stage, 16, cache.stage.stage_of
+        kc, vc, bits, stage_of, staged = cache.k_stage, cache.v_stage, 16, cache.stage.stage_of, True
     hb = heads_per_program or (1 if bits == 8 else H)
     block_h = next_pow2(min(hb, H))
     _store_kernel[(T, triton.cdiv(H, block_h))](
@@ -122,7 +122,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_ma
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(2), vc.stride(3),
         ks.stride(0) if bits < 16 else 0, ks.stride(1) if bits < 16 else 0,
-        H, DH=D // 2, BS=cache.block_size, BITS=bits, STAGED=cache.stage is not None,
+        H, DH=D // 2, BS=cache.block_size, BITS=bits, STAGED=staged,
         BLOCK_H=block_h, BLOCK_DH=max(16, next_pow2(D // 2)), num_warps=1 if block_h == 1 else 4,
     )
 
@@ -148,10 +148,9 @@ def _readback_kernel(slot_ptr, c_ptr, s_ptr, o_ptr, stride_cn, stride_ch, stride
                  o.to(o_ptr.dtype.element_ty), mask=m2)
 
 
-def read_back_int8(cache: LayerKVCache, slot_mapping: torch.Tensor, dtype: torch.dtype
+def read_back_int8(cache: Int8KV, slot_mapping: torch.Tensor, dtype: torch.dtype
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 K and V rows stored at slot_mapping [T], dequantized: [T, H, D] each in dtype."""
-    assert cache.bits == 8 and cache.k_scale is not None and cache.v_scale is not None
     T, H, D = int(slot_mapping.shape[0]), cache.num_kv_heads, int(cache.k.shape[-1])
     outs = []
     for c, s in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanokv.kv.cache import LayerKVCache, allocate_layer_cache
+from nanokv.compute_service.kv_hooks import LayerHooks
+from nanokv.kv.cache import LayerKV, allocate_layer_cache
 from nanokv.kv.metadata import AttentionMetadata, forward_context
 
 
@@ -25,8 +26,8 @@ class SeqStep:
 
 def make_caches(model_config, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
                 device: str = "cpu", bits: int | list[int] = 16, tp_size: int = 1,
-                tp_rank: int = 0) -> list[LayerKVCache]:
-    """One LayerKVCache per layer (bits: one width for all layers or a per-layer list)."""
+                tp_rank: int = 0) -> list[LayerKV]:
+    """One KV object per layer (bits: one width for all layers or a per-layer list)."""
     _, kv_heads = model_config.heads_per_rank(tp_size, tp_rank)
     n = model_config.num_hidden_layers
     plan = [bits] * n if isinstance(bits, int) else list(bits)
@@ -80,6 +81,7 @@ class PagedRunner:
         dtype = next(model.parameters()).dtype
         self.caches = make_caches(model.config, num_blocks, block_size, dtype, device, bits,
                                   tp_size=getattr(model, "tp_size", 1), tp_rank=getattr(model, "tp_rank", 0))
+        self.hooks = [LayerHooks() for _ in self.caches]  # (none attached: a test may)
         self.blocks = scrambled_blocks(num_blocks, num_blocks, seed)
 
     @torch.inference_mode()
@@ -91,7 +93,7 @@ class PagedRunner:
         md = build_metadata([seq], self.block_size, self.device)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         pos = torch.arange(num_cached, num_cached + n, dtype=torch.int64, device=self.device)
-        with forward_context(md, self.caches):
+        with forward_context(md, self.caches, hooks=self.hooks):
             hidden = self.model(ids, pos)
         return self.model.compute_logits(hidden)
 

@@ -23,7 +23,7 @@ from nanokv.gateway.llm import LLM
 from nanokv.gateway.metrics import EngineMetrics
 from nanokv.kernels import reference
 from nanokv.kv.blockquant import quantize_filled
-from nanokv.kv.cache import allocate_layer_cache
+from nanokv.kv.cache import FullKV, allocate_layer_cache
 from nanokv.kv.rotation import rotation_matrix
 from nanokv.sampling import SamplingParams
 
@@ -123,10 +123,9 @@ def test_reformat_widening_keeps_values_narrowing_requantizes():
     k, v = torch.randn(N * bs, H, D), torch.randn(N * bs, H, D)
     slots, ids = torch.arange(N * bs), torch.arange(N)
     c8 = allocate_layer_cache(8, N, H, bs, D, torch.float32, "cpu", rotate=True)
-    c8.probe = probe = object()
     reference.store_kvcache(k, v, c8, slots)
     c16 = reformat_layer(c8, 16, torch.float32)
-    assert c16.bits == 16 and c16.rotate and c16.probe is probe  # the format's flags travel along
+    assert isinstance(c16, FullKV) and c16.rotate  # the key rotation travels along: keys stay in that basis
     for a, b in zip(reference.gather_kv(c16, ids, torch.float32), reference.gather_kv(c8, ids, torch.float32)):
         assert torch.equal(a, b)  # int8 x fp16 scale is exact in float32
     back = reformat_layer(c16, 8, torch.float32)
@@ -180,6 +179,7 @@ def test_widening_on_cuda_leaves_the_margin_free(monkeypatch):
     still free, as for a pool grow; without the margin the same free memory would let it through."""
     from types import SimpleNamespace
 
+    from nanokv.compute_service.kv_hooks import LayerHooks
     from nanokv.compute_service.runner.kv_reformat import CHUNK_BLOCKS
     from nanokv.kv.cache import bytes_per_block
 
@@ -187,8 +187,8 @@ def test_widening_on_cuda_leaves_the_margin_free(monkeypatch):
     caches = [SimpleNamespace(bits=4, k=SimpleNamespace(device=cuda), num_blocks=64, num_kv_heads=2,
                               block_size=16) for _ in range(2)]
     applied: list[dict[int, int]] = []
-    runner = SimpleNamespace(kv_caches=caches, head_dim=64, dtype=torch.bfloat16, in_segment={0, 1},
-                             reformat_kv=lambda ok: applied.append(dict(ok)))
+    runner = SimpleNamespace(kv_caches=caches, layer_hooks=[LayerHooks() for _ in caches], head_dim=64,
+                             dtype=torch.bfloat16, in_segment={0, 1}, reformat_kv=lambda ok: applied.append(dict(ok)))
     need = 64 * bytes_per_block(8, 2, 16, 64, torch.bfloat16) + 4 * 2 * CHUNK_BLOCKS * 2 * 16 * 64
     margin = 1 << 30
     free = [need + margin]

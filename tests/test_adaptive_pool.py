@@ -147,14 +147,16 @@ def test_resize_keeps_quantized_blocks_and_scales():
     g = torch.Generator().manual_seed(0)
     for bits in (4, 8):
         c = allocate_layer_cache(bits, 6, 2, 8, 16, torch.float32, "cpu")
-        for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero"):
+        for name in c.block_fields:  # codes, scales and zero points: every per-block tensor
             t = getattr(c, name)
-            if t is not None:
-                t.copy_(torch.randint(0, 100, t.shape, generator=g).to(t.dtype))
-        before = {n: getattr(c, n).clone() for n in ("k", "v", "k_scale", "v_scale") if getattr(c, n) is not None}
-        resize_layer_cache(c, 10)
-        assert c.num_blocks == 10 and c.k_scale is not None and c.k_scale.shape[0] == 10
-        resize_layer_cache(c, 4)
+            t.copy_(torch.randint(0, 100, t.shape, generator=g).to(t.dtype))
+        before = {n: getattr(c, n).clone() for n in c.block_fields}
+        grown = resize_layer_cache(c, 10)
+        assert type(grown) is type(c) and grown.num_blocks == 10
+        assert all(getattr(grown, n).shape[0] == 10 for n in c.block_fields)
+        for n, t in before.items():  # blocks [0, 6) kept, [6, 10) zero
+            assert torch.equal(getattr(grown, n)[:6], t) and not getattr(grown, n)[6:].any(), (bits, n)
+        c = resize_layer_cache(grown, 4)
         for n, t in before.items():
             assert torch.equal(getattr(c, n), t[:4]), (bits, n)
         # int8 and int4 values stay dims-major ([N, H, D, bs] memory), as the kernels read them

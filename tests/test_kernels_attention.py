@@ -20,7 +20,7 @@ from nanokv.kernels.triton_backend import TritonBackend, choose_splits  # noqa: 
 from nanokv.kernels.triton_config import TritonConfig  # noqa: E402
 from nanokv.kernels.triton_decode_swap import runs_transposed  # noqa: E402
 from nanokv.kv.blockquant import quantize_filled  # noqa: E402
-from nanokv.kv.cache import LayerKVCache, allocate_layer_cache  # noqa: E402
+from nanokv.kv.cache import Int4KV, LayerKV, allocate_layer_cache  # noqa: E402
 from nanokv.kv.metadata import AttentionMetadata  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,7 +30,7 @@ FORMATS = [(16, torch.float32), (16, torch.float16), (8, torch.float16), (4, tor
 
 def build_batch(bits: int, dtype: torch.dtype, bs: int, H: int, G: int, D: int,
                 prefills: list[tuple[int, int]], decodes: list[int], holes: bool, seed: int = 0,
-                ) -> tuple[LayerKVCache, AttentionMetadata, torch.Tensor]:
+                ) -> tuple[LayerKV, AttentionMetadata, torch.Tensor]:
     """prefills: (cached tokens, new tokens) each; decodes: context lengths (incl. the new token).
     Blocks are scattered at random; with holes, one block wholly before the first query position
     of each sequence becomes a -1 entry (the reference masks it the same way)."""
@@ -71,10 +71,10 @@ def build_batch(bits: int, dtype: torch.dtype, bs: int, H: int, G: int, D: int,
     return cache, md, q
 
 
-def fill(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, last: bool = False) -> None:
+def fill(cache: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, last: bool = False) -> None:
     """Store K/V [L, H, D] as the runner would have. int4: an earlier step (last=False) quantizes
     the blocks it filled and frees their staging; this step's tokens (last=True) stay staged."""
-    if cache.stage is None:
+    if not isinstance(cache, Int4KV):
         reference.store_kvcache(k, v, cache, slots)
         return
     cache.stage.plan(slots.cpu().numpy())
@@ -84,17 +84,17 @@ def fill(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Ten
         cache.stage.finish()
 
 
-def step_kv(cache: LayerKVCache, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def step_kv(cache: LayerKV, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """This step's K/V as stored, [T, H, D] each, read back by slot (cache layout [N, H, bs, D])."""
     slots, bs = md.slot_mapping.long(), cache.block_size
-    if cache.stage is not None:  # int4: the step's blocks are open, read from staging
+    if isinstance(cache, Int4KV):  # int4: the step's blocks are open, read from staging
         st = cache.stage.stage_of[slots // bs].long()
-        assert cache.k_stage is not None and cache.v_stage is not None and bool((st >= 0).all())
+        assert bool((st >= 0).all())
         return cache.k_stage[st, :, slots % bs], cache.v_stage[st, :, slots % bs]
     return cache.k[slots // bs, :, slots % bs], cache.v[slots // bs, :, slots % bs]
 
 
-def check(cache: LayerKVCache, md: AttentionMetadata, q: torch.Tensor, cfg: TritonConfig,
+def check(cache: LayerKV, md: AttentionMetadata, q: torch.Tensor, cfg: TritonConfig,
           with_kv: bool = False) -> float:
     D = q.shape[-1]
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
@@ -108,7 +108,7 @@ def check(cache: LayerKVCache, md: AttentionMetadata, q: torch.Tensor, cfg: Trit
     return err
 
 
-def check_twice_merged(cache: LayerKVCache, md: AttentionMetadata, q: torch.Tensor, cfg: TritonConfig) -> None:
+def check_twice_merged(cache: LayerKV, md: AttentionMetadata, q: torch.Tensor, cfg: TritonConfig) -> None:
     """check() twice: a kernel that merges its splits in place (merge_if_last) must leave its arrival
     counters at zero for the next launch."""
     for _ in range(2):
@@ -216,7 +216,7 @@ def test_int4_decode_staged_before_newest_block(kernel: str, bs: int) -> None:
     (here: a full block re-staged with new contents) must still be read from staging, by each int4
     decode kernel (folded, generic, transposed)."""
     cache, md, q = build_batch(4, torch.float16, bs, 2, 2, 32, [], [70, 100], holes=False, seed=bs)
-    assert cache.stage is not None
+    assert isinstance(cache, Int4KV)
     blk = int(md.block_tables[1, 2])  # a full block of sequence 1, before its newest
     rows = blk * bs + torch.arange(bs)
     cache.stage.plan(rows.numpy())

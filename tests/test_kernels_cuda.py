@@ -75,7 +75,6 @@ def test_cuda_int4_staged_before_newest_block(bs: int) -> None:
     """A block staged before a sequence's newest (tests stage at will; decode steps do not) is read
     from staging for the whole split, as in the Triton kernels."""
     cache, md, q = build_batch(4, torch.float16, bs, 2, 2, 128, [], [70, 100], holes=False, seed=5)
-    assert cache.stage is not None
     blk = int(md.block_tables[1, 2])
     rows = blk * bs + torch.arange(bs)
     cache.stage.plan(rows.numpy())
@@ -100,13 +99,13 @@ def test_cuda_int4_decode_fills_completed_blocks(dtype: torch.dtype, bs: int, sp
     from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe
     lens = [bs, 2 * bs, 3 * bs + 1, 5 * bs, 7, 9 * bs]  # four complete their newest block
     cache, md, q = build_batch(4, dtype, bs, 8, 2, 128, [], lens, holes=True, seed=bs + splits)
-    pool = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
+    pool = cache.block_fields
     want = replace(cache, **{n: getattr(cache, n).clone() for n in pool})
     quantize_filled_graphsafe(want, md.slot_mapping)
     before = {n: getattr(cache, n).clone() for n in pool}
-    assert supported(q, q, cache) and not cache.filled_in_step
+    assert supported(q, q, cache) and not md.fills_quantized
     check(cache, md, q, cuda_cfg(splits))  # the attention is still right
-    assert cache.filled_in_step
+    assert md.fills_quantized  # (after_attention then skips its own fill launch)
     for n in pool:
         assert torch.equal(getattr(cache, n), getattr(want, n)), n
         assert not torch.equal(getattr(cache, n), before[n]), n  # (there was something to fill)

@@ -42,10 +42,8 @@ def test_store_matches_reference(bits: int, dtype: torch.dtype, bs: int, heads: 
     k, v = qkv[:, H:2 * H], qkv[:, 2 * H:]
     reference.store_kvcache(k.to(DEV), v.to(DEV), want, slots.to(DEV))
     store_kvcache(k.to(DEV), v.to(DEV), got, slots.to(DEV), heads_per_program=heads)
-    for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero", "k_stage", "v_stage"):
-        a, b = getattr(want, name), getattr(got, name)
-        if a is None:
-            continue
+    for name, a in want.tensors().items():  # codes, scales, zero points, staging
+        b = got.tensors()[name]
         if bits == 4 and name in ("k", "v"):
             a, b = _unpack(a), _unpack(b)
         assert torch.equal(a, b), f"{name} differs (max {(a.float() - b.float()).abs().max().item()})"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from nanokv.gateway.llm import LLM
+from nanokv.kv.cache import Int4KV, Int8KV
 from nanokv.kv.monitor import CompressionMonitor
 from nanokv.sampling import SamplingParams
 
@@ -20,8 +21,8 @@ def _llm(**kw) -> LLM:
 def test_per_layer_plan_gives_layers_different_formats():
     llm = _llm(enable_compression=True, quantization_bitwidth={"default": 4, "layers": {"-1": 8}})
     c0, c1 = llm.engine.runner.kv_caches
-    assert (c0.bits, c0.k.dtype, c0.k.shape[-1], c0.k_zero is not None) == (4, torch.uint8, 8, True)
-    assert (c1.bits, c1.k.dtype, c1.k.shape[-1], c1.k_zero is None) == (8, torch.int8, 16, True)
+    assert (type(c0), c0.bits, c0.k.dtype, c0.k.shape[-1]) == (Int4KV, 4, torch.uint8, 8)
+    assert (type(c1), c1.bits, c1.k.dtype, c1.k.shape[-1]) == (Int8KV, 8, torch.int8, 16)
     assert c0.rotate and c1.rotate  # int8 and int4 keys are stored rotated (the default formats)
     out = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
     assert len(out.token_ids) == 8
@@ -50,7 +51,7 @@ def test_monitor_in_the_engine_zero_for_fp_and_positive_for_int4():
     errs = {}
     for name, kw in (("fp", {}), ("int4", {"enable_compression": True, "quantization_bitwidth": 4})):
         llm = _llm(**kw)
-        mon = CompressionMonitor(every=1).attach(llm.engine.runner.kv_caches)
+        mon = CompressionMonitor(every=1).attach(llm.engine.runner.layer_hooks)
         llm.generate([PROMPT], GREEDY, use_tqdm=False)
         errs[name] = mon.snapshot()
     assert set(errs["fp"]) == {0, 1} and max(errs["fp"].values()) < 1e-6
@@ -72,7 +73,7 @@ def test_value_rotation_folded_into_the_weights_gives_the_same_run(monkeypatch):
         llm = _llm(enable_compression=True, quantization_bitwidth=plan, device="cpu", dtype="float32")
         caches = llm.engine.runner.kv_caches
         attn = [layer.self_attn for layer in llm.engine.model.model.layers]
-        assert [c.rotate_v_in_weights for c in caches] == [flag == "", False]
+        assert [h.rotate_v_in_weights for h in llm.engine.runner.layer_hooks] == [flag == "", False]
         assert [a.v_rotation_folded for a in attn] == [flag == "", False]
         out = llm.generate([PROMPT, PROMPT[:30]], GREEDY, use_tqdm=False)
         runs[flag] = ([o.token_ids for o in out], [c.v_scale.clone() for c in caches],

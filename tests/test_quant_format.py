@@ -77,7 +77,7 @@ def test_bytes_per_block_counts_codes_and_scales():
     assert bytes_per_block(4, H, bs, D, torch.bfloat16) == 2 * (n * D // 2) + H * D * 4 + n * 4
     for bits in (16, 8, 4):
         c = allocate_layer_cache(bits, 2, H, bs, D, torch.bfloat16, "cpu")
-        tensors = [t for t in (c.k, c.v, c.k_scale, c.v_scale, c.k_zero, c.v_zero) if t is not None]
+        tensors = [getattr(c, n) for n in c.block_fields]  # codes, scales, zero points (not int4 staging)
         assert sum(t.numel() * t.element_size() for t in tensors) == 2 * bytes_per_block(bits, H, bs, D,
                                                                                          torch.bfloat16)
     bf16 = bytes_per_block(16, H, bs, D, torch.bfloat16)

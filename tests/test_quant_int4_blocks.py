@@ -103,7 +103,6 @@ def test_deferred_stage_map_is_applied_before_reads_between_steps():
     bs, D = 4, 8
     cache = allocate_layer_cache(4, 3, 1, bs, D, torch.float32, "cpu")
     st = cache.stage
-    assert st is not None
     slots = np.arange(bs)  # one step fills block 0
     st.plan(slots, defer=True)
     st.apply(*(torch.from_numpy(a) for a in st.pending()))  # as build_metadata does

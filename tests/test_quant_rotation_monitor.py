@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
+from helpers_model import SeqStep, build_metadata
 
 from nanokv.compute_service import kv_hooks as hooks
 from nanokv.kernels import reference
-from nanokv.kv.blockquant import quantize_filled
-from nanokv.kv.cache import allocate_layer_cache
+from nanokv.kv.cache import Int4KV, allocate_layer_cache
 from nanokv.kv.monitor import CompressionMonitor, relative_error, roundtrip
 from nanokv.kv.rotation import hadamard, joint_view, maybe_rotate, rotation_matrix
 
@@ -53,16 +53,24 @@ def test_rotation_shrinks_int4_error_of_outlier_keys():
     assert rotated < 0.6 * plain
 
 
-def _store(monitor: CompressionMonitor, layer: int, cache, k, v, q=None):
-    """One step of len(k) tokens into blocks 0, 1, ...; int4 (sampled by the monitor as its blocks
-    are quantized, when they fill) stores and quantizes them as the runner does."""
+def _attached(monitor: CompressionMonitor, caches: list) -> list[hooks.LayerHooks]:
+    """Each layer's hooks, the monitor attached to them (the runner keeps such a list)."""
+    layer_hooks = [hooks.LayerHooks() for _ in caches]
+    monitor.attach(layer_hooks)
+    return layer_hooks
+
+
+def _store(hook: hooks.LayerHooks, layer: int, cache, k, v, q=None):
+    """One step of len(k) tokens into blocks 0, 1, ... through the layer's hooks; int4 (sampled by the
+    monitor as its blocks are quantized, when they fill, after attention) stores and quantizes them as
+    the runner does."""
     q = k.repeat(1, 3, 1) if q is None else q
-    q, k, v = hooks.before_store(layer, cache, None, q, k, v)
-    if cache.stage is not None:
-        slots = torch.arange(k.shape[0])
-        cache.stage.plan(slots.numpy())
-        reference.store_kvcache(k, v, cache, slots)
-        quantize_filled(cache, layer)
+    md = build_metadata([SeqStep(0, k.shape[0], list(range(cache.num_blocks)))], cache.block_size)
+    q, k, v = hooks.before_store(layer, cache, hook, md, q, k, v)
+    if isinstance(cache, Int4KV):
+        cache.stage.plan(md.slot_mapping.numpy())
+        reference.store_kvcache(k, v, cache, md.slot_mapping)
+        hooks.after_attention(layer, cache, hook, md, torch.zeros_like(q))
         cache.stage.finish()
     return q, k, v
 
@@ -72,9 +80,9 @@ def test_monitor_reports_zero_for_full_precision_and_error_for_int4():
     k, v = torch.randn(64, 3, 64, generator=g), torch.randn(64, 3, 64, generator=g)
     mon = CompressionMonitor(every=1)
     caches = [allocate_layer_cache(b, 4, 3, 16, 64, torch.float32, "cpu") for b in (16, 8, 4)]
-    mon.attach(caches)
+    layer_hooks = _attached(mon, caches)
     for layer, c in enumerate(caches):
-        _store(mon, layer, c, k, v)
+        _store(layer_hooks[layer], layer, c, k, v)
     snap = mon.snapshot()
     assert snap[0] == 0.0
     assert 0.0 < snap[1] < 0.02 < snap[2] < 0.2
@@ -84,11 +92,11 @@ def test_monitor_reports_zero_for_full_precision_and_error_for_int4():
 def test_monitor_samples_every_nth_call_only():
     mon = CompressionMonitor(every=3, rows=4)
     c = allocate_layer_cache(8, 4, 3, 16, 64, torch.float32, "cpu")
-    mon.attach([c])
+    hook, = _attached(mon, [c])
     calls = []
     mon.record = lambda *a, **kw: calls.append(a[0])  # type: ignore[method-assign]
     for _ in range(7):
-        _store(mon, 0, c, torch.randn(8, 3, 64), torch.randn(8, 3, 64))
+        _store(hook, 0, c, torch.randn(8, 3, 64), torch.randn(8, 3, 64))
     assert len(calls) == 3  # calls 0, 3, 6
 
 
@@ -99,14 +107,15 @@ def test_monitor_staggers_its_samples_across_layers():
     L, every, steps = 6, 4, 13
     mon = CompressionMonitor(every=every, rows=4)
     caches = [allocate_layer_cache(8, 4, 3, 16, 64, torch.float32, "cpu") for _ in range(L)]
-    mon.attach(caches)
+    layer_hooks = _attached(mon, caches)
     calls: list[tuple[int, int]] = []  # (step, layer) of each sample
     step = [0]
     mon.record = lambda layer, *a, **kw: calls.append((step[0], layer))  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(4)
     for step[0] in range(steps):
         for layer, c in enumerate(caches):
-            _store(mon, layer, c, torch.randn(16, 3, 64, generator=g), torch.randn(16, 3, 64, generator=g))
+            _store(layer_hooks[layer], layer, c, torch.randn(16, 3, 64, generator=g),
+                   torch.randn(16, 3, 64, generator=g))
     per_step = [sum(1 for s, _ in calls if s == t) for t in range(steps)]
     assert per_step[0] == L  # every layer's first call
     assert max(per_step[1:]) <= -(-L // every) and min(per_step[1:]) >= 1
@@ -134,12 +143,12 @@ def test_outlier_hook_raises_error_of_that_layer_and_rotation_absorbs_it():
         # over a block, which an outlier channel barely disturbs: there is nothing to absorb.)
         caches = [allocate_layer_cache(8, 4, 3, 16, 64, torch.float32, "cpu", rotate=rotate)
                   for _ in range(2)]
-        mon.attach(caches)
+        layer_hooks = _attached(mon, caches)
         if outliers:
             hooks.set_key_outliers(1, factor=30.0, channels=(0, 1))
         try:
             for layer, c in enumerate(caches):
-                q2, k2, _ = _store(mon, layer, c, k, v, q)
+                q2, k2, _ = _store(layer_hooks[layer], layer, c, k, v, q)
                 s = torch.einsum("thd,shd->tsh", q2[:, :3], k2)
                 assert torch.allclose(s, torch.einsum("thd,shd->tsh", q[:, :3], k), atol=1e-3)
         finally:

@@ -93,11 +93,12 @@ def test_repool_to_int4_rotates_values_in_the_hooks(prompts, monkeypatch):
     layers = len(eng.model_info.layer_bits)
     eng.repool(layer_bits=[4] * layers)
     assert eng.model_info.layer_bits == [4] * layers
-    assert all(c.rotate_v and not c.rotate_v_in_weights for c in eng.runner.kv_caches)
+    assert all(c.rotate_v for c in eng.runner.kv_caches)
+    assert not any(h.rotate_v_in_weights for h in eng.runner.layer_hooks)
     got = _run(eng, prompts[:2])
     monkeypatch.setattr(ModelRunner, "fold_value_rotations", lambda self: None)
     ref = LLM(**POOL, enable_compression=True, quantization_bitwidth=4, batch_invariant=False).engine
-    assert not any(c.rotate_v_in_weights for c in ref.runner.kv_caches)
+    assert not any(h.rotate_v_in_weights for h in ref.runner.layer_hooks)
     assert got == _run(ref, prompts[:2])
 
 

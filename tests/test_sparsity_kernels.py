@@ -18,14 +18,14 @@ from nanokv.errors import NanoKVError  # noqa: E402
 from nanokv.kernels import reference  # noqa: E402
 from nanokv.kv import demote, quant  # noqa: E402
 from nanokv.kv.blockquant import quantize_filled  # noqa: E402
-from nanokv.kv.cache import LayerKVCache, allocate_layer_cache, bytes_per_block  # noqa: E402
+from nanokv.kv.cache import Int4KV, LayerKV, allocate_layer_cache, bytes_per_block  # noqa: E402
 from nanokv.kv.metadata import AttentionMetadata  # noqa: E402
 
 BS, H, G, D = 8, 2, 2, 32
 
 
 def _batch(bits: int, specs: list[tuple[int, int]], holes: list[list[int]], num_prefills: int, seed: int = 0,
-           ) -> tuple[LayerKVCache, AttentionMetadata, torch.Tensor, list[torch.Tensor]]:
+           ) -> tuple[LayerKV, AttentionMetadata, torch.Tensor, list[torch.Tensor]]:
     """specs: (cached, new) per sequence; holes: logical blocks dropped per sequence. Returns the cache,
     metadata, q [T, H*G, D] and each sequence's true K/V [2, L, H, D] as stored (dequantized)."""
     g = torch.Generator().manual_seed(seed)
@@ -39,7 +39,7 @@ def _batch(bits: int, specs: list[tuple[int, int]], holes: list[list[int]], num_
         pos = torch.arange(c + n)
         slots = torch.tensor(ids)[pos // BS] * BS + pos % BS
         kv = torch.randn(2, c + n, H, D, generator=g)
-        if cache.stage is not None:  # int4 as the runner stores: the blocks earlier steps filled are
+        if isinstance(cache, Int4KV):  # int4 as the runner stores: the blocks earlier steps filled are
             # quantized, this step's stay staged until after its attention (what the kernels rely on)
             for earlier, part in ((True, slice(0, c)), (False, slice(c, c + n))):
                 cache.stage.plan(slots[part].numpy())
@@ -137,7 +137,10 @@ def test_demoted_blocks_read_back_from_the_int4_store():
     before = reference.gather_kv(cache, torch.tensor(ids), torch.float32)
     others = [b for b in table.flatten().tolist() if b >= 0 and b not in ids]
     int8_before = reference.gather_kv(cache, torch.tensor(others), torch.float32)
-    store = demote.DemotionStore([cache], num_slots=4)
+    layers = [cache]  # (the runner's list: the store makes its int8 layer a HybridInt8KV in place)
+    store = demote.DemotionStore(layers, num_slots=4)
+    cache = layers[0]
+    assert isinstance(cache, demote.HybridInt8KV)
     assert store.bytes_per_slot == demote.slot_bytes(H, BS, D) < bytes_per_block(8, H, BS, D, torch.float32)
     slots = store.take(len(ids))
     assert slots == [0, 1, 2] and store.num_free() == 1 and store.take(5) == [3] and store.take(1) == []

@@ -34,7 +34,8 @@ log = logging.getLogger("nanokv.gateway.adaptive")
 class PrecisionActuator:
     def __init__(self, runner: Any, every: int = 2, rows: int = 32, margin_bytes: int = 0,
                  before_change: Callable[[], None] | None = None) -> None:
-        """runner: a ModelRunner or a TPModelRunner (kv_caches, layer_bits, reformat_kv, dtype, head_dim).
+        """runner: a ModelRunner or a TPModelRunner (kv_caches, layer_hooks, layer_bits, reformat_kv, dtype,
+        head_dim).
         margin_bytes: CUDA device memory a widening must leave free.
         before_change: called right before a re-format (the engine lands its step in flight)."""
         self.runner = runner
@@ -44,7 +45,7 @@ class PrecisionActuator:
         widths = probe_widths(self.base_bits)
         self.probe = ErrorProbe(widths, every=every, rows=rows)
         for i in widths:
-            runner.kv_caches[i].probe = self.probe
+            runner.layer_hooks[i].probe = self.probe
 
     def current_bits(self) -> list[int]:
         return [c.bits for c in self.runner.kv_caches]

@@ -6,17 +6,17 @@ from typing import Protocol
 
 import torch
 
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import LayerKV
 from nanokv.kv.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
     name: str
 
-    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
                       slot_mapping: torch.Tensor) -> None: ...
 
-    def paged_attention(self, q: torch.Tensor, cache: LayerKVCache, md: AttentionMetadata, scale: float,
+    def paged_attention(self, q: torch.Tensor, cache: LayerKV, md: AttentionMetadata, scale: float,
                         k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor: ...
 
 

@@ -14,6 +14,8 @@ import logging
 import torch
 
 from nanokv.compute_service.attention.backend import AttentionBackend
+from nanokv.compute_service.kv_hooks import LayerHooks
+from nanokv.kv.cache import LayerKV
 from nanokv.kv.metadata import AttentionMetadata, forward_context
 
 log = logging.getLogger(__name__)
@@ -27,10 +29,12 @@ def bucket_sizes(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_caches: list, backend: AttentionBackend, hidden_size: int,
-                 max_bs: int, max_blocks: int, max_model_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: torch.nn.Module, kv_caches: list[LayerKV], hooks: list[LayerHooks],
+                 backend: AttentionBackend, hidden_size: int, max_bs: int, max_blocks: int, max_model_len: int,
+                 dtype: torch.dtype, device: torch.device):
         self.model = model
         self.kv_caches = kv_caches
+        self.hooks = hooks
         self.backend = backend  # the kernels a graph captures are this backend's
         self.sizes = bucket_sizes(max_bs)
         self.max_bs = max_bs
@@ -60,13 +64,13 @@ class DecodeGraphs:
     def capture(self) -> None:
         pool = None
         for b in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            with forward_context(self._metadata(b), self.kv_caches, self.backend):
+            with forward_context(self._metadata(b), self.kv_caches, self.backend, hooks=self.hooks):
                 self.hidden[:b] = self.model(self.input_ids[:b], self.positions[:b])  # warm-up
             torch.cuda.synchronize(self.device)
             g = torch.cuda.CUDAGraph()
             # fresh metadata: what a step computes once and keeps in md.extras (the decode order) must
             # be computed inside the graph, not taken from the warm-up
-            with forward_context(self._metadata(b), self.kv_caches, self.backend):
+            with forward_context(self._metadata(b), self.kv_caches, self.backend, hooks=self.hooks):
                 with torch.cuda.graph(g, pool=pool):
                     self.hidden[:b] = self.model(self.input_ids[:b], self.positions[:b])
             pool = g.pool()

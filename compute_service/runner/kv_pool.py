@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 from nanokv.compute_service.attention.backend import AttentionBackend
+from nanokv.compute_service.kv_hooks import LayerHooks
 from nanokv.compute_service.runner.cuda_graph import DecodeGraphs
 from nanokv.compute_service.runner.kv_reformat import reformat_layer
 from nanokv.compute_service.runner.kv_resize import resize_layer_cache
 from nanokv.config import DEFAULT_CPU_KV_BYTES, ComputeConfig, ConfigError
-from nanokv.kv.cache import LayerKVCache, bytes_per_block
+from nanokv.kv.cache import Int4KV, LayerKV, bytes_per_block
 from nanokv.kv.rotation import rotation_matrix
 from nanokv.kv.segment import carve_layer_caches, map_handle, pool_nbytes
 from nanokv.kv.staging import StageTable, staging_slots
@@ -69,7 +70,8 @@ class KVPool:
     stage: StageTable | None
     pool_handle: PoolHandle | None
     pool_layout: PoolLayout
-    kv_caches: list[LayerKVCache]
+    kv_caches: list[LayerKV]
+    layer_hooks: list[LayerHooks]  # one per layer, for the runner's life (kv_caches' entries are replaced)
     graphs: DecodeGraphs | None
     _graph_model_len: int
     # layers whose tensors are still views of the attached segment, and that segment's epoch (None: no
@@ -96,7 +98,7 @@ class KVPool:
 
     def remap_pool(self, attach_pool: Callable[[PoolLayout], PoolHandle], stage: StageTable | None = None) -> None:
         """Attach again (a restarted cache service) and carve the layers from the new segment. The
-        model's weights already carry folded value rotations: the new caches are told so.
+        model's weights already carry folded value rotations: the layers' hooks, which stay, say so.
         stage: the staging table to use as is (a repool made it for its new layout)."""
         self.release_pool()
         handle = attach_pool(self.pool_layout)
@@ -108,10 +110,6 @@ class KVPool:
             self.stage.block_free = old.block_free
         self.kv_caches = carve_layer_caches(self.pool_layout, map_handle(handle), self.stage)
         self.in_segment, self.segment_epoch = set(range(len(self.kv_caches))), handle.epoch
-        folded: set[int] = getattr(self, "_folded_layers", set())
-        for i, cache in enumerate(self.kv_caches):
-            if i in folded:
-                cache.rotate_v_in_weights = True
         self.pool_handle = handle
         if self._graph_model_len:
             self.capture_cudagraphs(self._graph_model_len)
@@ -165,10 +163,9 @@ class KVPool:
         if fold is None:
             return
         for i, cache in enumerate(self.kv_caches):
-            if cache.rotate_v:
+            if cache.rotate_v and not self.layer_hooks[i].rotate_v_in_weights:
                 fold(i, rotation_matrix(self.head_dim, torch.float32, self.device))
-                cache.rotate_v_in_weights = True
-                self._folded_layers = getattr(self, "_folded_layers", set()) | {i}
+                self.layer_hooks[i].rotate_v_in_weights = True
 
     def capture_cudagraphs(self, max_model_len: int) -> None:
         """Capture decode graphs (CUDA only, unless enforce_eager)."""
@@ -183,8 +180,8 @@ class KVPool:
             return
         max_bs = min(self.cfg.max_num_seqs, 512)
         max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.mc.hidden_size, max_bs,
-                                   max_blocks, max_model_len, self.dtype, self.device)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.layer_hooks, self.backend, self.mc.hidden_size,
+                                   max_bs, max_blocks, max_model_len, self.dtype, self.device)
         self.graphs.capture()
 
     def resize_kv(self, num_blocks: int) -> None:
@@ -198,11 +195,12 @@ class KVPool:
             return
         self.graphs = None
         shrink = num_blocks < self.num_blocks
-        for cache in self.kv_caches:
+        for i, cache in enumerate(self.kv_caches):  # (entries replaced in place: graphs and stores read the list)
             if cache.num_blocks != num_blocks:
-                resize_layer_cache(cache, num_blocks)
-            if cache.k_stage is not None and cache.v_stage is not None:  # int4 staging: out of the segment too
-                cache.k_stage, cache.v_stage = cache.k_stage.clone(), cache.v_stage.clone()
+                cache = self.kv_caches[i] = resize_layer_cache(cache, num_blocks)
+            if isinstance(cache, Int4KV):  # int4 staging: out of the segment too
+                self.kv_caches[i] = dataclasses.replace(cache, k_stage=cache.k_stage.clone(),
+                                                        v_stage=cache.v_stage.clone())
         if self.stage is not None:
             self.stage.resize(num_blocks)
         self.num_blocks = num_blocks
@@ -223,7 +221,8 @@ class KVPool:
             return
         self.graphs = None
         for layer, bits in changes.items():
-            self.kv_caches[layer] = reformat_layer(self.kv_caches[layer], bits, self.dtype, stage=self.stage)
+            self.kv_caches[layer] = reformat_layer(self.kv_caches[layer], bits, self.dtype, stage=self.stage,
+                                                   values_in_weights=self.layer_hooks[layer].rotate_v_in_weights)
             self.layer_bits[layer] = bits
         self._moved_out(changes)
         if self._graph_model_len:

@@ -16,12 +16,13 @@ import torch
 
 from nanokv.compute_service.attention.backend import make_backend
 from nanokv.compute_service.distributed import broadcast_from_rank0
+from nanokv.compute_service.kv_hooks import LayerHooks
 from nanokv.compute_service.model.layers.fusion import set_fusion
 from nanokv.compute_service.runner.cuda_graph import DecodeGraphs
 from nanokv.compute_service.runner.h2d import PinnedUploader
 from nanokv.compute_service.runner.kv_pool import KVPool
 from nanokv.config import ComputeConfig, ConfigError
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import LayerKV
 from nanokv.kv.metadata import AttentionMetadata, forward_context
 from nanokv.kv.segment import carve_layer_caches, map_handle, pool_nbytes
 from nanokv.kv.staging import StageTable
@@ -95,8 +96,11 @@ class ModelRunner(KVPool):
         else:
             self.pool_handle = attach_pool(self.pool_layout)
         # every layer's K/V (codes, scales, int4 staging): views of the one segment the cache service owns
-        self.kv_caches: list[LayerKVCache] = carve_layer_caches(self.pool_layout, map_handle(self.pool_handle),
-                                                                self.stage)
+        self.kv_caches: list[LayerKV] = carve_layer_caches(self.pool_layout, map_handle(self.pool_handle),
+                                                           self.stage)
+        # each layer's run-time hooks (monitor, error probe, folded value rotation): they outlive the
+        # KV objects above, which a resize, re-format or re-attach replaces
+        self.layer_hooks = [LayerHooks() for _ in range(self.num_layers)]
         self.in_segment, self.segment_epoch = set(range(self.num_layers)), self.pool_handle.epoch
         self.free_segment = free_segment
         self.graphs: DecodeGraphs | None = None
@@ -215,7 +219,7 @@ class ModelRunner(KVPool):
                 self.stage.finish(defer=True)  # (the device map changes with the next step's copy)
 
     def _run(self, ids, pos, md, rows, all_logits) -> torch.Tensor | None:
-        with forward_context(md, self.kv_caches, self.backend, self.batch_invariant):
+        with forward_context(md, self.kv_caches, self.backend, self.batch_invariant, self.layer_hooks):
             if self.graphs is not None and not all_logits and self.graphs.can_run(md):
                 hidden = self.graphs.run(ids, pos, md)
             else:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from nanokv.kernels.reference import gather_kv
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import LayerKV
 
 
 class AttentionProbe:
@@ -36,7 +36,7 @@ class AttentionProbe:
         return self
 
     @torch.no_grad()
-    def record(self, layer: int, cache: LayerKVCache, md, q: torch.Tensor, k: torch.Tensor) -> None:
+    def record(self, layer: int, cache: LayerKV, md, q: torch.Tensor, k: torch.Tensor) -> None:
         """q [T, Hq, D], k [T, Hk, D]: this step's queries and new keys as attention will use them."""
         bs = cache.block_size
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
@@ -46,7 +46,7 @@ class AttentionProbe:
             acc = self._acc[i]
             self._acc[i] = mass if acc is None else acc + mass
 
-    def _sequence_mass(self, cache: LayerKVCache, table: torch.Tensor, q: torch.Tensor, k_new: torch.Tensor,
+    def _sequence_mass(self, cache: LayerKV, table: torch.Tensor, q: torch.Tensor, k_new: torch.Tensor,
                        L: int, bs: int) -> torch.Tensor:
         """One sequence, one layer -> [n, nb] mass of each block for each of its n queries."""
         n, Hq, D = q.shape

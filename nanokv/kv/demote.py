@@ -9,7 +9,7 @@ So the bytes a sequence holds for a demoted block really are INT4-sized, and the
 other sequences. The slot comes back when the sequence drops the entry, finishes, is aborted or is
 preempted (the manager calls `release_code`, see KVCacheManager.set_external_release).
 
-Layout, per layer (LayerKVCache.demoted), M slots in nanokv.kv.quant's per-row int4 format:
+Layout, per layer (HybridInt8KV.demoted), M slots in nanokv.kv.quant's per-row int4 format:
     k, v                               uint8   [M, H, bs, D/2]  dim d low nibble, d + D/2 high nibble
     k_scale, k_zero, v_scale, v_zero   float16 [M, H, bs]       one asymmetric range per (token, head) row
 A slot number means the same in every layer: one pure-Python free list serves all layers. The codes
@@ -28,13 +28,13 @@ the pool when every layer has somewhere to put it). Only the torch reference rea
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from nanokv.errors import ConfigError, NanoKVError
 from nanokv.kv import quant
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import Int8KV, LayerKV
 
 
 def code(slot: int) -> int:
@@ -52,7 +52,7 @@ def slot_bytes(num_kv_heads: int, block_size: int, head_dim: int) -> int:
     return 2 * num_kv_heads * block_size * (head_dim // 2 + 4)
 
 
-@dataclass
+@dataclass(eq=False)
 class DemotedBlocks:
     """One int8 layer's part of the store (shapes in the module docstring)."""
 
@@ -64,16 +64,15 @@ class DemotedBlocks:
     v_zero: torch.Tensor
 
     @classmethod
-    def zeros(cls, slots: int, cache: LayerKVCache) -> DemotedBlocks:
+    def zeros(cls, slots: int, cache: Int8KV) -> DemotedBlocks:
         _, H, bs, D = cache.k.shape
         dev = cache.k.device
         codes = [torch.zeros(slots, H, bs, D // 2, dtype=torch.uint8, device=dev) for _ in range(2)]
         meta = [torch.zeros(slots, H, bs, dtype=torch.float16, device=dev) for _ in range(4)]
         return cls(*codes, *meta)
 
-    def write(self, cache: LayerKVCache, block_ids: torch.Tensor, slots: torch.Tensor) -> None:
+    def write(self, cache: Int8KV, block_ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Int8 blocks `block_ids` [n] of `cache`, re-quantized to int4, into `slots` [n]."""
-        assert cache.k_scale is not None and cache.v_scale is not None
         for src, src_scale, dst, dst_scale, dst_zero in (
                 (cache.k, cache.k_scale, self.k, self.k_scale, self.k_zero),
                 (cache.v, cache.v_scale, self.v, self.v_scale, self.v_zero)):
@@ -92,22 +91,45 @@ class DemotedBlocks:
         v[sel] = quant.dequantize_int4(self.v[j], self.v_scale[j], self.v_zero[j], v.dtype)
 
 
+@dataclass(frozen=True, eq=False)
+class HybridInt8KV(Int8KV):
+    """An int8 layer under hybrid sparsity: block-table entries <= -2 are slots of `demoted`, this
+    layer's part of the demotion store, read instead of the pool (nanokv.kernels.reference.gather_kv)."""
+
+    demoted: DemotedBlocks
+
+    @classmethod
+    def of(cls, cache: Int8KV, demoted: DemotedBlocks) -> HybridInt8KV:
+        return cls(**{f.name: getattr(cache, f.name) for f in fields(Int8KV)}, demoted=demoted)
+
+
 class DemotionStore:
     """M slots in every layer of one runner, and their free list (pure Python)."""
 
-    def __init__(self, caches: Sequence[LayerKVCache], num_slots: int) -> None:
-        bits = [c.bits for c in caches]
-        if not bits or any(b != 8 for b in bits):
+    def __init__(self, caches: list[LayerKV], num_slots: int) -> None:
+        """caches: the runner's list of layers, every one int8: each becomes a HybridInt8KV in place
+        (the forward reads that list), and the store keeps the list, so it sees the layers a resize
+        replaces (dataclasses.replace keeps their demotion part)."""
+        int8 = [c for c in caches if isinstance(c, Int8KV)]
+        if not caches or len(int8) != len(caches):
             raise ConfigError("sparsity_policy", "hybrid demotes INT8 blocks to INT4 and needs every KV layer "
-                                                 f"at 8 bits (enable_compression, quantization_bitwidth 8); got {bits}")
+                                                 f"at 8 bits (enable_compression, quantization_bitwidth 8); got "
+                                                 f"{[c.bits for c in caches]}")
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ConfigError("store_fraction", f"the demotion store needs >= 1 slot, got {num_slots!r}")
-        self.caches = list(caches)
+        self.caches = caches
         self.num_slots = num_slots
-        for c in self.caches:
-            c.demoted = DemotedBlocks.zeros(num_slots, c)
+        for i, c in enumerate(int8):
+            caches[i] = HybridInt8KV.of(c, DemotedBlocks.zeros(num_slots, c))
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: pop() hands out 0, 1, 2, ... first
         self._held = [False] * num_slots
+
+    def layers(self) -> list[HybridInt8KV]:
+        """The runner's layers now, each with its part of the store."""
+        out = [c for c in self.caches if isinstance(c, HybridInt8KV)]
+        if len(out) != len(self.caches):
+            raise RuntimeError("a layer lost its demotion store (re-formatted or re-attached under hybrid sparsity)")
+        return out
 
     def num_free(self) -> int:
         return len(self._free)
@@ -116,8 +138,7 @@ class DemotionStore:
     def bytes_per_slot(self) -> int:
         """Bytes one slot takes over all layers, from the tensors themselves."""
         total = 0
-        for c in self.caches:
-            assert c.demoted is not None
+        for c in self.layers():
             for t in vars(c.demoted).values():
                 total += t[0].numel() * t.element_size()
         return total
@@ -150,6 +171,5 @@ class DemotionStore:
         dev = self.caches[0].k.device
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=dev)
         js = torch.tensor(list(slots), dtype=torch.long, device=dev)
-        for c in self.caches:
-            assert c.demoted is not None
+        for c in self.layers():
             c.demoted.write(c, ids, js)

@@ -1,6 +1,6 @@
 """Simulated ("fake") KV quantization, for choosing a format by measurement only.
 
-A FakeQuant attached to a 16-bit layer cache replaces K/V by dequant(quant(K/V)) under some
+A FakeQuant on a 16-bit layer (SimulatedKV) replaces K/V by dequant(quant(K/V)) under some
 candidate granularity just before they are stored, so the eval can score formats the kernels do
 not implement (per-channel keys, smaller groups, rotated values, full-precision sinks) through the
 very same paged path. The math of the token-wise modes mirrors nanokv.kv.quant exactly (fp16 scale
@@ -10,10 +10,11 @@ checks that. Never used in serving.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
+from nanokv.kv.cache import FullKV
 from nanokv.kv.rotation import rotation_matrix
 
 
@@ -125,3 +126,15 @@ class FakeQuant:
         k = (self.k_bits + (16 if self.k_bits == 8 else 32) / block_size) if self.k_per_channel \
             else token_bits(self.k_bits)
         return (k + token_bits(self.v_bits)) / 2
+
+
+@dataclass(frozen=True, eq=False)
+class SimulatedKV(FullKV):
+    """A 16-bit layer that stores dequant(quant(K/V)) under `fake_quant` (the store hook applies it,
+    nanokv.compute_service.kv_hooks). Measurement only: the eval harness makes its layers these."""
+
+    fake_quant: FakeQuant
+
+    @classmethod
+    def of(cls, cache: FullKV, fake_quant: FakeQuant) -> SimulatedKV:
+        return cls(**{f.name: getattr(cache, f.name) for f in fields(FullKV)}, fake_quant=fake_quant)

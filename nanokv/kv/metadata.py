@@ -9,14 +9,18 @@ prefill (or chunked-prefill) sequences first, then decode sequences (one query t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nanokv.kv.cache import LayerKV
+
 if TYPE_CHECKING:
     from nanokv.compute_service.attention.backend import AttentionBackend
+    from nanokv.compute_service.kv_hooks import LayerHooks
 
 
 @dataclass
@@ -42,6 +46,11 @@ class AttentionMetadata:
     # extra per-step information for backends (e.g. attention-mass accumulation for sparsity) and
     # the runner (the sampled rows' token index, ModelRunner.build_metadata)
     extras: dict[str, Any] = field(default_factory=dict)
+    # set by a backend whose attention launch also quantized the int4 blocks this step fills, in the
+    # layer it just computed (nanokv.kernels.cuda_decode_int4, fill_slots); read and cleared by that
+    # layer's after_attention (nanokv.compute_service.kv_hooks), which then skips its own fill launch.
+    # Layers run one after another, so one flag serves them all.
+    fills_quantized: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -64,12 +73,15 @@ class AttentionMetadata:
 @dataclass
 class ForwardContext:
     metadata: AttentionMetadata | None
-    kv_caches: list[Any]  # one LayerKVCache per layer (see nanokv.kv.cache)
+    kv_caches: list[LayerKV]  # one per layer (see nanokv.kv.cache)
     # the runner's attention backend (None: the torch reference) and batch invariance (CPU linear
     # layers pad their rows, nanokv.compute_service.model.layers.linear): per forward, so several engines in one
     # process never see each other's choice
     backend: AttentionBackend | None = None
     batch_invariant: bool = False
+    # each layer's run-time hooks (the runner's, nanokv.compute_service.kv_hooks.LayerHooks): a
+    # forward with metadata reads them; none for profiling forwards, which store nothing
+    hooks: Sequence[LayerHooks] = ()
 
 
 _CONTEXT: ForwardContext | None = None
@@ -87,11 +99,12 @@ def current_context() -> ForwardContext | None:
 
 
 @contextmanager
-def forward_context(metadata: AttentionMetadata | None, kv_caches: list[Any],
-                    backend: AttentionBackend | None = None, batch_invariant: bool = False):
+def forward_context(metadata: AttentionMetadata | None, kv_caches: list[LayerKV],
+                    backend: AttentionBackend | None = None, batch_invariant: bool = False,
+                    hooks: Sequence[LayerHooks] = ()):
     global _CONTEXT
     prev = _CONTEXT
-    _CONTEXT = ForwardContext(metadata, kv_caches, backend, batch_invariant)
+    _CONTEXT = ForwardContext(metadata, kv_caches, backend, batch_invariant, hooks)
     try:
         yield _CONTEXT
     finally:

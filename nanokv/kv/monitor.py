@@ -1,6 +1,7 @@
 """Running per-layer compression error of the KV store: ||x - dequant(quant(x))|| / ||x||.
 
-One CompressionMonitor per engine, attached to that engine's layer caches (`attach`). The store
+One CompressionMonitor per engine, attached to that engine's layers (`attach`: each layer's
+run-time hooks, nanokv.compute_service.kv_hooks.LayerHooks). The store
 hook (nanokv.compute_service.kv_hooks.before_store) calls `maybe_record` with the exact K/V rows about to be
 stored (int4: `record_blocks` with each block as it is quantized, nanokv.kv.blockquant); every
 `every`-th call per layer it quantizes up to `rows` sampled rows with the reference
@@ -16,6 +17,8 @@ two (keys are usually the sensitive side), `snapshot_kv()` both.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
@@ -59,6 +62,12 @@ def spread_rows(n: int, rows: int, tick: int, device: torch.device) -> torch.Ten
     return torch.arange(rows, device=device) * stride + tick % stride
 
 
+class Attachable(Protocol):
+    """A layer's run-time hooks: where the store hooks look for the monitor."""
+
+    monitor: CompressionMonitor | None
+
+
 class CompressionMonitor:
     def __init__(self, every: int = 8, rows: int = 64, alpha: float = 0.2, seed: int = 0):
         if every < 1 or rows < 1 or not 0.0 < alpha <= 1.0:
@@ -73,10 +82,10 @@ class CompressionMonitor:
         self._v: dict[int, torch.Tensor | float] = {}
         self._lock = threading.Lock()  # stats() may be read from the server thread
 
-    def attach(self, kv_caches: list) -> CompressionMonitor:
-        """Make every LayerKVCache in `kv_caches` report to this monitor. Returns self."""
-        for c in kv_caches:
-            c.monitor = self
+    def attach(self, layers: Iterable[Attachable]) -> CompressionMonitor:
+        """Make every layer (its hooks) report to this monitor. Returns self."""
+        for h in layers:
+            h.monitor = self
         return self
 
     def _due(self, layer: int) -> bool:

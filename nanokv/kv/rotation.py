@@ -4,7 +4,7 @@ Why: per-token int4 keys lose most of their precision to a few large channels (R
 norms). Rotating every query and key by the same orthonormal R spreads those channels over all
 head_dim values, so the per-row range shrinks relative to the row norm, while attention scores are
 unchanged in exact arithmetic: (q R)(k R)^T = q R R^T k^T = q k^T. The cache stores rotated keys.
-int4 layers also store values rotated (v R, LayerKVCache.rotate_v): the attention output is then o R,
+int4 layers also store values rotated (v R, the format's rotate_v): the attention output is then o R,
 rotated back by the hooks, or, where the engine folded R into v_proj and o_proj
 (ModelRunner.fold_value_rotations), produced and consumed in that basis by the weights.
 

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from nanokv.kv.cache import LayerKVCache, allocate_layer_cache
+from nanokv.kv.cache import LayerKV, allocate_layer_cache
 from nanokv.kv.staging import StageTable
 from nanokv.messages import PoolHandle, PoolLayout
 
@@ -49,8 +49,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def carve_layer_caches(layout: PoolLayout, buffer: torch.Tensor | None,
-                       stage: StageTable | None = None) -> list[LayerKVCache]:
-    """Every layer's LayerKVCache as views of `buffer`, in layer order (None: meta tensors)."""
+                       stage: StageTable | None = None) -> list[LayerKV]:
+    """Every layer's KV (nanokv.kv.cache) as views of `buffer`, in layer order (None: meta tensors)."""
     carver = Carver(buffer)
     device = buffer.device if buffer is not None else torch.device("meta")
     if stage is None and 4 in layout.layer_bits:

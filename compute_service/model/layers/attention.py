@@ -1,8 +1,8 @@
 """Attention over the paged KV cache: the one place a layer meets AttentionMetadata.
 
-The layer never sees sequences or blocks: it reads the per-step context (metadata + one
-LayerKVCache per layer), stores this step's K/V by slot_mapping and attends through the backend,
-so prefill chunks, prefix hits and decodes all take the same path.
+The layer never sees sequences or blocks: it reads the per-step context (metadata, one KV format
+object per layer, nanokv.kv.cache, and each layer's hooks), stores this step's K/V by slot_mapping
+and attends through the backend, so prefill chunks, prefix hits and decodes all take the same path.
 """
 
 from __future__ import annotations
@@ -61,13 +61,16 @@ class Attention(nn.Module):
             ).transpose(0, 1)
         else:
             cache = ctx.kv_caches[self.layer_idx]
+            if len(ctx.hooks) != len(ctx.kv_caches):
+                raise RuntimeError("a forward with metadata needs each layer's hooks (forward_context(hooks=...))")
+            hooks = ctx.hooks[self.layer_idx]
             # KV compression (owned by nanokv.kv): Hadamard-rotate q/k when this layer's format
             # says so, sample the compression error, test hooks. Before the store, on every backend.
-            q, k, v = before_store(self.layer_idx, cache, md, q, k, v, rotated)
+            q, k, v = before_store(self.layer_idx, cache, hooks, md, q, k, v, rotated)
             backend = ctx.backend or REFERENCE
             backend.store_kvcache(k, v, cache, md.slot_mapping)
             o = backend.paged_attention(q, cache, md, self.scale, k=k, v=v)
-            o = after_attention(self.layer_idx, cache, md, o)
+            o = after_attention(self.layer_idx, cache, hooks, md, o)
         if o.dtype != v.dtype:  # (the Triton backend already writes v's dtype)
             o = o.to(v.dtype)
         return o.reshape(T, self.num_heads * self.head_dim)

@@ -20,6 +20,7 @@ import torch
 from nanokv.kernels import triton_decode, triton_decode_int4, triton_decode_swap, triton_decode_swap4
 from nanokv.kernels.triton_config import apply_overrides, default_config
 from nanokv.kernels.triton_selfcheck import make_batch
+from nanokv.kv.cache import Int4KV
 from nanokv_tools.bench.gpu_kernels import SH, decode_fn, kv_bytes, timed
 
 
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.shuffle:
         random.Random(0).shuffle(lens)
     cache, md = make_batch(SH, args.bits, bs, [1] * B, lens, 0, store=args.engine_like)
-    if args.engine_like and cache.stage is not None:
+    staged = isinstance(cache, Int4KV)
+    if args.engine_like and isinstance(cache, Int4KV):
         from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe
         slots = torch.tensor([(int(md.block_tables[i, (L - 1) // bs]) * bs + (L - 1) % bs) for i, L in
                               enumerate(lens)], device=cache.k.device)
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"int4 fill kernel, {w} warps, {B} tokens x {cache.num_kv_heads} heads, {fills} blocks filled: "
                   f"{ms * 1e3:.1f} us")
     first = None
-    fill = slots if args.engine_like and cache.stage is not None else None  # (the kernel may fill as it decodes)
+    fill = slots if args.engine_like and staged else None  # (the kernel may fill as it decodes)
     for spec in args.variants.split(";"):
         torch.manual_seed(1)  # every variant gets the same queries: outputs comparable
         fn = decode_fn(cache, md, apply_overrides(default_config(), spec), fill)

@@ -30,7 +30,7 @@ from nanokv.kernels import triton_decode  # noqa: E402
 from nanokv.kernels.triton_backend import TritonBackend, choose_splits, decode_options, sm_count  # noqa: E402
 from nanokv.kernels.triton_config import TritonConfig  # noqa: E402
 from nanokv.kernels.triton_selfcheck import Shapes, check_all, check_variants, make_batch  # noqa: E402
-from nanokv.kv.cache import LayerKVCache  # noqa: E402
+from nanokv.kv.cache import LayerKV  # noqa: E402
 from nanokv.kv.metadata import AttentionMetadata  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
@@ -101,7 +101,7 @@ def decode_shapes() -> list[tuple[int, int]]:
     return [(2, 64), (4, 32)] if SMOKE else [(64, 4096), (256, 1024)]
 
 
-def decode_fn(cache: LayerKVCache, md: AttentionMetadata, cfg: TritonConfig,
+def decode_fn(cache: LayerKV, md: AttentionMetadata, cfg: TritonConfig,
               fill: torch.Tensor | None = None) -> Callable[[int], object]:
     """A decode call on fresh queries; fill: the step's slots, for the int4 kernel that also quantizes
     the blocks they complete (the same blocks again on every call: what it writes does not change)."""
@@ -112,9 +112,12 @@ def decode_fn(cache: LayerKVCache, md: AttentionMetadata, cfg: TritonConfig,
     kw = decode_options(cfg, cache)
     # as the engine: one argsort per step (here: once), read by every layer's int4 decode
     order = md.decode_order() if cache.bits == 4 and cfg.quant_cuda4_by_length else None
-    return lambda i: triton_decode.paged_decode(qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE,
-                                                num_splits=splits, seq_order=order,
-                                                fill_slots=fill if cfg.quant_cuda4_fill else None, **kw)
+
+    def call(i: int) -> torch.Tensor:
+        triton_decode.paged_decode(qs[i % 4], cache, md.block_tables, md.seq_lens, out, SCALE, num_splits=splits,
+                                   seq_order=order, fill_slots=fill if cfg.quant_cuda4_fill else None, **kw)
+        return out  # (written in place)
+    return call
 
 
 def bench_copy() -> None:
@@ -174,7 +177,7 @@ def bench_prefill() -> None:
                 be = TritonBackend(TritonConfig(prefill_block_m=bm, prefill_block_n=bn, prefill_warps=w,
                                                 prefill_stages=st, sdpa_prefill_min_tokens=0))
 
-                def step(i: int, be: TritonBackend = be, q: torch.Tensor = q, c: LayerKVCache = cache,
+                def step(i: int, be: TritonBackend = be, q: torch.Tensor = q, c: LayerKV = cache,
                          md: AttentionMetadata = md, o: torch.Tensor = out) -> object:
                     return be.paged_attention(q, c, md, SCALE, out=o)
                 try:

@@ -19,7 +19,7 @@ import torch
 from nanokv.kernels.triton_backend import TritonBackend
 from nanokv.kernels.triton_config import apply_overrides, default_config
 from nanokv.kernels.triton_selfcheck import make_batch
-from nanokv.kv.cache import LayerKVCache
+from nanokv.kv.cache import Int4KV, LayerKV
 from nanokv.kv.metadata import AttentionMetadata
 from nanokv_tools.bench.gpu_kernels import SCALE, SH, timed
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             out = torch.empty_like(q)
 
             def step(i: int, be: TritonBackend = be, out: torch.Tensor = out, q: torch.Tensor = q,
-                     cache: LayerKVCache = cache, md: AttentionMetadata = md) -> object:
+                     cache: LayerKV = cache, md: AttentionMetadata = md) -> object:
                 return be.paged_attention(q, cache, md, SCALE, out=out)
             res = cast(torch.Tensor, step(0)).float()
             if first is None:
@@ -94,6 +94,8 @@ def time_fill(bs: int, P: int, L: int) -> None:
     per filled block, KV head and K or V, as the runner launches it (md.extras["fill_slots"])."""
     from nanokv.kernels.triton_blockquant import quantize_filled_graphsafe
     cache, md = make_batch(SH, 4, bs, [L] * P, [L] * P, P, store=True)
+    if not isinstance(cache, Int4KV):
+        raise TypeError(f"an int4 batch, got {type(cache).__name__}")
     slots = md.slot_mapping[md.slot_mapping % bs == bs - 1].contiguous()
     for recip in (False, True):  # (TritonConfig.fill_recip)
         for w in (1, 2, 4, 8):

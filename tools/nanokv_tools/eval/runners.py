@@ -9,15 +9,31 @@ attention probe when its policy ranks blocks by attention mass, and an INT4 demo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from nanokv.compute_service.sparsity.accounting import KVBytes
 from nanokv.config import EngineConfig
+from nanokv.kv.cache import FullKV, LayerKV
+from nanokv.kv.fakequant import SimulatedKV
 from nanokv.kv.monitor import CompressionMonitor
 from nanokv.kv.rotation import rotates
 from nanokv_tools.eval.settings import Setting
 
+
+def setting_layer(c: LayerKV, s: Setting) -> LayerKV:
+    """A runner's freshly allocated layer as setting `s` wants it: its key rotation, and on a 16-bit
+    layer the simulation of int4's rotated values and the simulated format (SimulatedKV)."""
+    c = dataclasses.replace(c, rotate=rotates(c.bits, s.rotate))
+    if s.rotate_v and isinstance(c, FullKV):  # simulation of int4's rotated values
+        c = dataclasses.replace(c, rotate_v=True)
+    if s.fake_quant is not None:
+        if not isinstance(c, FullKV):
+            raise ValueError(f"setting {s.name!r}: fake_quant simulates a format on a full-precision cache, "
+                             f"this layer is {c.bits}-bit")
+        c = SimulatedKV.of(c, s.fake_quant)
+    return c
 
 @dataclass
 class Bench:
@@ -65,12 +81,9 @@ def build(settings: list[Setting], model: str | None, num_blocks: int, block_siz
         r = ModelRunner(cfg, eng.model, eng.model_config, eng.device, eng.dtype)
         if r.stage is not None:  # int4 staging: slots of open blocks whose sequence ended may be reclaimed
             r.stage.block_free = lambda b, pool=eng.cache_manager.pool: pool.ref[b] == 0
-        for c in r.kv_caches:
-            c.rotate = rotates(c.bits, s.rotate)
-            c.fake_quant = s.fake_quant
-            if c.bits == 16 and s.rotate_v:  # simulation of int4's rotated values
-                c.rotate_v = True
-        monitors[s.name] = CompressionMonitor(every=4).attach(r.kv_caches)
+        for i, c in enumerate(r.kv_caches):
+            r.kv_caches[i] = setting_layer(c, s)
+        monitors[s.name] = CompressionMonitor(every=4).attach(r.layer_hooks)
         if s.sparsity is not None and s.sparsity.needs_scores:
             from nanokv.compute_service.sparsity.probe import AttentionProbe
 
