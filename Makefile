@@ -23,17 +23,17 @@ $(STAMP): pyproject.toml tools/pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/nanokv generate --split "What is the capital of France?"
 
-# the gRPC stubs in protos/ from its .proto files (tests/test_protos.py fails when they are stale)
+# the gRPC stubs in protos/ from its .proto files (tests/protos/test_protos.py fails when they are stale)
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. nanokv/protos/*.proto nanokv/protos/kserve/*.proto
 
-# Debian's prometheus package: the server (tests/test_prometheus.py runs it over the three services)
-# and promtool (the alert rules' checks). Without it those tests skip; tests/test_prometheus.py fails
+# Debian's prometheus package: the server (tests/stack/test_prometheus.py runs it over the three services)
+# and promtool (the alert rules' checks). Without it those tests skip; tests/stack/test_prometheus.py fails
 # instead under CI=true.
 tools:
 	@(command -v prometheus && command -v promtool) >/dev/null 2>&1 \
 		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
-		|| echo "prometheus unavailable: tests/test_prometheus.py (fails under CI=true) and the promtool checks skip"
+		|| echo "prometheus unavailable: tests/stack/test_prometheus.py (fails under CI=true) and the promtool checks skip"
 
 test: $(STAMP) tools
 	$(PY) -m pytest -q -x --durations=15

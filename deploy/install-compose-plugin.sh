@@ -3,7 +3,7 @@
 # bookworm package is the old Python docker-compose 1.29) without touching the system's apt setup:
 # a private source list and cache in a temporary folder, `apt-get download`, and the binary copied
 # to $DOCKER_CONFIG/cli-plugins (default ~/.docker/cli-plugins), where the docker CLI looks for it.
-# Used to validate docker-compose.yml (`docker compose config`, tests/test_compose.py).
+# Used to validate docker-compose.yml (`docker compose config`, tests/stack/test_compose.py).
 set -eu
 dest="${DOCKER_CONFIG:-$HOME/.docker}/cli-plugins"
 tmp=$(mktemp -d)

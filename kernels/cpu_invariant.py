@@ -12,7 +12,7 @@ How. Each sequence is attended on its own, keys in fixed TILE-wide tiles at abso
 [0, TILE), [TILE, 2 TILE), ... with an online softmax across tiles in that order:
   - each tile's two products have fixed inner dimensions (D, then TILE), and a query row's result
     of a CPU matmul does not depend on the other rows once there are at least 4 of them (measured
-    on this project's CPUs; tests/test_batch_invariant.py checks it), so rows are padded to 4;
+    on this project's CPUs; tests/kernels/test_batch_invariant.py checks it), so rows are padded to 4;
   - keys past a query's position are masked to exactly 0 weight, so a tile that is entirely in a
     query's future leaves its running sums bit for bit unchanged (alpha = exp(0) = 1, p = 0): a
     chunk that stops earlier, and so skips those tiles, gets the same bits.

@@ -13,7 +13,7 @@ everywhere else (on CPU, where torch lacks its NVRTC hook or NVRTC fails) the Tr
 TritonConfig.quant_cuda4 turns it off. Beyond the Triton kernel it can also quantize the blocks a
 decode step completes (fill_slots, cuda/fill_int4.cuh) and start its programs longest sequence first
 (order). There is no interpreter for it: CI builds it with nvcc where
-nvcc exists (tests/test_kernels_compile_sm90.py: no spills), and tests/test_kernels_cuda.py checks it
+nvcc exists (tests/kernels/test_kernels_compile_sm90.py: no spills), and tests/kernels/test_kernels_cuda.py checks it
 against the torch reference on a GPU.
 """
 

@@ -220,7 +220,7 @@ def fold_v_weights(p, vs, CDT: tl.constexpr):
     error <= 2^-25 per code unit, i.e. <= 3.8e-6 per token for int8 (|code| <= 127) and 4.5e-7 for
     int4 (<= 15), in output units before the division by l >= 1. That is 1e-3 of the quantization
     step itself (vs / 2 per element), and measured against the unfolded path in
-    tests/test_kernels_attention.py (peaked softmax included).
+    tests/kernels/test_kernels_attention.py (peaked softmax included).
     """
     return (p * vs.to(tl.float32)[None, :]).to(CDT)
 

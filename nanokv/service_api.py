@@ -3,7 +3,7 @@
 Each has two implementations with the very same methods: the service object itself (the in-process
 transport, LLM() by default: nanokv.cache_service.service.CacheService, nanokv.compute_service.service.
 ComputeService) and its gRPC client (nanokv.gateway.clients: CacheClient, ComputeClient). The engine
-holds one of each through these Protocols and never asks which it has; tests/test_service_api.py
+holds one of each through these Protocols and never asks which it has; tests/protos/test_service_api.py
 checks that both sides have exactly these methods, with the same signatures.
 
 The services have a few methods more, which are not the gateway's: the compute service attaches its

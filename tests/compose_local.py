@@ -1,4 +1,4 @@
-"""Run docker-compose.yml's nanokv services as local processes on loopback (tests/test_compose.py).
+"""Run docker-compose.yml's nanokv services as local processes on loopback (tests/stack/test_compose.py).
 
 Each service's `entrypoint` + `command` runs with its `environment` (${VAR:-default} resolved from
 .env, as compose does), in the order `depends_on` gives, waiting for its `healthcheck` command to

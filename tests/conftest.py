@@ -79,3 +79,42 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
                              generation_config=gc)
     assert out.shape[1] == len(ids) + n
     return out[0, len(ids):].tolist()
+
+
+def live_children() -> set[int]:
+    """This process's live child processes, minus multiprocessing's resource tracker (one per process)."""
+    import psutil
+
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+                out.add(p.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: on the 2-core box two torch threads spin-wait each other (and a
+    service process or a tensor-parallel worker takes the other core)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def no_leftover_processes():
+    """One torch thread (the workers take the other core); no child process outlives the test."""
+    import torch
+
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    before = live_children()
+    yield
+    torch.set_num_threads(torch_threads)
+    assert live_children() <= before, "a tensor-parallel worker outlived its engine"

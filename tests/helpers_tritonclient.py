@@ -1,6 +1,6 @@
 """Triton's own Python client (`tritonclient.grpc`, from PyPI) against nanokv's KServe v2 service.
 
-Run as a script by tests/test_grpc_tritonclient.py, in a process of its own: tritonclient ships its
+Run as a script by tests/gateway/test_grpc_tritonclient.py, in a process of its own: tritonclient ships its
 own stubs of the same KServe protocol (package `inference`), and protobuf's default descriptor pool
 refuses a second definition of `inference.ModelInferRequest` and the rest, so tritonclient and
 nanokv's stubs cannot both be imported into one process.

@@ -34,7 +34,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 }
 # Where each policy loses to LRU in `python -m nanokv_tools.sim.suite` (block hit ratio, x LRU's), one line
 # each (they make up the --eviction-policy help). Keep in step with docs/cache-policies.md, "Results";
-# tests/test_cache_policies_suite.py checks the claims that matter.
+# tests/tools/test_cache_policies_suite.py checks the claims that matter.
 CAVEATS: dict[str, str] = {
     "clock": "below LRU on shared prompts at 1% (0.95x) and on the Mooncake trace at 10% (0.96x)",
     "lru_k": "below LRU on multi-turn chat (0.90x at 5%), as one reference does not protect a "

@@ -2,7 +2,7 @@
 
 A lower tier may keep blocks narrower than the device pool (int8 or int4 in host memory or on disk
 while L1 is bf16): the hierarchy's capacities are byte budgets, so a narrower format holds more
-blocks. The byte count is ``nanokv.kv.cache.bytes_per_block``'s layout (tests/test_cache_tiers.py
+blocks. The byte count is ``nanokv.kv.cache.bytes_per_block``'s layout (tests/cache_service/test_cache_tiers.py
 checks the two agree), re-derived here so that the cache service and the simulator need no torch.
 """
 

@@ -28,7 +28,7 @@ def invariant_rows(m: int) -> int:
     one it gets in a matmul of any number of rows. Measured (MKL sgemm, one thread, SmolLM2's
     shapes, 1 to 2076 rows): on one of this project's CPUs 4, 8 and 12 or more rows give the same
     bits, on another (AVX-512 with FP16) 16 or more do, 2-15 another and 1 a third.
-    tests/test_batch_invariant.py checks it on the machine it runs on."""
+    tests/kernels/test_batch_invariant.py checks it on the machine it runs on."""
     return max(m, 16)
 
 

@@ -78,8 +78,8 @@ for ph in $phases; do
           --out "$OUT/var_${v%%=*}.json"
       done ;;
     swap4)  # the transposed int4 decode (TritonConfig.quant_swap4): GPU tests, per-call A/B, whole runs
-      run swap4_tests python3 -m pytest -q tests/test_kernels_cuda.py tests/test_kernels_attention.py tests/test_kernels_blockquant.py \
-        tests/test_fusion.py -k "swap or int4 or 4- or blockquant or fill"
+      run swap4_tests python3 -m pytest -q tests/kernels/test_kernels_cuda.py tests/kernels/test_kernels_attention.py tests/kernels/test_kernels_blockquant.py \
+        tests/compute_service/test_fusion.py -k "swap or int4 or 4- or blockquant or fill"
       PROBE="python3 -m nanokv_tools.bench.decode_probe --bits 4 --batch 128 --ctx 4096 --engine-like --time"
       run probe4_bs16 $PROBE --block-size 16 --variants "${PROBE16:-}"
       run probe4_bs32 $PROBE --block-size 32 --variants "${PROBE32:-}"
@@ -95,7 +95,7 @@ for ph in $phases; do
     int4next)  # the CUDA int4 kernel's GPU tests, its knobs at 32-token blocks, an Nsight Compute stall
       # profile of its loop (nanokv_tools.bench.ncu_stalls), and int4/bf16 pairs at the default block size
       # (auto: int4 32, bf16 16) and at 32 for both
-      run int4_tests python3 -m pytest -q tests/test_kernels_cuda.py
+      run int4_tests python3 -m pytest -q tests/kernels/test_kernels_cuda.py
       PROBE="python3 -m nanokv_tools.bench.decode_probe --bits 4 --batch 128 --ctx 4096 --engine-like --shuffle"
       run probe4_bs32 $PROBE --time --block-size 32 --variants \
         ";quant_cuda4_stages=3;quant_cuda4_waves=3;quant_cuda4_waves=2;quant_cuda4_maxnreg=128;quant_cuda4_tiles=1"
@@ -110,7 +110,7 @@ for ph in $phases; do
         run pair${i}_bf16_32 $BENCH --workload longctx --block-size 32 --out "$OUT/pair${i}_bf16_32.json"
       done ;;
     ipc)
-      run ipc_tests python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ipc.py
+      run ipc_tests python3 -m pytest -q -p no:cacheprovider tests/kv/test_cuda_ipc.py
       run parity_split python3 -m nanokv_tools.bench.gpu_parity --split --out "$OUT/parity_split.json" ;;
     split)  # each pair in a fresh process (an in-process engine's pool is not all given back before exit)
       for i in $(seq "${REPEAT:-1}"); do

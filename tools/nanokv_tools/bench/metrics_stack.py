@@ -1,5 +1,5 @@
 """The three services as processes, each serving /metrics on its own loopback port, for a Prometheus to
-scrape (tests/test_prometheus.py, trace_png): the cache and compute services on unix sockets in
+scrape (tests/stack/test_prometheus.py, trace_png): the cache and compute services on unix sockets in
 `run_dir` with --metrics-port, the gateway (HTTP API, its /metrics) on the gateway job's port.
 `nanokv up` and bench.stack cannot do this: they hand one config, so one metrics port, to both services."""
 

@@ -27,7 +27,7 @@ from nanokv_tools.sim.traces import MOONCAKE_TRACE, read_mooncake
 
 from nanokv.errors import NanoKVError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "bench-serve-key"
 SERVER_FLAGS = (f"--api-key {KEY} --device cpu --dtype float32 --block-size 16 --num-gpu-blocks 256 "
                 "--max-num-seqs 16 --log-level warning")

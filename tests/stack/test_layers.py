@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ORDER = ["common", "kv", "kernels", "protos", "cache_service", "compute_service", "gateway", "app", "tools"]
 SERVICES = ("kernels", "protos", "cache_service", "compute_service", "gateway")
 APP = ("__init__", "cli", "launch", "torchrun")

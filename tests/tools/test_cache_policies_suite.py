@@ -1,9 +1,9 @@
 """The policy claims of docs/cache-policies.md on the seeded workloads (issue #38).
 
 * leaf_lru is never below LRU on any workload at 1 / 5 / 10 / 25 % capacity (the Mooncake trace:
-  tests/test_cache_simulate.py), and >= 1.15x LRU at 5 % on multi-turn chat - on four of five
+  tests/tools/test_cache_simulate.py), and >= 1.15x LRU at 5 % on multi-turn chat - on four of five
   seeds; on seed 2 it is 1.11x, and no online policy can reach 1.15x there
-  (tests/test_cache_headroom.py);
+  (tests/tools/test_cache_headroom.py);
 * the workload generators are deterministic and match the statistics they are calibrated to;
 * the adaptive controller, starting on leaf_lru, stays within 2 % of the best static policy on the
   phase-change workloads and never below LRU.
@@ -103,5 +103,5 @@ def test_adaptive_tracks_the_best_static_policy_on_phase_changes(name: str, pct:
     best, lru = _static_best(name, cap)
     assert got.block_hit_ratio >= lru, (got.block_hit_ratio, lru)
     # A switch starts warm (the new policy takes its ghost's history): without that, phase_change at
-    # 1% missed by 2.04% (tests/test_cache_policies_warm.py).
+    # 1% missed by 2.04% (tests/cache_service/test_cache_policies_warm.py).
     assert got.block_hit_ratio >= 0.98 * best, (got.block_hit_ratio, best, [d.action for d in tl.decisions])

@@ -17,7 +17,7 @@ from nanokv.cache_service.policies import _warned as warned_policies
 from nanokv.config import EngineConfig
 from nanokv.sampling import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
 

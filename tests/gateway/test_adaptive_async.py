@@ -11,7 +11,7 @@ import pytest
 from nanokv.gateway.adaptive.settings import PATIENCE_WINDOWS
 from nanokv.gateway.llm import LLM
 from nanokv.sampling import SamplingParams
-from tests.test_adaptive_split import BLOCK_BYTES, TINY, burst, one_thread, stream  # noqa: F401 - a fixture
+from tests.stack.test_adaptive_split import BLOCK_BYTES, TINY, burst, stream
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

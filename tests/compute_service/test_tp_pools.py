@@ -23,8 +23,10 @@ from nanokv.gateway.llm import LLM
 from nanokv.launch import service_command, start_services
 from nanokv.rpc import wait_serving
 from nanokv.sampling import SamplingParams
-from tests.test_repool import _run
-from tests.test_tp_engine import TINY, _tiny_prompts, no_leftover_processes  # noqa: F401 - an autouse fixture
+from tests.compute_service.test_repool import _run
+from tests.compute_service.test_tp_engine import TINY, _tiny_prompts
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")  # (tests/conftest.py)
 
 # greedy tokens per request, after `repool_after` steps a pool change (Engine.repool)
 _greedy_run = functools.partial(_run, params=SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))

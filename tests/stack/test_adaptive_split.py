@@ -18,12 +18,7 @@ TINY = {"model": "random:tiny-qwen3", "device": "cpu", "dtype": "float32", "bloc
         "max_num_batched_tokens": 256}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()  # two torch threads spin-wait each other on the 2-core box
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 def scan_and_hot() -> list[list[int]]:

@@ -30,13 +30,7 @@ from nanokv.sampling import SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # on the shared 2-core box two torch threads spin-wait each other and run several times slower
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 def test_greedy_identical_with_the_controller_on_and_off(chat_ids):

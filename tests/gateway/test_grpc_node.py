@@ -18,7 +18,7 @@ import pytest
 from nanokv.protos import nanokv_v1_pb2 as pb
 from tests.helpers_grpc import KEY_A, ROOT, auth, collect, free_blocks_settle, shared_server
 
-NODE_DIR = Path(__file__).resolve().parent / "node"
+NODE_DIR = Path(__file__).resolve().parents[1] / "node"
 PROMPT = ("The three primary colours of paint are red, blue and yellow. Mixing red and yellow gives orange, "
           "and mixing red and blue gives")
 MAX_TOKENS = 12

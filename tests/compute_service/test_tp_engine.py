@@ -21,27 +21,7 @@ from nanokv.sampling import SamplingParams
 TINY = dict(model="random:tiny-qwen3", num_gpu_blocks=64, block_size=16)
 
 
-def live_children() -> set[int]:
-    """Child processes, minus multiprocessing's resource tracker (one per process, by design)."""
-    kids = psutil.Process().children(recursive=True)
-    return {p.pid for p in kids if p.is_running() and "resource_tracker" not in " ".join(_cmdline(p))}
-
-
-def _cmdline(p: psutil.Process) -> list[str]:
-    try:
-        return p.cmdline()
-    except psutil.Error:
-        return []
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_processes():
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers take the other core
-    before = live_children()
-    yield
-    torch.set_num_threads(torch_threads)
-    assert live_children() <= before, "a tensor-parallel worker outlived its engine"
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")  # (tests/conftest.py)
 
 
 def _tiny_prompts() -> list[list[int]]:

@@ -13,37 +13,17 @@ import time
 
 import psutil
 import pytest
-import torch
 
 import nanokv.compute_service.runner.tp_procs as tp_procs
 import nanokv.compute_service.runner.tp_runner as tp_runner
 from nanokv.compute_service.runner.tp_runner import TensorParallelError
 from nanokv.gateway.engine import Engine
 from nanokv.sampling import SamplingParams
+from tests.conftest import live_children
 
 TINY = dict(model="random:tiny-qwen3", num_gpu_blocks=64, block_size=16, tensor_parallel_size=2)
 
-
-def live_children() -> set[int]:
-    """Child processes, minus multiprocessing's resource tracker (one per process, by design)."""
-    out = set()
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
-                out.add(p.pid)
-        except psutil.Error:
-            pass
-    return out
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_processes():
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    before = live_children()
-    yield
-    torch.set_num_threads(torch_threads)
-    assert live_children() <= before, "a tensor-parallel worker outlived its engine"
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")  # (tests/conftest.py)
 
 
 def _gone(pids: list[int], within_s: float) -> bool:

@@ -21,7 +21,7 @@ from nanokv.gateway.http import build_app
 from nanokv.gateway.http.testing import serve_in_thread, shared_engine
 from nanokv.service_metrics import OWN_PREFIXES
 
-OPS = Path(__file__).resolve().parents[1] / "nanokv" / "ops"
+OPS = Path(__file__).resolve().parents[2] / "nanokv" / "ops"
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not installed (Debian/Ubuntu: apt-get install -y prometheus)"
@@ -78,7 +78,7 @@ def test_every_expression_metric_is_exported():
         text = httpx.get(url + "/metrics", headers={"Authorization": "Bearer ops-key"}).text
     exported = exported_names(text)
     # the cache and compute services' own families (nanokv.service_metrics) are not the gateway's:
-    # tests/test_prometheus.py finds them in a real Prometheus scraping those services
+    # tests/stack/test_prometheus.py finds them in a real Prometheus scraping those services
     used = {(where, n) for where, exprs in (("alerts.yml", rule_exprs()), ("grafana.json", dashboard_exprs()))
             for e in exprs for n in NAME.findall(e) if not n.startswith(OWN_PREFIXES)}
     assert len({n for _, n in used}) >= 15  # the dashboard covers the whole metric set

@@ -26,12 +26,7 @@ BLOCK_BYTES = 2 * 2 * 2 * 8 * 16 * 4  # tiny-qwen3: 2 layers x K,V x 2 kv heads 
 PREFIX = list(range(100, 116))  # two full blocks shared by every prompt
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 def prompts(seed: int, n: int) -> list[list[int]]:
