@@ -74,3 +74,9 @@ def main(argv: list[str]) -> int:
     add_engine_args(p)
     args = p.parse_args(argv)
     return run_bench(args, engine_kwargs(args))
+
+
+if __name__ == "__main__":  # `python -m nanokv_tools.bench.cli` where the entry points are not installed
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -27,7 +27,7 @@ LOG="$OUT/suite.log"
 phases=${*:-parity kernels nanovllm longctx quant}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee -a "$LOG"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
-BENCH="python3 -m nanokv.cli bench --max-num-batched-tokens 16384"
+BENCH="python3 -m nanokv_tools.bench.cli --max-num-batched-tokens 16384"  # (no install there: no entry points)
 run() {  # name, command...
   local name=$1; shift
   echo "=== $name: $*" | tee -a "$LOG"
