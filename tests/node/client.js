@@ -1,6 +1,6 @@
 // A Node.js client of nanokv.v1.Generation: streams one generation and prints what it got as JSON.
 //   node client.js ADDRESS PROTO_DIR PROMPT MAX_TOKENS [API_KEY]
-// The Python test (tests/test_grpc_node.py) checks the answer against the engine's own.
+// The Python test (tests/gateway/test_grpc_node.py) checks the answer against the engine's own.
 "use strict";
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
