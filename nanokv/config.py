@@ -24,6 +24,7 @@ SPARSITY_POLICIES = ("streaming", "interval", "attention", "hybrid")
 HASH_ALGOS = ("sha256", "blake2b")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+WEIGHT_QUANTIZATIONS = ("auto", "none", "gguf")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_BITS = (4, 8, 16)  # 16 = full precision (the model dtype) for that layer
 
@@ -42,6 +43,9 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # GGUF Q4_0/Q4_1 weights: "gguf" keeps them packed in 4 bits (CPU, one rank; docs/cpu-decode.md), "none"
+    # dequantizes to `dtype` (greedy == HF), "auto" = gguf where it applies, else none
+    weight_quantization: str = "auto"
     # paged KV cache
     # tokens per KV block; 0 = auto: 32 where compression stores a layer in 4 bits (the INT4 format's
     # key group: 29.7% of bf16's bytes and 3.36x the tokens at 32, 32.8% and 3.05x at 16), else 16
@@ -136,6 +140,7 @@ class EngineConfig:
 
         choice("dtype", DTYPES)
         choice("device", DEVICES)
+        choice("weight_quantization", WEIGHT_QUANTIZATIONS)
         choice("eviction_policy", EVICTION_POLICIES)
         choice("sparsity_policy", SPARSITY_POLICIES)
         choice("prefix_caching_hash_algo", HASH_ALGOS)
