@@ -44,7 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kernel-options", default=None, help="Triton kernel overrides 'name=value,...' (A/B runs)")
 
 
-ENGINE_KEYS = ("model", "dtype", "device", "weight_quantization", "block_size", "num_gpu_blocks", "gpu_memory_utilization",
+ENGINE_KEYS = ("model", "dtype", "device", "weight_quantization", "block_size", "num_gpu_blocks",
+               "gpu_memory_utilization",
                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "eviction_policy",
                "enable_compression", "quantization_bitwidth", "compression_sparsity", "sparsity_policy",
                "enforce_eager", "batch_invariant", "tensor_parallel_size", "attention_backend",

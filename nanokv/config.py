@@ -44,8 +44,8 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # GGUF Q4_0/Q4_1 weights: "gguf" keeps them packed in 4 bits (CPU, one rank; docs/cpu-decode.md), "none"
-    # dequantizes to `dtype` (greedy == HF), "auto" = gguf where it applies, else none
-    weight_quantization: str = "auto"
+    # dequantizes to `dtype` (greedy == HF, equal across TP sizes and devices), "auto" = gguf where it applies
+    weight_quantization: str = "none"
     # paged KV cache
     # tokens per KV block; 0 = auto: 32 where compression stores a layer in 4 bits (the INT4 format's
     # key group: 29.7% of bf16's bytes and 3.36x the tokens at 32, 32.8% and 3.05x at 16), else 16

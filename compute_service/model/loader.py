@@ -77,7 +77,8 @@ def load_model(path: str | None, dtype: torch.dtype | str = "auto", device: torc
     cfg, weights = read_gguf(resolved, keep_q4=wq == "gguf") if kind == "gguf" else read_hf_folder(resolved)
     model = build_model(cfg, dtype, device, tp_rank, tp_size)
     with torch.no_grad():
-        model.load_weights(weights)
+        # (Q4Rows reach LinearBase's weight loaders in a tensor's place)
+        model.load_weights(weights)  # type: ignore[arg-type]
         if wq == "gguf":
             from nanokv.compute_service.model.packed_weights import pack_gguf_weights
 
