@@ -14,14 +14,14 @@ log = logging.getLogger(__name__)
 
 
 def pack_gguf_weights(model: LlamaForCausalLM, path: str) -> dict[str, int]:
-    """Pack every linear layer whose shards all came as Q4_0/Q4_1 rows (the others keep their float
-    weights) and the LM head (Q4_0/Q4_1/Q8_0; else it stays float). Returns the counts."""
+    """Give every linear layer whose shards all came as Q4_0/Q4_1 rows, and the LM head (Q4_0/Q4_1/Q8_0),
+    a packed int4 product for small batches (layers.linear.int4_rows). Returns the counts."""
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     packed = sum(m.pack_weights() for m in layers)
     head = lm_head_int4(_reader(path))
     if head is not None:
-        # the float matrix (the embedding's Parameter when tied) stays for Int4LMHead's fp32 re-scoring
-        model.lm_head = Int4LMHead(head, model.lm_head.weight.data)  # type: ignore[assignment]
+        # the float head stays for large batches and Int4LMHead's fp32 re-scoring
+        model.lm_head = Int4LMHead(head, model.lm_head)  # type: ignore[assignment]
     if packed:
         # a packed v/o projection cannot take an int4 KV layer's value rotation into its weights
         # (LlamaAttention.fold_value_rotation rewrites float weights); without this method the KV

@@ -6,8 +6,8 @@ serves tp 1 and tp N. Column-parallel layers split the output dim (no communicat
 layers split the input dim and all-reduce their partial sums.
 
 A full tensor may also be a GGUF 4-bit matrix (qlinear.Q4Rows, weight_quantization="gguf"): the same
-loader places it in the layer's Q4Rows and, dequantized, in its weight; pack_weights() then puts a
-layer whose every shard came in 4 bits on torch's packed int4 product and drops the float weight.
+loader places it in the layer's Q4Rows and, dequantized, in its weight; pack_weights() then gives a
+layer whose every shard came in 4 bits torch's packed int4 product for small batches (int4_rows).
 """
 
 from __future__ import annotations
@@ -110,6 +110,18 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, panel_rows
     return mm(x, w, b)
 
 
+INT4_MAX_ROWS = 16  # packed int4 products up to this many rows (see int4_rows)
+
+
+def int4_rows(x: torch.Tensor) -> bool:
+    """Whether x's rows go to a packed layer's int4 product (weight_quantization="gguf"). Decode batches
+    are bound by reading the weights, where int4 reads 1/6 of fp32's bytes (2.5x faster at 1 row);
+    from ~16 rows on the product is bound by arithmetic, and the bf16 int4 kernel is 2-4x slower
+    than MKL's fp32 sgemm at 128-512 rows, so prefill chunks and large batches use the float weight.
+    Under batch_invariant every row takes int4, whose row results never depend on the batch."""
+    return x.shape[0] <= INT4_MAX_ROWS or _invariant(x)
+
+
 def _divide(n: int, tp: int, what: str) -> int:
     if n % tp:
         raise NanoKVError("tensor_parallel_size", f"{tp} does not divide {what} ({n})")
@@ -153,17 +165,16 @@ class LinearBase(nn.Module):
         self.weight_loader(param, full, shard_id)
 
     def pack_weights(self) -> bool:
-        """After loading: a layer whose shards all came as 4-bit GGUF rows (and one TP rank) multiplies
-        on them packed from now on; its float weight is dropped. Returns whether it did."""
+        """After loading: a layer whose shards all came as 4-bit GGUF rows (and one TP rank) gets them
+        packed for small batches (int4_rows); the float weight stays for large ones. Returns whether it did."""
         rows, self.qrows = self.qrows, None
         if rows is None or self.shards_float or self.tp_size > 1:
             return False
         self.qlinear = Int4Linear.from_q4(rows)
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
         return True
 
     def _matmul(self, x: torch.Tensor, b: torch.Tensor | None, panel_rows: int | None = None) -> torch.Tensor:
-        if self.qlinear is not None:  # (each row's result is independent of the batch: no padding needed)
+        if self.qlinear is not None and int4_rows(x):
             return self.qlinear(x, b)
         return linear(x, self.weight, b, panel_rows)
 

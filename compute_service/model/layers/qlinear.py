@@ -125,21 +125,27 @@ class Int4Linear:
 
 
 class Int4LMHead(nn.Module):
-    """The LM head on packed weights (ParallelLMHead's place; one rank): hidden [n, H] -> logits [n, V].
+    """The LM head on packed weights for small batches (layers.linear.int4_rows), the model's float
+    head (`full`: ParallelLMHead, one rank) for large ones: hidden [n, H] -> logits [n, V].
 
     The int4 product returns bf16, whose step at a logit of 16-32 is 0.125: two candidates 0.08
     apart in fp32 come out tied, and greedy picks by index. So the `refine` largest logits of each
     row (where the choice is made) are recomputed in fp32 from the float matrix (the dequantized
     GGUF values: [V, H], the embedding table when tied); the rest keep bf16's resolution."""
 
-    def __init__(self, linear: Int4Linear, weight: torch.Tensor, refine: int = 32):
+    def __init__(self, linear: Int4Linear, full: nn.Module, refine: int = 32):
         super().__init__()
         self.linear = linear
-        self.weight = weight  # float [V, H] (not a Parameter of this module: it is the embedding's when tied)
+        self.full = full
         self.refine = refine
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from nanokv.compute_service.model.layers.linear import int4_rows
+
+        if not int4_rows(hidden):
+            return self.full(hidden)
         logits = self.linear(hidden)
         idx = logits.topk(self.refine, dim=-1).indices  # [n, k]
-        exact = torch.bmm(self.weight[idx], hidden.unsqueeze(-1)).squeeze(-1)  # [n, k, H] @ [n, H, 1]
+        w: torch.Tensor = self.full.weight  # type: ignore[assignment]  # [V, H]
+        exact = torch.bmm(w[idx], hidden.unsqueeze(-1)).squeeze(-1)  # [n, k, H] @ [n, H, 1]
         return logits.scatter_(-1, idx, exact.to(logits.dtype))
