@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -101,6 +101,23 @@ def sim_manager(capacity: int, block_size: int, policy: str, *, lru_k: int = 2,
         return KVCacheManager(capacity, block_size, eviction_policy=policy, lru_k=lru_k, policy_kwargs=policy_kwargs)
 
 
+def admitted(requests: Sequence[TraceRequest], keys: Sequence[Sequence[bytes]], block_size: int, capacity: int,
+             oracle: NextUseOracle | None, totals: list[int]) -> Iterator[tuple[int, Sequence[bytes], int, list[int]]]:
+    """The replay model's requests, one at a time: (index, the hashes that fit the cache, their tokens,
+    every block's token count).
+    Adds every request's blocks and tokens to totals ([blocks, tokens]), fitting or not, and moves the
+    Belady oracle's clock. Shared by the single-tier and the tiered replay."""
+    for i, (req, hashes) in enumerate(zip(requests, keys)):
+        if oracle is not None:
+            oracle.now = i
+        sizes = block_tokens(req, block_size)
+        totals[0] += len(sizes)
+        totals[1] += sum(sizes)
+        n = min(len(hashes), capacity)
+        if n:
+            yield i, hashes[:n], n * block_size, sizes
+
+
 def replay(
     requests: Sequence[TraceRequest],
     policy: str,
@@ -126,27 +143,19 @@ def replay(
         assert oracle is not None  # narrowing: built just above
         cm = KVCacheManager(capacity, block_size, eviction_policy="lru")
         cm.pool.policy = build(capacity, oracle)  # nothing is cached yet: the LRU placeholder holds no state
-    b_hits = b_total = t_hits = t_total = 0
-    for i, (req, hashes) in enumerate(zip(requests, keys)):
-        if oracle is not None:
-            oracle.now = i
-        sizes = block_tokens(req, block_size)
-        b_total += len(sizes)
-        t_total += sum(sizes)
-        n = min(len(hashes), capacity)
-        if n == 0:
-            continue
-        hashes = hashes[:n]
-        num_tokens = n * block_size
+    b_hits = t_hits = 0
+    totals = [0, 0]
+    for i, hashes, num_tokens, sizes in admitted(requests, keys, block_size, capacity, oracle, totals):
         match = cm.match_prefix(range(num_tokens + 1), block_hashes=hashes)
         table = cm.allocate(i, num_tokens, match)
         if table is None:  # cannot happen: nothing else is pinned between requests
-            raise RuntimeError(f"request {i}: {n} blocks do not fit in {capacity}")
+            raise RuntimeError(f"request {i}: {len(hashes)} blocks do not fit in {capacity}")
         k = len(match.block_ids)
         b_hits += k
         t_hits += sum(sizes[:k])
         cm.cache_blocks(i, range(num_tokens), num_tokens)
         cm.free(i)
+    b_total, t_total = totals
     return ReplayResult(policy, capacity, b_hits, b_total, t_hits, t_total, cm.stats.evictions,
                         time.perf_counter() - t0)
 

@@ -22,7 +22,7 @@ from nanokv.cache_service.tiers.formats import KVShape, TierFormat, blocks_for_b
 from nanokv.cache_service.tiers.hierarchy import L1, TieredCache
 from nanokv.cache_service.tiers.lower_tier import LowerTier
 from nanokv.errors import NanoKVError
-from nanokv_tools.sim.replay import NextUseOracle, block_tokens, keys_of, sim_manager
+from nanokv_tools.sim.replay import NextUseOracle, admitted, keys_of, sim_manager
 from nanokv_tools.sim.traces import TraceRequest
 
 GIB = 1 << 30
@@ -140,23 +140,13 @@ def replay_tiered(requests: Sequence[TraceRequest], l1_policy: str, l1_capacity:
     l1_fmt = tier_format(l1_format, shape)
     tc = TieredCache(cm, tiers, l1_format=l1_fmt)
     hit_tokens = dict.fromkeys(tc.names, 0)
-    b_total = t_total = 0
-    for i, (req, hashes) in enumerate(zip(requests, keys)):
-        if oracle is not None:
-            oracle.now = i
-        sizes = block_tokens(req, block_size)
-        b_total += len(sizes)
-        t_total += sum(sizes)
-        n = min(len(hashes), l1_capacity)
-        if n == 0:
-            continue
-        hashes = hashes[:n]
-        num_tokens = n * block_size
+    totals = [0, 0]
+    for i, hashes, num_tokens, sizes in admitted(requests, keys, block_size, l1_capacity, oracle, totals):
         match = cm.match_prefix(range(num_tokens + 1), block_hashes=hashes)
         lm = tc.match_lower(match)
         tc.begin_load(lm)
         if cm.allocate(i, num_tokens, match) is None:  # cannot happen: nothing else is pinned between requests
-            raise RuntimeError(f"request {i}: {n} blocks do not fit in {l1_capacity}")
+            raise RuntimeError(f"request {i}: {len(hashes)} blocks do not fit in {l1_capacity}")
         k = lm.start
         hit_tokens[L1] += sum(sizes[:k])
         for j, lvl in enumerate(lm.sources):
@@ -174,6 +164,7 @@ def replay_tiered(requests: Sequence[TraceRequest], l1_policy: str, l1_capacity:
     caps = tc.capacity_bytes() or {}
     tiers_doc = [{"name": t.name, "policy": t.policy_name, "format": t.format.name, "capacity": t.capacity,
                   "bytes": t.capacity_bytes(), "keep_on_load": t.keep_on_load} for t in tiers]
+    b_total, t_total = totals
     return TieredResult(l1_policy, l1_capacity, tiers_doc, b_total, t_total, dict(st.hit_blocks),
                         hit_tokens, counters, sum(caps.values()), time.perf_counter() - t0)
 
