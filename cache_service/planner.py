@@ -16,10 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from nanokv.cache_service.manager import KVCacheManager
 from nanokv.errors import NanoKVError
 from nanokv.messages import PlanReply, PlanRequest, TableDelta
+
+if TYPE_CHECKING:
+    from nanokv.cache_service.tiers.hierarchy import LowerMatch
+    from nanokv.cache_service.tiers.serving import ServingTiers
 
 
 @dataclass
@@ -32,11 +37,14 @@ class _SeqState:
 
 
 class Planner:
-    def __init__(self, manager: KVCacheManager, on_admit: Callable[[list[bytes]], None] | None = None):
+    def __init__(self, manager: KVCacheManager, on_admit: Callable[[list[bytes]], None] | None = None,
+                 tiers: ServingTiers | None = None):
         """on_admit: called with an admitted sequence's prompt block hashes, capped like a prefix match
-        (the adaptive controller's ghost caches, nanokv.cache_service.ghosts, replay them)."""
+        (the adaptive controller's ghost caches, nanokv.cache_service.ghosts, replay them).
+        tiers: the lower tiers (cache_service/tiers/serving.py): a prefix hit goes on below L1."""
         self.manager = manager
         self.on_admit = on_admit
+        self.tiers = tiers
         self._seqs: dict[int, _SeqState] = {}
 
     @property
@@ -102,18 +110,24 @@ class Planner:
                 st = self._state(seq_id, "waiting")
                 tokens = st.token_ids[:num_tokens]
                 prefix = cm.match_prefix(tokens, st.cache_salt)
-                n = num_tokens - prefix.num_tokens
+                lower = self.tiers.begin(prefix) if self.tiers is not None else None
+                hit = prefix.num_tokens + (lower.num_blocks * cm.block_size if lower is not None else 0)
+                n = num_tokens - hit
                 if n > budget:
                     if not req.chunked_prefill:
+                        self._cancel(lower)
                         break
                     n = budget
-                if cm.allocate(seq_id, prefix.num_tokens + n, prefix) is None:
+                if cm.allocate(seq_id, hit + n, prefix) is None:
+                    self._cancel(lower)
                     break
+                if lower is not None:
+                    self._land(lower, seq_id, st, hit, reply)
                 if computed_before:
-                    cm.record_recompute(max(0, computed_before - prefix.num_tokens))
+                    cm.record_recompute(max(0, computed_before - hit))
                 running.append(seq_id)
                 scheduled.append(seq_id)
-                reply.admitted.append((seq_id, prefix.num_tokens, n))
+                reply.admitted.append((seq_id, hit, n))
                 if self.on_admit is not None:  # the prompt's blocks, as the gateway-side ghosts see them
                     self.on_admit(prefix.block_hashes[:(st.prompt_len - 1) // cm.block_size])
                 budget -= n
@@ -131,7 +145,26 @@ class Planner:
                 reply.tables.append(TableDelta(seq_id, start, table[start:]))
             st.sent = len(table)
         reply.used_blocks = cm.num_used_blocks()
+        if self.tiers is not None:
+            reply.copies = self.tiers.take_copies()
         return reply
+
+    def _cancel(self, lower: LowerMatch | None) -> None:
+        if lower is not None and self.tiers is not None:
+            self.tiers.cancel(lower)
+
+    def _land(self, lower: LowerMatch, seq_id: int, st: _SeqState, hit: int, reply: PlanReply) -> None:
+        """The blocks below L1 go into the sequence's fresh blocks (copies the step runs first) and
+        are published in L1 now: no step reads them before those copies."""
+        tiers = self.tiers
+        if tiers is None or not lower.num_blocks:
+            if tiers is not None:
+                tiers.finish(lower)
+            return
+        loaded = tiers.land(lower, self.manager.block_table(seq_id))
+        self.manager.cache_blocks(seq_id, st.token_ids, hit, st.cache_salt)
+        tiers.finish(lower)
+        reply.loaded.append((seq_id, loaded, 0))
 
     def _preempt(self, seq_id: int, running: list[int], preempted: set[int], reply: PlanReply) -> None:
         running.remove(seq_id)

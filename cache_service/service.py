@@ -17,6 +17,7 @@ reads their evidence once a window (ghost_window) and switches the live policy w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 from nanokv.cache_service.manager import CacheStats, KVCacheManager
 from nanokv.cache_service.plan_trace import plan_span
 from nanokv.cache_service.planner import Planner
+from nanokv.cache_service.tiers.stats import add_tier_stats
 from nanokv.cache_service.validate import validate_plan
 from nanokv.config import ADAPTIVE_START_POLICY, CacheConfig
 from nanokv.errors import PreconditionError, StaleEpoch
@@ -35,6 +37,7 @@ from nanokv.service_api import PendingPlan
 if TYPE_CHECKING:
     from nanokv.cache_service.ghosts import GhostCaches
     from nanokv.cache_service.storage import PoolStorage
+    from nanokv.cache_service.tiers.serving import ServingTiers
 
 log = logging.getLogger("nanokv.cache_service")
 
@@ -74,6 +77,8 @@ class CacheService:
         self.manager: KVCacheManager | None = None
         self.planner: Planner | None = None
         self.storage: PoolStorage | None = None  # (its module imports torch: loaded on attach)
+        self.host_storage: PoolStorage | None = None  # the host tier's segment (cpu_offload_bytes)
+        self.tiers: ServingTiers | None = None
         # epochs start at this incarnation's start time (ms): a restarted cache service never hands
         # out an epoch a compute service or gateway still holds from the one before
         self.epoch = int(time.time() * 1000)
@@ -108,8 +113,37 @@ class CacheService:
                 carried.evictions_by_policy.setdefault(self.manager.policy_name, 0)
                 self.manager.stats = carried
             self._attach_ghosts(layout)
-            self.planner = Planner(self.manager, self.ghosts.observe if self.ghosts is not None else None)
-            return storage.handle()
+            self.tiers = None
+            handle = storage.handle()
+            if cfg.cpu_offload_bytes:
+                handle = self._attach_host_tier(layout, handle)
+            self.planner = Planner(self.manager, self.ghosts.observe if self.ghosts is not None else None,
+                                   tiers=self.tiers)
+            return handle
+
+    def _attach_host_tier(self, layout: PoolLayout, handle: PoolHandle) -> PoolHandle:
+        """L2: a host segment of as many blocks of the pool's layout as cpu_offload_bytes holds, made
+        anew with each pool (its slots are addressed by the new pool's copies)."""
+        from nanokv.cache_service.storage import PoolStorage, host_layout
+        from nanokv.cache_service.tiers.formats import TierFormat
+        from nanokv.cache_service.tiers.serving import ServingTiers
+
+        cfg = self.config
+        if layout.rank_devices:
+            raise PreconditionError("cpu_offload_bytes", "the host tier does not support tensor parallelism yet")
+        if 4 in layout.layer_bits:  # an int4 layer keeps recent blocks in its staging, outside the codes
+            raise PreconditionError("cpu_offload_bytes", "the host tier holds 16- and 8-bit layers only, "
+                                                         "not int4 (quantization_bitwidth 4)")
+        l2, per_block = host_layout(layout, cfg.cpu_offload_bytes)
+        if self.host_storage is not None:
+            self.host_storage.close()
+        self.host_storage = PoolStorage(l2, self.shared, self.epoch)
+        assert self.manager is not None  # made by attach, under the lock
+        fmt = TierFormat("pool", max(layout.layer_bits), per_block)
+        self.tiers = ServingTiers(self.manager, l2.num_blocks, fmt, cfg.cpu_offload_policy)
+        log.info("host tier (L2): %d blocks, %d bytes, policy %s", l2.num_blocks, self.host_storage.nbytes,
+                 cfg.cpu_offload_policy)
+        return dataclasses.replace(handle, host_tier=self.host_storage.handle(), host_tier_blocks=l2.num_blocks)
 
     def _attach_ghosts(self, layout: PoolLayout) -> None:
         """The ghosts model the live pool: made once, then resized with it (a repool keeps their
@@ -148,7 +182,9 @@ class CacheService:
     def _drop_pool(self) -> None:
         if self.storage is not None:
             self.storage.close()
-        self.storage = self.manager = self.planner = None
+        if self.host_storage is not None:
+            self.host_storage.close()
+        self.storage = self.host_storage = self.manager = self.planner = self.tiers = None
 
     def close(self) -> None:
         with self.lock:
@@ -189,6 +225,8 @@ class CacheService:
             if self.manager is None:
                 raise NotAttached()
             self.manager.reset_prefix_cache()
+            if self.tiers is not None:
+                self.tiers.clear()
             if clear_stats:
                 self.manager.stats.clear()
 
@@ -233,7 +271,7 @@ class CacheService:
             if cm is None:
                 raise NotAttached()
             cs = cm.stats
-            return {
+            out: CacheServiceStats = {
                 "kv_cache_usage": cm.usage(),
                 "kv_blocks_total": cm.num_blocks,
                 "kv_blocks_free": cm.num_free_blocks(),
@@ -249,3 +287,6 @@ class CacheService:
                 "attached_epoch": self.attached_epoch,
                 "plan_calls": self.plan_calls,
             }
+            if self.tiers is not None:
+                add_tier_stats(out, self.tiers)
+            return out

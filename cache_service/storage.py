@@ -33,6 +33,23 @@ def rank_layouts(layout: PoolLayout) -> list[PoolLayout]:
             for heads, device in zip(layout.rank_kv_heads, layout.rank_devices)]
 
 
+def host_layout(layout: PoolLayout, budget_bytes: int) -> tuple[PoolLayout, int]:
+    """The host tier's layout: the pool's, on the host, with as many blocks as `budget_bytes` holds;
+    and the bytes one block takes there. A ConfigError when the budget holds no block."""
+    from nanokv.errors import ConfigError
+
+    one = dataclasses.replace(layout, device="cpu", rank_kv_heads=[], rank_devices=[], num_blocks=1024)
+    fixed = pool_nbytes(dataclasses.replace(one, num_blocks=1))  # (alignment and int4 staging)
+    per_block = max(1, (pool_nbytes(one) - fixed) // 1023)
+    n = (budget_bytes - fixed) // per_block
+    while n > 0 and pool_nbytes(dataclasses.replace(one, num_blocks=n)) > budget_bytes:
+        n -= 1
+    if n < 1:
+        raise ConfigError("cpu_offload_bytes", f"{budget_bytes} bytes hold no KV block of this pool "
+                                               f"(one takes about {per_block + fixed} bytes)")
+    return dataclasses.replace(one, num_blocks=n), per_block
+
+
 class PoolStorage:
     """The segment the cache service owns: allocated on attach, removed on close. Under tensor
     parallelism it also owns one segment per further rank (`ranks`), always shareable: those ranks

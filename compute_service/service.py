@@ -30,6 +30,7 @@ from nanokv.compute_service.adaptive_hooks import (
 )
 from nanokv.compute_service.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from nanokv.compute_service.runner.sampler import Sampler
+from nanokv.compute_service.runner.tier_copies import HostTier, run_copies
 from nanokv.compute_service.runner.tp_protocol import TokenWindow
 from nanokv.compute_service.step_io import HostCopies, Launched
 from nanokv.compute_service.step_trace import forward_span
@@ -96,6 +97,7 @@ class ComputeService:
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # previous step's samples on the device
         self._host = HostCopies(cfg.max_num_seqs)  # where the sampled ids land on the host
         self._next_step = 0
+        self._l2: HostTier | None = None  # the host tier's tensors (_host_tier)
         self.forward_ns = 0
         self.steps = 0
         stage = getattr(self.runner, "stage", None)
@@ -215,6 +217,8 @@ class ComputeService:
             raise NanoKVError("step_id", f"got step {req.step_id}, expected {self._next_step}")
         self._next_step += 1
         self._apply(req)
+        if req.copies:  # the memory hierarchy's moves, before anything reads or writes those blocks
+            run_copies(req.copies, self.runner.kv_caches, self._host_tier(), self.runner.num_blocks)
         if not req.seq_ids:
             return Launched(req.step_id, StepResult(req.step_id))
         t0 = time.perf_counter_ns()
@@ -258,6 +262,15 @@ class ComputeService:
         ns = time.perf_counter_ns() - t0
         self.forward_ns += ns
         return Launched(req.step_id, None, host, event)
+
+    def _host_tier(self) -> HostTier | None:
+        """The cache service's host tier, mapped once per pool (a re-attach brings a new one)."""
+        h = getattr(self.runner, "pool_handle", None)
+        if h is None or h.host_tier is None:
+            return None
+        if self._l2 is None or self._l2.epoch != h.epoch:
+            self._l2 = HostTier(h, self.runner.pool_layout)
+        return self._l2
 
     def collect(self, launched: PendingStep) -> StepResult:
         return launched.wait()

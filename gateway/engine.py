@@ -329,6 +329,7 @@ class Engine:
         """The compute service's view of a scheduled step (nanokv.gateway.step_request); the ended
         sequences it carries are then off the engine's list."""
         req = build_step_request(out, next(self._step_ids), self._finished_ids)
+        req.copies = self.scheduler.take_copies()
         self._finished_ids = []
         return req
 

@@ -32,6 +32,8 @@ class RequestOutput:
     error: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     extra: dict[str, Any] = field(default_factory=dict)
+    # num_cached_tokens per tier ("L1", "L2", "L3") when lower tiers served part of it, else None
+    cached_tokens_by_tier: dict[str, int] | None = None
 
 
 def on_token(eng: Engine, seq: Sequence, tok: int, lp: tuple[float, dict[int, float]] | None,
@@ -80,5 +82,5 @@ def on_token(eng: Engine, seq: Sequence, tok: int, lp: tuple[float, dict[int, fl
         new_token_ids=new_tokens, text=seq.text,
         delta_text=delta_text, finished=reason is not None, finish_reason=reason,
         num_cached_tokens=seq.num_cached_tokens, logprobs=list(seq.logprobs) if p.logprobs is not None else None,
-        metrics=seq.metrics, stop_reason=seq.stop_reason,
+        metrics=seq.metrics, stop_reason=seq.stop_reason, cached_tokens_by_tier=seq.cached_tokens_by_tier,
     )

@@ -86,6 +86,9 @@ class Scheduler:
         self.plan_calls = 0
         self._ahead: _Planned | None = None  # the next step's plan, sent ahead (async scheduling)
         self._held: list[tuple[int, int]] = []  # commits waiting for the tokens they cover (update(hold=True))
+        # the memory hierarchy's copies the plans asked for, in order, until a step carries them
+        # (take_copies): a plan whose batch came out empty leaves its copies to the next step
+        self.copies: list[tuple[int, int, int]] = []
 
     # ---- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -217,6 +220,8 @@ class Scheduler:
         out = SchedulerOutput()
         reply = planned.wait()
         self.used_blocks = reply.used_blocks
+        self.copies.extend(reply.copies)
+        loaded = {seq_id: (l2, l3) for seq_id, l2, l3 in reply.loaded}
         by_id = {s.seq_id: s for s in self.running}
         for seq_id in reply.preempted:
             seq = by_id.get(seq_id)
@@ -241,6 +246,9 @@ class Scheduler:
             if not seq.ever_scheduled:
                 seq.num_cached_tokens = hit
                 seq.ever_scheduled = True
+                if seq_id in loaded:  # part of the hit came from the lower tiers
+                    l2, l3 = loaded[seq_id]
+                    seq.cached_tokens_by_tier = {"L1": hit - l2 - l3, "L2": l2, "L3": l3}
             seq.computed_before_preemption = 0
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -249,6 +257,11 @@ class Scheduler:
         if left:  # the compute service must not get the tables of sequences that left back
             ids = {s.seq.seq_id for s in out.scheduled}
             out.tables = [d for d in reply.tables if d.seq_id in ids]
+        return out
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """The copies for the step about to be sent (it runs them before its forward pass)."""
+        out, self.copies = self.copies, []
         return out
 
     def _emit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:

@@ -46,6 +46,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    cached_tokens_by_tier: dict[str, int] | None = None  # that hit per tier, when lower tiers served part
     ever_scheduled: bool = False
     params_sent: bool = False  # the compute service has this sequence's sampling params
     num_preemptions: int = 0

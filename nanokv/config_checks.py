@@ -156,3 +156,24 @@ def parse_bitwidth(value: Any) -> dict[str, Any]:
             layers[str(int(k))] = int(b)
         return {"default": default, "layers": layers}
     raise ConfigError("quantization_bitwidth", f"got {value!r}; allowed: {allowed} or a per-layer dict")
+
+
+TIER_POLICIES = tuple(p for p in EVICTION_POLICIES if p not in ("adaptive", "depth_lru"))
+
+
+def tiers(cfg: Any) -> None:
+    """The lower tiers' settings (CacheConfig): sizes, policies, and L3 only below an L2."""
+    int_range(cfg, "cpu_offload_bytes", 0)
+    int_range(cfg, "disk_cache_bytes", 0)
+    choice(cfg, "cpu_offload_policy", TIER_POLICIES)
+    choice(cfg, "disk_cache_policy", TIER_POLICIES)
+    d = cfg.disk_cache_dir
+    if d is not None and (not isinstance(d, str) or not d.strip()):
+        raise ConfigError("disk_cache_dir", f"got {d!r}; a directory path, or null (no disk tier)")
+    if (d is None) != (cfg.disk_cache_bytes == 0):
+        raise ConfigError("disk_cache_bytes", "the disk tier needs both disk_cache_dir and disk_cache_bytes > 0 "
+                                              f"(got dir={d!r}, bytes={cfg.disk_cache_bytes})")
+    if d is not None and cfg.cpu_offload_bytes == 0:
+        raise ConfigError("disk_cache_dir", "the disk tier (L3) sits below the host tier: set cpu_offload_bytes > 0")
+    if cfg.cpu_offload_bytes and not cfg.enable_prefix_caching:
+        raise ConfigError("cpu_offload_bytes", "lower tiers hold prefix-cache blocks: needs enable_prefix_caching")

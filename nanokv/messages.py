@@ -15,11 +15,14 @@ sequence's prompt travels once (PlanRequest.new_seqs), its sampling params once
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from nanokv.sampling import SamplingParams
 
 PLACEHOLDER = -1  # an input token the compute service takes from its previous step's samples
+# KV copies between the device pool (L1) and the host tier (L2), (kind, L1 block, L2 slot), run by the
+# compute service in the order given, before the step's forward pass (cache_service/tiers/serving.py)
+COPY_SAVE, COPY_LOAD = 0, 1  # L1 block -> L2 slot (write-back of a victim), L2 slot -> L1 block (a hit)
 
 
 @dataclass
@@ -72,6 +75,8 @@ class PlanReply:
     admitted: list[tuple[int, int, int]] = field(default_factory=list)  # (seq_id, prefix-hit tokens, new tokens)
     tables: list[TableDelta] = field(default_factory=list)  # for every sequence that runs this step
     used_blocks: int = 0  # blocks referenced by sequences after the plan (the adaptive controller's gauge)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # (COPY_*, L1 block, L2 slot), in order
+    loaded: list[tuple[int, int, int]] = field(default_factory=list)  # (seq_id, tokens from L2, from L3) of admitted
 
 
 @dataclass
@@ -92,6 +97,7 @@ class StepRequest:
     preempted: list[int] = field(default_factory=list)  # forget tables (blocks went back to the cache)
     epoch: int = 0  # the pool the plan was made on (0: unchecked)
     gateway_id: str = ""
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # PlanReply.copies, run before the forward
 
 
 @dataclass
@@ -158,6 +164,9 @@ class PoolHandle:
     buffer: object = None
     cuda: CudaIpcHandle | None = None
     ranks: list[PoolHandle] = field(default_factory=list)  # ranks 1..N-1's pools (tensor parallelism)
+    # the host tier (L2): a segment of `host_tier_blocks` blocks in the pool's layout, on the host
+    host_tier: PoolHandle | None = None
+    host_tier_blocks: int = 0
 
 
 @dataclass
@@ -217,6 +226,11 @@ class CacheServiceStats(TypedDict):
     epoch: int  # the last pool allocated
     attached_epoch: int  # the pool a compute service holds now (0: none)
     plan_calls: int
+    # the memory hierarchy (absent without lower tiers): per tier "L1", "L2", ...; moves "L1->L2", ...
+    tier_hit_tokens: NotRequired[dict[str, int]]
+    tier_blocks: NotRequired[dict[str, int]]
+    tier_capacity_blocks: NotRequired[dict[str, int]]
+    tier_moved_blocks: NotRequired[dict[str, int]]
 
 
 class ComputeServiceStats(TypedDict):

@@ -99,9 +99,16 @@ class CacheConfig(KVFormat, ServiceProcess, Adaptive):
     prefix_caching_hash_algo: str = "sha256"
     # the ghost caches the adaptive controller's policy rule reads (docs/adaptive.md)
     adaptive_policy_candidates: str = ck.ADAPTIVE_POLICY_CANDIDATES
+    # the memory hierarchy below the device pool (docs/hierarchy.md); 0 / None = off
+    cpu_offload_bytes: int = 0  # L2: host memory (shared with the compute service) for evicted blocks
+    cpu_offload_policy: str = "lru"  # L2's own eviction policy
+    disk_cache_dir: str | None = None  # L3: a directory of block files, kept across restarts
+    disk_cache_bytes: int = 0  # L3's byte budget
+    disk_cache_policy: str = "lru"
 
     def __post_init__(self) -> None:
         ck.choice(self, "eviction_policy", ck.EVICTION_POLICIES)
+        ck.tiers(self)
         ck.choice(self, "prefix_caching_hash_algo", ck.HASH_ALGOS)
         ck.int_range(self, "lru_k", 2, 3)
         ck.boolean(self, "enable_prefix_caching", "adaptive")

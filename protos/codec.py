@@ -119,6 +119,9 @@ def handle_to_pb(h: PoolHandle) -> pb.PoolHandle:
             ref_counter_offset=c.ref_counter_offset, event_handle=c.event_handle,
             event_sync_required=c.event_sync_required))
     m.ranks.extend(handle_to_pb(r) for r in h.ranks)
+    if h.host_tier is not None:
+        m.host_tier.CopyFrom(handle_to_pb(h.host_tier))
+        m.host_tier_blocks = h.host_tier_blocks
     return m
 
 
@@ -128,7 +131,9 @@ def handle_from_pb(m: pb.PoolHandle) -> PoolHandle:
         c = m.cuda
         cuda = CudaIpcHandle(c.device_uuid, c.device_index, c.handle, c.storage_bytes, c.storage_offset,
                              c.ref_counter_handle, c.ref_counter_offset, c.event_handle, c.event_sync_required)
-    return PoolHandle(m.kind, m.nbytes, m.epoch, path=m.path, cuda=cuda, ranks=[handle_from_pb(r) for r in m.ranks])
+    return PoolHandle(m.kind, m.nbytes, m.epoch, path=m.path, cuda=cuda, ranks=[handle_from_pb(r) for r in m.ranks],
+                      host_tier=handle_from_pb(m.host_tier) if m.HasField("host_tier") else None,
+                      host_tier_blocks=m.host_tier_blocks)
 
 
 def plan_request_to_pb(r: PlanRequest) -> pb.PlanRequest:
@@ -162,12 +167,13 @@ def _deltas_from_pb(deltas: Iterable[pb.TableDelta]) -> list[TableDelta]:
 
 def plan_reply_to_pb(r: PlanReply) -> pb.PlanReply:
     return pb.PlanReply(preempted=pack(r.preempted), admitted=pack_tuples(r.admitted), tables=_deltas_to_pb(r.tables),
-                        used_blocks=r.used_blocks)
+                        used_blocks=r.used_blocks, copies=pack_tuples(r.copies), loaded=pack_tuples(r.loaded))
 
 
 def plan_reply_from_pb(m: pb.PlanReply) -> PlanReply:
     return PlanReply(unpack(m.preempted, "preempted"), unpack_triples(m.admitted, "admitted"),
-                     _deltas_from_pb(m.tables), m.used_blocks)
+                     _deltas_from_pb(m.tables), m.used_blocks, unpack_triples(m.copies, "copies"),
+                     unpack_triples(m.loaded, "loaded"))
 
 
 def cache_stats_to_pb(s: CacheServiceStats) -> pb.CacheStats:
@@ -175,13 +181,19 @@ def cache_stats_to_pb(s: CacheServiceStats) -> pb.CacheStats:
 
 
 def cache_stats_from_pb(m: pb.CacheStats) -> CacheServiceStats:
-    return CacheServiceStats(
+    out = CacheServiceStats(
         kv_cache_usage=m.kv_cache_usage, kv_blocks_total=m.kv_blocks_total, kv_blocks_free=m.kv_blocks_free,
         kv_blocks_cached=m.kv_blocks_cached, prefix_queries_tokens=m.prefix_queries_tokens,
         prefix_hits_tokens=m.prefix_hits_tokens, evictions_by_policy=dict(m.evictions_by_policy),
         eviction_policy=m.eviction_policy, recomputed_tokens=m.recomputed_tokens,
         cache_preemptions=m.cache_preemptions, num_seqs=m.num_seqs, epoch=m.epoch, attached_epoch=m.attached_epoch,
         plan_calls=m.plan_calls)
+    if m.tier_capacity_blocks:  # lower tiers
+        out["tier_hit_tokens"] = dict(m.tier_hit_tokens)
+        out["tier_blocks"] = dict(m.tier_blocks)
+        out["tier_capacity_blocks"] = dict(m.tier_capacity_blocks)
+        out["tier_moved_blocks"] = dict(m.tier_moved_blocks)
+    return out
 
 
 def ghost_scores_to_pb(g: GhostScores) -> pb.GhostScores:
@@ -241,7 +253,8 @@ def step_request_to_pb(r: StepRequest) -> pb.StepRequest:
         num_prefills=r.num_prefills, tokens=pack(r.tokens), sample_rows=pack(r.sample_rows),
         tables=_deltas_to_pb(r.tables),
         new_seqs=[pb.SeqParams(seq_id=s, params=params_to_pb(p)) for s, p in r.new_seqs],
-        finished=pack(r.finished), preempted=pack(r.preempted), epoch=r.epoch, gateway_id=r.gateway_id)
+        finished=pack(r.finished), preempted=pack(r.preempted), epoch=r.epoch, gateway_id=r.gateway_id,
+        copies=pack_tuples(r.copies))
 
 
 def step_request_from_pb(m: pb.StepRequest) -> StepRequest:
@@ -250,7 +263,8 @@ def step_request_from_pb(m: pb.StepRequest) -> StepRequest:
         unpack(m.num_new, "num_new"), m.num_prefills, unpack(m.tokens, "tokens"),
         unpack(m.sample_rows, "sample_rows"), _deltas_from_pb(m.tables),
         [(s.seq_id, params_from_pb(s.params)) for s in m.new_seqs],
-        unpack(m.finished, "finished"), unpack(m.preempted, "preempted"), m.epoch, m.gateway_id)
+        unpack(m.finished, "finished"), unpack(m.preempted, "preempted"), m.epoch, m.gateway_id,
+        unpack_triples(m.copies, "copies"))
     B = len(r.seq_ids)
     if len(r.num_computed) != B or len(r.num_new) != B:
         raise ValueError(f"num_computed, num_new: one value per row of seq_ids ({B})")

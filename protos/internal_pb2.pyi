@@ -92,20 +92,24 @@ class CacheInfo(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., enable_compression: _Optional[bool] = ..., default_bits: _Optional[int] = ..., layer_bits: _Optional[_Mapping[int, int]] = ..., eviction_policy: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., lru_k: _Optional[int] = ..., prefix_caching_hash_algo: _Optional[str] = ..., adaptive: _Optional[bool] = ..., adaptive_policy_candidates: _Optional[str] = ..., device: _Optional[str] = ..., gateway_lease_s: _Optional[float] = ..., metrics_port: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PoolHandle(_message.Message):
-    __slots__ = ("kind", "nbytes", "epoch", "path", "cuda", "ranks")
+    __slots__ = ("kind", "nbytes", "epoch", "path", "cuda", "ranks", "host_tier", "host_tier_blocks")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     nbytes: int
     epoch: int
     path: str
     cuda: CudaIpcHandle
     ranks: _containers.RepeatedCompositeFieldContainer[PoolHandle]
-    def __init__(self, kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., epoch: _Optional[int] = ..., path: _Optional[str] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[PoolHandle, _Mapping]]] = ...) -> None: ...
+    host_tier: PoolHandle
+    host_tier_blocks: int
+    def __init__(self, kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., epoch: _Optional[int] = ..., path: _Optional[str] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[PoolHandle, _Mapping]]] = ..., host_tier: _Optional[_Union[PoolHandle, _Mapping]] = ..., host_tier_blocks: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("device_uuid", "device_index", "handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
@@ -190,20 +194,52 @@ class TableDelta(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., blocks: _Optional[bytes] = ...) -> None: ...
 
 class PlanReply(_message.Message):
-    __slots__ = ("preempted", "admitted", "tables", "used_blocks")
+    __slots__ = ("preempted", "admitted", "tables", "used_blocks", "copies", "loaded")
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
     preempted: bytes
     admitted: bytes
     tables: _containers.RepeatedCompositeFieldContainer[TableDelta]
     used_blocks: int
-    def __init__(self, preempted: _Optional[bytes] = ..., admitted: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., used_blocks: _Optional[int] = ...) -> None: ...
+    copies: bytes
+    loaded: bytes
+    def __init__(self, preempted: _Optional[bytes] = ..., admitted: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., used_blocks: _Optional[int] = ..., copies: _Optional[bytes] = ..., loaded: _Optional[bytes] = ...) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "prefix_queries_tokens", "prefix_hits_tokens", "evictions_by_policy", "eviction_policy", "recomputed_tokens", "cache_preemptions", "num_seqs", "epoch", "plan_calls", "attached_epoch")
+    __slots__ = ("kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "prefix_queries_tokens", "prefix_hits_tokens", "evictions_by_policy", "eviction_policy", "recomputed_tokens", "cache_preemptions", "num_seqs", "epoch", "plan_calls", "attached_epoch", "tier_hit_tokens", "tier_blocks", "tier_capacity_blocks", "tier_moved_blocks")
     class EvictionsByPolicyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TierHitTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TierBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TierCapacityBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TierMovedBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +260,10 @@ class CacheStats(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PLAN_CALLS_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TIER_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_MOVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     kv_cache_usage: float
     kv_blocks_total: int
     kv_blocks_free: int
@@ -238,7 +278,11 @@ class CacheStats(_message.Message):
     epoch: int
     plan_calls: int
     attached_epoch: int
-    def __init__(self, kv_cache_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_queries_tokens: _Optional[int] = ..., prefix_hits_tokens: _Optional[int] = ..., evictions_by_policy: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ..., recomputed_tokens: _Optional[int] = ..., cache_preemptions: _Optional[int] = ..., num_seqs: _Optional[int] = ..., epoch: _Optional[int] = ..., plan_calls: _Optional[int] = ..., attached_epoch: _Optional[int] = ...) -> None: ...
+    tier_hit_tokens: _containers.ScalarMap[str, int]
+    tier_blocks: _containers.ScalarMap[str, int]
+    tier_capacity_blocks: _containers.ScalarMap[str, int]
+    tier_moved_blocks: _containers.ScalarMap[str, int]
+    def __init__(self, kv_cache_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_queries_tokens: _Optional[int] = ..., prefix_hits_tokens: _Optional[int] = ..., evictions_by_policy: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ..., recomputed_tokens: _Optional[int] = ..., cache_preemptions: _Optional[int] = ..., num_seqs: _Optional[int] = ..., epoch: _Optional[int] = ..., plan_calls: _Optional[int] = ..., attached_epoch: _Optional[int] = ..., tier_hit_tokens: _Optional[_Mapping[str, int]] = ..., tier_blocks: _Optional[_Mapping[str, int]] = ..., tier_capacity_blocks: _Optional[_Mapping[str, int]] = ..., tier_moved_blocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("clear_stats",)
@@ -396,7 +440,7 @@ class SeqParams(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "num_computed", "num_new", "num_prefills", "tokens", "sample_rows", "tables", "new_seqs", "finished", "preempted", "epoch", "gateway_id")
+    __slots__ = ("step_id", "seq_ids", "num_computed", "num_new", "num_prefills", "tokens", "sample_rows", "tables", "new_seqs", "finished", "preempted", "epoch", "gateway_id", "copies")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
@@ -410,6 +454,7 @@ class StepRequest(_message.Message):
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: bytes
     num_computed: bytes
@@ -423,7 +468,8 @@ class StepRequest(_message.Message):
     preempted: bytes
     epoch: int
     gateway_id: str
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., num_computed: _Optional[bytes] = ..., num_new: _Optional[bytes] = ..., num_prefills: _Optional[int] = ..., tokens: _Optional[bytes] = ..., sample_rows: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[SeqParams, _Mapping]]] = ..., finished: _Optional[bytes] = ..., preempted: _Optional[bytes] = ..., epoch: _Optional[int] = ..., gateway_id: _Optional[str] = ...) -> None: ...
+    copies: bytes
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., num_computed: _Optional[bytes] = ..., num_new: _Optional[bytes] = ..., num_prefills: _Optional[int] = ..., tokens: _Optional[bytes] = ..., sample_rows: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[SeqParams, _Mapping]]] = ..., finished: _Optional[bytes] = ..., preempted: _Optional[bytes] = ..., epoch: _Optional[int] = ..., gateway_id: _Optional[str] = ..., copies: _Optional[bytes] = ...) -> None: ...
 
 class Logprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")

@@ -30,7 +30,7 @@ Each tier has its own eviction policy (LowerTier). Every operation costs O(block
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from nanokv.cache_service.manager import KVCacheManager
@@ -90,6 +90,11 @@ class TieredCache:
         self.names = names
         self.l1_format = l1_format
         self.stats = HierarchyStats()
+        # on_move(src level, dst level, hash, src location, dst slot): a copy down the hierarchy the
+        # engine must make (L1 location: the device block; lower: the tier's slot). Called after the
+        # victim the copy displaces was moved on, so a caller that logs copies logs them in the order
+        # they must run (the victim's bytes leave a slot before the new block's bytes land in it).
+        self.on_move: Callable[[int, int, bytes, int, int], None] | None = None
         for n in names:
             for table in (self.stats.hit_blocks, self.stats.hit_tokens, self.stats.evictions,
                           self.stats.replica_dropped, self.stats.dropped):
@@ -177,7 +182,7 @@ class TieredCache:
 
     # ---- movement down ------------------------------------------------------------------------
     def _on_l1_evict(self, block: int, block_hash: bytes, depth: int) -> None:
-        self._demote(0, block_hash, depth)
+        self._demote(0, block_hash, depth, block)
 
     def _held_above(self, block_hash: bytes, level: int) -> bool:
         if level == 0:
@@ -186,8 +191,9 @@ class TieredCache:
             return True
         return any(block_hash in t for t in self.tiers[: level - 1])
 
-    def _demote(self, level: int, block_hash: bytes, depth: int) -> None:
-        """Level ``level`` evicted the block: hand it down, write it down, or drop it."""
+    def _demote(self, level: int, block_hash: bytes, depth: int, loc: int = -1) -> None:
+        """Level ``level`` evicted the block (its bytes at ``loc`` there): hand it down, write it
+        down, or drop it."""
         st, names = self.stats, self.names
         src = names[level]
         st.add(st.evictions, src)
@@ -203,7 +209,11 @@ class TieredCache:
             admitted, victim = t.admit(block_hash, depth)
             if admitted:  # refused only when every slot is pinned: try the tier below
                 st.add(st.moved, f"{src}->{names[dst]}")
-                if victim is not None:
-                    self._demote(dst, *victim)
+                slot = t.slot(block_hash)
+                slot = -1 if slot is None else slot
+                if victim is not None:  # its bytes sit in the slot the new block takes
+                    self._demote(dst, *victim, slot)
+                if self.on_move is not None:
+                    self.on_move(level, dst, block_hash, loc, slot)
                 return
         st.add(st.dropped, src)

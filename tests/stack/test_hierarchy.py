@@ -1,0 +1,100 @@
+"""The memory hierarchy end to end (cache_service/tiers/serving.py): a tiny device pool (L1) above a
+host tier (L2) gives the greedy tokens of HF transformers, and of a single-tier pool large enough
+for everything, token for token, with preemption and chunked prefill, in one process and with the
+services as three processes (L2 then lives in a shared-memory segment both map); the repeat round
+is served from L2 (hits counted there, copies both ways); nothing stays pinned and no block leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanokv.config import ConfigError, EngineConfig
+from nanokv.gateway.llm import LLM
+from nanokv.launch import start_services
+from nanokv.sampling import SamplingParams
+from tests.conftest import hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+BLOCK_BYTES = 30 * 3 * 64 * 2 * 4 * 16  # SmolLM2-135M, fp32 on the CPU, 16-token blocks: 737,280 bytes
+# 12 L1 blocks cannot keep four ~40-token prompts and their answers: the first round preempts and
+# evicts, the second round (the same prompts) finds its prefixes in L2, not L1
+TIERED = dict(num_gpu_blocks=12, block_size=16, max_num_batched_tokens=48, max_num_seqs=4,
+              eviction_policy="lru", cpu_offload_bytes=48 * BLOCK_BYTES)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, chat_ids):
+    return [hf_greedy(hf_model, ids, GREEDY.max_tokens) for ids in chat_ids[:4]]
+
+
+def _two_rounds(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return [o.token_ids for o in first + second]
+
+
+def _check_tiers(stats: dict, rounds: list[list[int]], reference: list[list[int]]) -> None:
+    assert rounds == reference + reference
+    assert stats["tier_hit_tokens"]["L2"] > 0  # the second round's prefixes came back from L2
+    moved = stats["tier_moved_blocks"]
+    assert moved["L1->L2"] > 0 and moved["L2->L1"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]  # every L1 block back
+    assert stats["tier_blocks"]["L2"] <= stats["tier_capacity_blocks"]["L2"]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_host_tier_in_process_and_split_equal_hf(chat_ids, reference, async_scheduling):
+    kw = dict(TIERED, async_scheduling=async_scheduling)
+    prompts = chat_ids[:4]
+    local = LLM(**kw)
+    local_rounds = _two_rounds(local, prompts)
+    local_stats = local.engine.cache.stats()
+    assert local.engine.cache.tiers is not None and local.engine.cache.tiers.pinned() == 0
+    _check_tiers(local_stats, local_rounds, reference)
+    assert local.engine.stats()["preemptions"] > 0  # the tiny pool preempted: recomputed prefixes too
+    with start_services(EngineConfig.from_kwargs(**kw).to_dict()) as svc:
+        split = LLM(**kw, cache_address=svc.cache_address, compute_address=svc.compute_address)
+        split_rounds = _two_rounds(split, prompts)
+        split_stats = split.engine.cache.stats()
+        split.engine.shutdown()
+    _check_tiers(split_stats, split_rounds, reference)
+    # one cache code behind both transports: the same moves
+    for key in ("tier_hit_tokens", "tier_moved_blocks", "prefix_hits_tokens"):
+        assert split_stats[key] == local_stats[key], key
+
+
+def test_single_tier_reference_has_no_tier_stats(chat_ids, reference):
+    # the same prompts on one large pool: the tokens the tiered runs must give, and no tier counters
+    llm = LLM(num_gpu_blocks=64, block_size=16, max_num_batched_tokens=48, max_num_seqs=4)
+    assert _two_rounds(llm, chat_ids[:4]) == reference + reference
+    assert "tier_hit_tokens" not in llm.engine.cache.stats()
+
+
+def test_per_request_tier_split_of_cached_tokens(chat_ids):
+    # one request at a time: the five after the first push its blocks out of the 8 of L1 into L2
+    llm = LLM(**dict(TIERED, num_gpu_blocks=8))
+    for ids in chat_ids[:6]:
+        llm.generate([ids], GREEDY, use_tqdm=False)
+    again = llm.generate([chat_ids[0]], GREEDY, use_tqdm=False)[0]
+    tiers = again.cached_tokens_by_tier
+    assert tiers is not None and tiers["L2"] > 0 and tiers["L3"] == 0, tiers
+    assert sum(tiers.values()) == again.num_cached_tokens
+    assert again.num_cached_tokens >= len(chat_ids[0]) - 16  # all but the tail block came back
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(cpu_offload_bytes=-1), "cpu_offload_bytes"),
+    (dict(cpu_offload_policy="fifo"), "cpu_offload_policy"),
+    (dict(disk_cache_dir="/nonexistent-nanokv", disk_cache_bytes=0), "disk_cache_bytes"),
+    (dict(disk_cache_dir="x", disk_cache_bytes=1 << 20), "disk_cache_dir"),  # no L2 above it
+    (dict(cpu_offload_bytes=1 << 20, enable_prefix_caching=False), "cpu_offload_bytes"),
+])
+def test_bad_tier_settings_name_the_field(kw, field):
+    with pytest.raises(ConfigError) as e:
+        EngineConfig.from_kwargs(**kw)
+    assert e.value.field == field
+
+
+def test_a_budget_holding_no_block_is_refused_at_attach():
+    with pytest.raises(Exception, match="cpu_offload_bytes"):
+        LLM(num_gpu_blocks=8, cpu_offload_bytes=1000)
