@@ -75,6 +75,8 @@ class Planner:
             if self._seqs.pop(seq_id, None) is not None:
                 cm.free(seq_id)
         reply = PlanReply()
+        if self.tiers is not None:
+            self.tiers.begin_plan(req.copies_done)
         if req.is_news_only:
             reply.used_blocks = cm.num_used_blocks()
             return reply
@@ -147,6 +149,7 @@ class Planner:
         reply.used_blocks = cm.num_used_blocks()
         if self.tiers is not None:
             reply.copies = self.tiers.take_copies()
+            reply.copy_seq = self.tiers.plan_no if reply.copies else 0
         return reply
 
     def _cancel(self, lower: LowerMatch | None) -> None:
@@ -162,9 +165,10 @@ class Planner:
                 tiers.finish(lower)
             return
         loaded = tiers.land(lower, self.manager.block_table(seq_id))
+        disk = tiers.from_disk(lower)
         self.manager.cache_blocks(seq_id, st.token_ids, hit, st.cache_salt)
         tiers.finish(lower)
-        reply.loaded.append((seq_id, loaded, 0))
+        reply.loaded.append((seq_id, loaded - disk, disk))
 
     def _preempt(self, seq_id: int, running: list[int], preempted: set[int], reply: PlanReply) -> None:
         running.remove(seq_id)

@@ -37,6 +37,7 @@ from nanokv.service_api import PendingPlan
 if TYPE_CHECKING:
     from nanokv.cache_service.ghosts import GhostCaches
     from nanokv.cache_service.storage import PoolStorage
+    from nanokv.cache_service.tiers.disk_store import DiskStore
     from nanokv.cache_service.tiers.serving import ServingTiers
 
 log = logging.getLogger("nanokv.cache_service")
@@ -79,6 +80,8 @@ class CacheService:
         self.storage: PoolStorage | None = None  # (its module imports torch: loaded on attach)
         self.host_storage: PoolStorage | None = None  # the host tier's segment (cpu_offload_bytes)
         self.tiers: ServingTiers | None = None
+        self.disk_store: DiskStore | None = None  # the disk tier's files (disk_cache_dir), kept across pools
+        self.disk_store_fp = ""
         # epochs start at this incarnation's start time (ms): a restarted cache service never hands
         # out an epoch a compute service or gateway still holds from the one before
         self.epoch = int(time.time() * 1000)
@@ -135,15 +138,46 @@ class CacheService:
             raise PreconditionError("cpu_offload_bytes", "the host tier holds 16- and 8-bit layers only, "
                                                          "not int4 (quantization_bitwidth 4)")
         l2, per_block = host_layout(layout, cfg.cpu_offload_bytes)
+        slots = l2.num_blocks
+        # disk hits are read into staging slots past L2's: one batch of prefill blocks per plan
+        staging = min(256, max(8, slots // 4)) if cfg.disk_cache_dir else 0
         if self.host_storage is not None:
             self.host_storage.close()
-        self.host_storage = PoolStorage(l2, self.shared, self.epoch)
+        self.host_storage = PoolStorage(dataclasses.replace(l2, num_blocks=slots + staging), self.shared, self.epoch)
         assert self.manager is not None  # made by attach, under the lock
-        fmt = TierFormat("pool", max(layout.layer_bits), per_block)
-        self.tiers = ServingTiers(self.manager, l2.num_blocks, fmt, cfg.cpu_offload_policy)
-        log.info("host tier (L2): %d blocks, %d bytes, policy %s", l2.num_blocks, self.host_storage.nbytes,
+        bits = max(layout.layer_bits)
+        fmt = TierFormat("pool", bits, per_block)
+        disk = host = None
+        if cfg.disk_cache_dir:
+            from nanokv.cache_service.storage import HostSlots
+            from nanokv.cache_service.tiers.disk_tier import DiskTier
+
+            host = HostSlots(self.host_storage)
+            disk = DiskTier(self._disk_store(layout), host.slot_bytes, bits, cfg.disk_cache_policy)
+        self.tiers = ServingTiers(self.manager, slots, fmt, cfg.cpu_offload_policy, disk=disk, host=host,
+                                  staging=staging)
+        log.info("host tier (L2): %d blocks, %d bytes, policy %s", slots, self.host_storage.nbytes,
                  cfg.cpu_offload_policy)
-        return dataclasses.replace(handle, host_tier=self.host_storage.handle(), host_tier_blocks=l2.num_blocks)
+        return dataclasses.replace(handle, host_tier=self.host_storage.handle(), host_tier_blocks=slots + staging)
+
+    def _disk_store(self, layout: PoolLayout) -> DiskStore:
+        """The disk tier's store, opened once per process (it locks its directory) for the model and KV
+        layout its files must match: a file of another model or format is dropped at start-up."""
+        from nanokv.cache_service.tiers.disk_store import DiskStore
+
+        cfg = self.config
+        fp = (f"model={self.attached_model or 'unnamed'};bits={layout.layer_bits};dtype={layout.dtype};"
+              f"block={layout.block_size};heads={layout.num_kv_heads};dim={layout.head_dim}")
+        if self.disk_store is not None and self.disk_store_fp != fp:
+            self.disk_store.close()
+            self.disk_store = None
+        if self.disk_store is None:
+            assert cfg.disk_cache_dir is not None  # (the caller checked)
+            self.disk_store = DiskStore(cfg.disk_cache_dir, cfg.disk_cache_bytes, fp)
+            self.disk_store_fp = fp
+            r = self.disk_store.reindex_report
+            log.info("disk tier (L3) at %s: %s", cfg.disk_cache_dir, r)
+        return self.disk_store
 
     def _attach_ghosts(self, layout: PoolLayout) -> None:
         """The ghosts model the live pool: made once, then resized with it (a repool keeps their
@@ -186,9 +220,23 @@ class CacheService:
             self.host_storage.close()
         self.storage = self.host_storage = self.manager = self.planner = self.tiers = None
 
+    def close_disk(self) -> None:
+        """Let the disk tier's directory go (its lock): the engine in this process shuts down."""
+        with self.lock:
+            if self.disk_store is not None:
+                self.disk_store.close()
+                self.disk_store = None
+            if self.tiers is not None and self.tiers.disk is not None:
+                self.tiers = None
+                if self.planner is not None:
+                    self.planner.tiers = None
+
     def close(self) -> None:
         with self.lock:
             self._drop_pool()
+            if self.disk_store is not None:
+                self.disk_store.close()
+                self.disk_store = None
 
     @property
     def attached(self) -> bool:

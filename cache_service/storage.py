@@ -102,6 +102,33 @@ class PoolStorage:
             self.path = ""
 
 
+class HostSlots:
+    """One host-tier slot's bytes across every layer and tensor (cache_service/tiers/serving.py
+    SlotBytes): what the disk tier writes and reads. Tensors in the segment's order, each slot's
+    [H, bs, D] (or scale) entries in logical order, so a file is independent of strides."""
+
+    def __init__(self, storage: PoolStorage):
+        from nanokv.kv.segment import carve_layer_caches
+
+        caches = carve_layer_caches(storage.layout, storage.buffer)
+        self.tensors = [getattr(c, f) for c in caches for f in c.block_fields]
+        self.slot_bytes = sum(t[0].numel() * t.element_size() for t in self.tensors)
+
+    def read(self, slot: int) -> bytes:
+        return b"".join(t[slot].contiguous().view(torch.uint8).numpy().tobytes() for t in self.tensors)
+
+    def write(self, slot: int, data: bytes) -> None:
+        if len(data) != self.slot_bytes:
+            raise ValueError(f"a slot holds {self.slot_bytes} bytes, got {len(data)}")
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        off = 0
+        for t in self.tensors:
+            dst = t[slot]
+            n = dst.numel() * dst.element_size()
+            dst.copy_(raw[off:off + n].view(t.dtype).view(dst.shape))
+            off += n
+
+
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)

@@ -52,6 +52,7 @@ class AsyncStepper:
         eng = self.engine
         t0 = time.perf_counter()
         res = eng.compute.collect(prev.launched)
+        eng.stepped(res.step_id)
         t1 = time.perf_counter()
         eng.rpc["step_s"] += t1 - t0  # the wait the pipeline did not hide
         outputs = []

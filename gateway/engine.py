@@ -77,10 +77,14 @@ class Engine:
             # an in-process cache service holds only memory; it goes with the engine (a later step then
             # fails on the compute service's own "shut down" error, not on a missing pool)
             local_cache = self.cache = self.local_cache = CacheService(cfg.cache)
+            # the model whose KV the pool holds, as a compute service in another process tells at attach
+            # (the disk tier's files carry it)
+            local_cache.attached_model = cfg.compute.model or "SmolLM2-135M-Instruct"
             local_compute = ComputeService(cfg.compute, attach_pool=local_cache.attach,
                                            free_segment=local_cache.free_storage)
             self.compute = self.local_compute = local_compute
             self._closers.append(local_compute.close)
+            self._closers.append(local_cache.close_disk)  # its directory lock: another engine may open it
         info = self.model_info = self.compute.info()
         self.model_name = info.name
         self.max_model_len = info.max_position_embeddings
@@ -106,6 +110,7 @@ class Engine:
         self.eos_token_ids = eos
         self._seqs: dict[str, Sequence] = {}
         self._finished_ids: list[int] = []  # ended sequences the compute service has yet to forget
+        self._copy_seqs: dict[int, int] = {}  # step id -> the last plan whose tier copies it runs
         self.stashed: list[RequestOutput] = []  # a step a repool landed mid-step: the next step returns them
         self._ids = itertools.count()
         self._step_ids = itertools.count()
@@ -320,16 +325,25 @@ class Engine:
     def run_step(self, req: StepRequest) -> StepResult:
         t0 = time.perf_counter()
         res = self.compute.step(req)
+        self.stepped(res.step_id)
         self.rpc["steps"] += 1
         self.rpc["step_calls"] += 1
         self.rpc["step_s"] += time.perf_counter() - t0
         return res
 
+    def stepped(self, step_id: int) -> None:
+        """A step's result is in: the tier copies it ran are done (the next plan tells the cache)."""
+        seq = self._copy_seqs.pop(step_id, 0)
+        if seq:
+            self.scheduler.copies_ran(seq)
+
     def step_request(self, out: SchedulerOutput) -> StepRequest:
         """The compute service's view of a scheduled step (nanokv.gateway.step_request); the ended
         sequences it carries are then off the engine's list."""
         req = build_step_request(out, next(self._step_ids), self._finished_ids)
-        req.copies = self.scheduler.take_copies()
+        req.copies, seq = self.scheduler.take_copies()
+        if seq:
+            self._copy_seqs[req.step_id] = seq
         self._finished_ids = []
         return req
 

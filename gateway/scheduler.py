@@ -89,6 +89,8 @@ class Scheduler:
         # the memory hierarchy's copies the plans asked for, in order, until a step carries them
         # (take_copies): a plan whose batch came out empty leaves its copies to the next step
         self.copies: list[tuple[int, int, int]] = []
+        self.copy_seq = 0  # the last plan whose copies are in `copies`
+        self.copies_done = 0  # the last plan whose copies a finished step ran (sent with every plan)
 
     # ---- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -183,6 +185,7 @@ class Scheduler:
         req, self.news = self.news, PlanRequest()
         req.token_budget = budget
         req.max_num_seqs = self.max_num_seqs
+        req.copies_done = self.copies_done
         req.chunked_prefill = self.enable_chunked_prefill
         req.running = [s.seq_id for s in self.running]
 
@@ -220,7 +223,9 @@ class Scheduler:
         out = SchedulerOutput()
         reply = planned.wait()
         self.used_blocks = reply.used_blocks
-        self.copies.extend(reply.copies)
+        if reply.copies:
+            self.copies.extend(reply.copies)
+            self.copy_seq = reply.copy_seq
         loaded = {seq_id: (l2, l3) for seq_id, l2, l3 in reply.loaded}
         by_id = {s.seq_id: s for s in self.running}
         for seq_id in reply.preempted:
@@ -259,10 +264,14 @@ class Scheduler:
             out.tables = [d for d in reply.tables if d.seq_id in ids]
         return out
 
-    def take_copies(self) -> list[tuple[int, int, int]]:
-        """The copies for the step about to be sent (it runs them before its forward pass)."""
+    def take_copies(self) -> tuple[list[tuple[int, int, int]], int]:
+        """The copies for the step about to be sent (it runs them before its forward pass), and the
+        last plan they come from (0: none); `copies_ran` reports it once that step is done."""
         out, self.copies = self.copies, []
-        return out
+        return out, self.copy_seq if out else 0
+
+    def copies_ran(self, seq: int) -> None:
+        self.copies_done = max(self.copies_done, seq)
 
     def _emit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         item = ScheduledSeq(seq, n)

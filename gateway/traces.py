@@ -52,10 +52,21 @@ def end_request(seq: Sequence) -> None:
         "gen_ai.response.finish_reasons": [seq.finish_reason or "unknown"],
         "gen_ai.usage.output_tokens": seq.num_output_tokens,
         "nanokv.cached_tokens": seq.num_cached_tokens,
+        "gen_ai.usage.cache_read.input_tokens": seq.num_cached_tokens,
+        # which tier served the prefix: the lowest one that gave any of it ("none": a full prefill)
+        "nanokv.prefix_tier": prefix_tier(seq.num_cached_tokens, seq.cached_tokens_by_tier),
+        **{f"nanokv.cached_tokens.{t}": n for t, n in (seq.cached_tokens_by_tier or {}).items()},
         "nanokv.preemptions": seq.num_preemptions,
         "nanokv.ttft_s": (m.first_token_time - m.arrival_time) if m.first_token_time is not None else None,
     })
     s.end()
+
+
+def prefix_tier(cached: int, by_tier: dict[str, int] | None) -> str:
+    if by_tier is None:
+        return "L1" if cached else "none"
+    served = [t for t, n in sorted(by_tier.items()) if n]
+    return served[-1] if served else "none"
 
 
 def step_span(engine: Engine) -> contextlib.AbstractContextManager[object]:

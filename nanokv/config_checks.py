@@ -175,5 +175,8 @@ def tiers(cfg: Any) -> None:
                                               f"(got dir={d!r}, bytes={cfg.disk_cache_bytes})")
     if d is not None and cfg.cpu_offload_bytes == 0:
         raise ConfigError("disk_cache_dir", "the disk tier (L3) sits below the host tier: set cpu_offload_bytes > 0")
+    if cfg.cpu_offload_bytes and cfg.adaptive:  # its pool rule resizes L1 under the copies' block ids
+        raise ConfigError("cpu_offload_bytes", "lower tiers and the adaptive controller (adaptive) together are "
+                                               "not supported yet: turn one off")
     if cfg.cpu_offload_bytes and not cfg.enable_prefix_caching:
         raise ConfigError("cpu_offload_bytes", "lower tiers hold prefix-cache blocks: needs enable_prefix_caching")

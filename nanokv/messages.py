@@ -63,6 +63,7 @@ class PlanRequest:
     chunked_prefill: bool = True
     epoch: int = 0  # the pool planned against (0: unchecked, e.g. a tool driving the planner directly)
     gateway_id: str = ""  # the sequences' holder (its lease: EngineConfig.gateway_lease_s)
+    copies_done: int = 0  # the last PlanReply.copy_seq whose copies a finished step ran (tiers/serving.py)
 
     @property
     def is_news_only(self) -> bool:
@@ -77,6 +78,7 @@ class PlanReply:
     used_blocks: int = 0  # blocks referenced by sequences after the plan (the adaptive controller's gauge)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # (COPY_*, L1 block, L2 slot), in order
     loaded: list[tuple[int, int, int]] = field(default_factory=list)  # (seq_id, tokens from L2, from L3) of admitted
+    copy_seq: int = 0  # this plan's number when it has copies (the gateway reports it back: copies_done)
 
 
 @dataclass

@@ -143,7 +143,7 @@ def plan_request_to_pb(r: PlanRequest) -> pb.PlanRequest:
         appended=pack_tuples(r.appended), commits=pack_tuples(r.commits), finished=pack(r.finished),
         running=pack(r.running), grows=pack_tuples(r.grows), waiting=pack_tuples(r.waiting),
         token_budget=r.token_budget, max_num_seqs=r.max_num_seqs, chunked_prefill=r.chunked_prefill,
-        epoch=r.epoch, gateway_id=r.gateway_id)
+        epoch=r.epoch, gateway_id=r.gateway_id, copies_done=r.copies_done)
 
 
 def plan_request_from_pb(m: pb.PlanRequest) -> PlanRequest:
@@ -154,7 +154,7 @@ def plan_request_from_pb(m: pb.PlanRequest) -> PlanRequest:
         finished=unpack(m.finished, "finished"), running=unpack(m.running, "running"),
         grows=unpack_triples(m.grows, "grows"), waiting=unpack_triples(m.waiting, "waiting"),
         token_budget=m.token_budget, max_num_seqs=m.max_num_seqs, chunked_prefill=m.chunked_prefill,
-        epoch=m.epoch, gateway_id=m.gateway_id)
+        epoch=m.epoch, gateway_id=m.gateway_id, copies_done=m.copies_done)
 
 
 def _deltas_to_pb(deltas: Sequence[TableDelta]) -> list[pb.TableDelta]:
@@ -167,13 +167,14 @@ def _deltas_from_pb(deltas: Iterable[pb.TableDelta]) -> list[TableDelta]:
 
 def plan_reply_to_pb(r: PlanReply) -> pb.PlanReply:
     return pb.PlanReply(preempted=pack(r.preempted), admitted=pack_tuples(r.admitted), tables=_deltas_to_pb(r.tables),
-                        used_blocks=r.used_blocks, copies=pack_tuples(r.copies), loaded=pack_tuples(r.loaded))
+                        used_blocks=r.used_blocks, copies=pack_tuples(r.copies), loaded=pack_tuples(r.loaded),
+                        copy_seq=r.copy_seq)
 
 
 def plan_reply_from_pb(m: pb.PlanReply) -> PlanReply:
     return PlanReply(unpack(m.preempted, "preempted"), unpack_triples(m.admitted, "admitted"),
                      _deltas_from_pb(m.tables), m.used_blocks, unpack_triples(m.copies, "copies"),
-                     unpack_triples(m.loaded, "loaded"))
+                     unpack_triples(m.loaded, "loaded"), m.copy_seq)
 
 
 def cache_stats_to_pb(s: CacheServiceStats) -> pb.CacheStats:

@@ -150,7 +150,7 @@ class NewSeq(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("new_seqs", "appended", "commits", "finished", "running", "grows", "waiting", "token_budget", "max_num_seqs", "chunked_prefill", "epoch", "gateway_id")
+    __slots__ = ("new_seqs", "appended", "commits", "finished", "running", "grows", "waiting", "token_budget", "max_num_seqs", "chunked_prefill", "epoch", "gateway_id", "copies_done")
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     APPENDED_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class PlanRequest(_message.Message):
     CHUNKED_PREFILL_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    COPIES_DONE_FIELD_NUMBER: _ClassVar[int]
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSeq]
     appended: bytes
     commits: bytes
@@ -175,7 +176,8 @@ class PlanRequest(_message.Message):
     chunked_prefill: bool
     epoch: int
     gateway_id: str
-    def __init__(self, new_seqs: _Optional[_Iterable[_Union[NewSeq, _Mapping]]] = ..., appended: _Optional[bytes] = ..., commits: _Optional[bytes] = ..., finished: _Optional[bytes] = ..., running: _Optional[bytes] = ..., grows: _Optional[bytes] = ..., waiting: _Optional[bytes] = ..., token_budget: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., epoch: _Optional[int] = ..., gateway_id: _Optional[str] = ...) -> None: ...
+    copies_done: int
+    def __init__(self, new_seqs: _Optional[_Iterable[_Union[NewSeq, _Mapping]]] = ..., appended: _Optional[bytes] = ..., commits: _Optional[bytes] = ..., finished: _Optional[bytes] = ..., running: _Optional[bytes] = ..., grows: _Optional[bytes] = ..., waiting: _Optional[bytes] = ..., token_budget: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., epoch: _Optional[int] = ..., gateway_id: _Optional[str] = ..., copies_done: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("gateway_id",)
@@ -194,20 +196,22 @@ class TableDelta(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., blocks: _Optional[bytes] = ...) -> None: ...
 
 class PlanReply(_message.Message):
-    __slots__ = ("preempted", "admitted", "tables", "used_blocks", "copies", "loaded")
+    __slots__ = ("preempted", "admitted", "tables", "used_blocks", "copies", "loaded", "copy_seq")
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     LOADED_FIELD_NUMBER: _ClassVar[int]
+    COPY_SEQ_FIELD_NUMBER: _ClassVar[int]
     preempted: bytes
     admitted: bytes
     tables: _containers.RepeatedCompositeFieldContainer[TableDelta]
     used_blocks: int
     copies: bytes
     loaded: bytes
-    def __init__(self, preempted: _Optional[bytes] = ..., admitted: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., used_blocks: _Optional[int] = ..., copies: _Optional[bytes] = ..., loaded: _Optional[bytes] = ...) -> None: ...
+    copy_seq: int
+    def __init__(self, preempted: _Optional[bytes] = ..., admitted: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., used_blocks: _Optional[int] = ..., copies: _Optional[bytes] = ..., loaded: _Optional[bytes] = ..., copy_seq: _Optional[int] = ...) -> None: ...
 
 class CacheStats(_message.Message):
     __slots__ = ("kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "prefix_queries_tokens", "prefix_hits_tokens", "evictions_by_policy", "eviction_policy", "recomputed_tokens", "cache_preemptions", "num_seqs", "epoch", "plan_calls", "attached_epoch", "tier_hit_tokens", "tier_blocks", "tier_capacity_blocks", "tier_moved_blocks")

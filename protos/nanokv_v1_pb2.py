@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnanokv/protos/nanokv_v1.proto\x12\tnanokv.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xda\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xbf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.nanokv.v1.TokenIdsH\x00\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.nanokv.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04text\x18\x03 \x01(\t\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.nanokv.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xd1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.nanokv.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.nanokv.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"o\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\"\x16\n\x14GetServerInfoRequest\"\xb4\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0bmax_waiting\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12\r\n\x05ready\x18\x08 \x01(\x08\x32\x9e\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.nanokv.v1.GenerateRequest\x1a\x1b.nanokv.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.nanokv.v1.AbortRequest\x1a\x18.nanokv.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.nanokv.v1.GetModelInfoRequest\x1a\x14.nanokv.v1.ModelInfo\x12G\n\rGetServerInfo\x12\x1f.nanokv.v1.GetServerInfoRequest\x1a\x15.nanokv.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnanokv/protos/nanokv_v1.proto\x12\tnanokv.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xda\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xbf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.nanokv.v1.TokenIdsH\x00\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.nanokv.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04text\x18\x03 \x01(\t\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.nanokv.v1.TopLogprob\"\xee\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12T\n\x1c\x63\x61\x63hed_prompt_tokens_by_tier\x18\x04 \x03(\x0b\x32..nanokv.v1.Usage.CachedPromptTokensByTierEntry\x1a?\n\x1d\x43\x61\x63hedPromptTokensByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xd1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.nanokv.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.nanokv.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"o\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\"\x16\n\x14GetServerInfoRequest\"\xb4\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0bmax_waiting\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12\r\n\x05ready\x18\x08 \x01(\x08\x32\x9e\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.nanokv.v1.GenerateRequest\x1a\x1b.nanokv.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.nanokv.v1.AbortRequest\x1a\x18.nanokv.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.nanokv.v1.GetModelInfoRequest\x1a\x14.nanokv.v1.ModelInfo\x12G\n\rGetServerInfo\x12\x1f.nanokv.v1.GetServerInfoRequest\x1a\x15.nanokv.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nanokv.protos.nanokv_v1_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_USAGE_CACHEDPROMPTTOKENSBYTIERENTRY']._loaded_options = None
+  _globals['_USAGE_CACHEDPROMPTTOKENSBYTIERENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_SAMPLINGPARAMS']._serialized_start=70
@@ -41,22 +43,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROB']._serialized_end=673
   _globals['_TOKENLOGPROB']._serialized_start=675
   _globals['_TOKENLOGPROB']._serialized_end=783
-  _globals['_USAGE']._serialized_start=785
-  _globals['_USAGE']._serialized_end=872
-  _globals['_GENERATERESPONSE']._serialized_start=875
-  _globals['_GENERATERESPONSE']._serialized_end=1084
-  _globals['_ABORTREQUEST']._serialized_start=1086
-  _globals['_ABORTREQUEST']._serialized_end=1120
-  _globals['_ABORTRESPONSE']._serialized_start=1122
-  _globals['_ABORTRESPONSE']._serialized_end=1154
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1156
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1177
-  _globals['_MODELINFO']._serialized_start=1179
-  _globals['_MODELINFO']._serialized_end=1290
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1292
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1314
-  _globals['_SERVERINFO']._serialized_start=1317
-  _globals['_SERVERINFO']._serialized_end=1497
-  _globals['_GENERATION']._serialized_start=1500
-  _globals['_GENERATION']._serialized_end=1786
+  _globals['_USAGE']._serialized_start=786
+  _globals['_USAGE']._serialized_end=1024
+  _globals['_USAGE_CACHEDPROMPTTOKENSBYTIERENTRY']._serialized_start=961
+  _globals['_USAGE_CACHEDPROMPTTOKENSBYTIERENTRY']._serialized_end=1024
+  _globals['_GENERATERESPONSE']._serialized_start=1027
+  _globals['_GENERATERESPONSE']._serialized_end=1236
+  _globals['_ABORTREQUEST']._serialized_start=1238
+  _globals['_ABORTREQUEST']._serialized_end=1272
+  _globals['_ABORTRESPONSE']._serialized_start=1274
+  _globals['_ABORTRESPONSE']._serialized_end=1306
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1308
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1329
+  _globals['_MODELINFO']._serialized_start=1331
+  _globals['_MODELINFO']._serialized_end=1442
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1444
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1466
+  _globals['_SERVERINFO']._serialized_start=1469
+  _globals['_SERVERINFO']._serialized_end=1649
+  _globals['_GENERATION']._serialized_start=1652
+  _globals['_GENERATION']._serialized_end=1938
 # @@protoc_insertion_point(module_scope)

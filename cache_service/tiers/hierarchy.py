@@ -95,6 +95,9 @@ class TieredCache:
         # victim the copy displaces was moved on, so a caller that logs copies logs them in the order
         # they must run (the victim's bytes leave a slot before the new block's bytes land in it).
         self.on_move: Callable[[int, int, bytes, int, int], None] | None = None
+        # on_leave(level, hash): a lower tier's copy is gone for good (its victim dropped, or a
+        # replica evicted): a tier that keeps bytes elsewhere (the disk's files) frees them
+        self.on_leave: Callable[[int, bytes], None] | None = None
         for n in names:
             for table in (self.stats.hit_blocks, self.stats.hit_tokens, self.stats.evictions,
                           self.stats.replica_dropped, self.stats.dropped):
@@ -199,6 +202,8 @@ class TieredCache:
         st.add(st.evictions, src)
         if self._held_above(block_hash, level):
             st.add(st.replica_dropped, src)
+            if level and self.on_leave is not None:
+                self.on_leave(level, block_hash)
             return
         for dst in range(level + 1, len(names)):
             t = self.tiers[dst - 1]
@@ -217,3 +222,5 @@ class TieredCache:
                     self.on_move(level, dst, block_hash, loc, slot)
                 return
         st.add(st.dropped, src)
+        if level and self.on_leave is not None:
+            self.on_leave(level, block_hash)

@@ -12,8 +12,15 @@ pass. That order is the whole synchronisation:
     fresh block before the forward pass reads it, and before a later copy reuses its L2 slot;
   * steps run in order on the compute service (on a GPU, on one stream), so the copies of a plan
     sent ahead under async scheduling still follow the step before them.
-The cache service never reads or writes a KV byte of L2: no RPC carries KV, and no lock is needed
-between the two processes.
+No RPC carries KV. The cache service itself touches host bytes only for the disk tier (L3): it
+writes an L2 victim's slot to a file, and reads a file into a staging slot (host slots past L2's)
+that a COPY_LOAD then takes to the device. Those must not race the copies of steps still in flight
+(async scheduling runs up to two): every plan gets a number, each slot remembers the last plan whose
+copies touched it, and the gateway reports the last plan whose copies a finished step ran
+(PlanRequest.copies_done). A slot is *settled* when its last copies are done; the cache service
+touches only settled slots. An L2 victim whose slot is not settled yet is dropped instead of written
+down, and a disk hit finds no settled staging slot is left to be recomputed; in synchronous
+scheduling every slot is settled at every plan.
 
 A loaded block is published in L1 in the plan that loads it (its bytes land before any step reads
 it), and L2 drops its copy (LowerTier.keep_on_load False): L1 and L2 hold distinct blocks.
@@ -22,8 +29,10 @@ it), and L2 drops its copy (LowerTier.keep_on_load False): L1 and L2 hold distin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from nanokv.cache_service.manager import KVCacheManager
+from nanokv.cache_service.tiers.disk_tier import DiskTier
 from nanokv.cache_service.tiers.formats import TierFormat
 from nanokv.cache_service.tiers.hierarchy import L1, LowerMatch, TieredCache
 from nanokv.cache_service.tiers.lower_tier import LowerTier
@@ -31,6 +40,15 @@ from nanokv.cache_service.types import PrefixMatch
 from nanokv.messages import COPY_LOAD, COPY_SAVE
 
 L2 = "L2"
+
+
+class SlotBytes(Protocol):
+    """One host slot's bytes across every layer (cache_service/storage.py HostSlots)."""
+    slot_bytes: int
+
+    def read(self, slot: int) -> bytes: ...
+
+    def write(self, slot: int, data: bytes) -> None: ...
 
 
 @dataclass
@@ -45,40 +63,113 @@ class TierCounters:
 class ServingTiers:
     """L1 (the manager's device pool) above a host tier of ``slots`` blocks, as the planner uses it."""
 
-    def __init__(self, manager: KVCacheManager, slots: int, fmt: TierFormat, policy: str = "lru"):
+    def __init__(self, manager: KVCacheManager, slots: int, fmt: TierFormat, policy: str = "lru", *,
+                 disk: DiskTier | None = None, host: SlotBytes | None = None, staging: int = 0):
+        """disk: L3 below L2; host: byte access to the host segment (L2's `slots` slots, then
+        `staging` slots for disk hits), which the disk tier needs."""
         self.l2 = LowerTier(L2, slots, fmt, policy)
-        self.cache = TieredCache(manager, [self.l2], l1_format=fmt)
+        self.disk = disk
+        self.host = host
+        if disk is not None and (host is None or staging < 1):
+            raise ValueError("a disk tier needs the host segment's bytes and staging slots")
+        self.cache = TieredCache(manager, [self.l2] + ([disk.tier] if disk is not None else []), l1_format=fmt)
         self.cache.on_move = self._on_move
+        self.cache.on_leave = self._on_leave
         self.block_size = manager.block_size
         self.copies: list[tuple[int, int, int]] = []
+        self.staging = list(range(slots, slots + staging))  # free staging slots
+        self._staged: dict[bytes, int] = {}  # this admission's disk hits -> their staging slot
+        self._touched: dict[int, int] = {}  # host slot -> the last plan whose copies touch it
+        self.plan_no = 0  # this plan's number (begin_plan)
+        self.copies_done = 0  # the last plan whose copies a finished step ran (the gateway says)
+        self.unsettled_drops = 0  # L2 victims dropped, not written down: their slot's bytes in flight
+        self.staging_misses = 0  # disk hits recomputed for want of a settled staging slot
+
+    # ---- a plan's frame ------------------------------------------------------------------------
+    def begin_plan(self, copies_done: int) -> None:
+        self.plan_no += 1
+        self.copies_done = max(self.copies_done, copies_done)
+
+    def settled(self, slot: int) -> bool:
+        return self._touched.get(slot, 0) <= self.copies_done
+
+    def _touch(self, slot: int) -> None:
+        self._touched[slot] = self.plan_no
 
     def _on_move(self, src: int, dst: int, block_hash: bytes, loc: int, slot: int) -> None:
         if src == 0 and dst == 1:
             self.copies.append((COPY_SAVE, loc, slot))
+            self._touch(slot)
+        elif src == 1 and dst == 2 and self.disk is not None and self.host is not None:
+            if not self.settled(loc):  # its bytes may still be on their way into the slot
+                self.unsettled_drops += 1
+                self.disk.forget(block_hash)
+            else:
+                self.disk.write(block_hash, self.host.read(loc))
+
+    def _on_leave(self, level: int, block_hash: bytes) -> None:
+        if level == 2 and self.disk is not None:
+            self.disk.remove(block_hash)
 
     # ---- an admission's prefix below L1 ---------------------------------------------------------
     def begin(self, prefix: PrefixMatch) -> LowerMatch:
         """The chain past L1's hit that L2 holds, pinned until `land` or `cancel`."""
         lm = self.cache.match_lower(prefix)
+        if self.disk is not None:
+            self._stage_disk_hits(lm)
         self.cache.begin_load(lm)
         return lm
+
+    def _stage_disk_hits(self, lm: LowerMatch) -> None:
+        """Read each disk hit into a settled staging slot; the chain ends at the first that cannot
+        be had (no slot, a bad or missing file): the rest of the prompt is computed."""
+        assert self.disk is not None and self.host is not None  # (the caller checked)
+        for i, (h, lvl) in enumerate(zip(lm.block_hashes[lm.start:], lm.sources)):
+            if lvl != 2:
+                continue
+            slot = next((s for s in self.staging if self.settled(s)), None)
+            if slot is None:
+                self.staging_misses += 1
+                del lm.sources[i:]
+                return
+            data = self.disk.read(h)
+            if data is None:
+                del lm.sources[i:]
+                return
+            self.staging.remove(slot)
+            self.host.write(slot, data)
+            self._staged[h] = slot
 
     def land(self, lm: LowerMatch, table: list[int]) -> int:
         """The sequence got its blocks (`table`, L1's hit first): log a load per block into its
         fresh block. The caller publishes them in L1 (cache_blocks), then calls `finish`."""
         tiers = self.cache.tiers
         for i, (h, lvl) in enumerate(zip(lm.block_hashes[lm.start:], lm.sources)):
-            slot = tiers[lvl - 1].slot(h)
-            if slot is None:  # pinned: cannot have left
-                raise RuntimeError(f"{tiers[lvl - 1].name}: a pinned block lost its slot")
+            slot = self._staged.get(h) if lvl == 2 else tiers[lvl - 1].slot(h)
+            if slot is None:  # pinned or staged: cannot have left
+                raise RuntimeError(f"{tiers[lvl - 1].name}: a block being loaded lost its slot")
             self.copies.append((COPY_LOAD, table[lm.start + i], slot))
+            self._touch(slot)
         return lm.num_blocks * self.block_size
+
+    def from_disk(self, lm: LowerMatch) -> int:
+        """Tokens of `lm` the disk tier serves."""
+        return sum(lvl == 2 for lvl in lm.sources) * self.block_size
 
     def finish(self, lm: LowerMatch) -> None:
         self.cache.finish_load(lm)
+        self._unstage()
 
     def cancel(self, lm: LowerMatch) -> None:
         self.cache.cancel_load(lm)
+        self._unstage()
+
+    def _unstage(self) -> None:
+        """Staging slots go back (reused once their copies are done: settled)."""
+        for slot in self._staged.values():
+            self._touch(slot)
+            self.staging.append(slot)
+        self._staged.clear()
 
     def take_copies(self) -> list[tuple[int, int, int]]:
         out, self.copies = self.copies, []
@@ -86,7 +177,8 @@ class ServingTiers:
 
     # ---- administration ---------------------------------------------------------------------------
     def clear(self) -> int:
-        """Drop every unpinned L2 copy (reset_prefix_cache); returns how many."""
+        """Drop every unpinned L2 copy (reset_prefix_cache); returns how many. The disk keeps its
+        files: it is the tier that outlives restarts."""
         return sum(self.l2.discard(h) for h in self.l2.keys())
 
     def pinned(self) -> int:
@@ -97,4 +189,13 @@ class ServingTiers:
         st = self.cache.stats
         return TierCounters(dict(st.hit_tokens), dict(st.moved), self.cache.occupancy(), self.cache.capacity())
 
-__all__ = ["L1", "L2", "ServingTiers", "TierCounters"]
+    def disk_stats(self) -> dict[str, int]:
+        """The disk store's counters and gauges (disk_tier_*), and the serving path's own."""
+        if self.disk is None:
+            return {}
+        return {**self.disk.store.stats(), "disk_tier_write_failed_total": self.disk.write_failed,
+                "disk_tier_read_failed_total": self.disk.read_failed,
+                "disk_tier_unsettled_drops_total": self.unsettled_drops,
+                "disk_tier_staging_misses_total": self.staging_misses}
+
+__all__ = ["L1", "L2", "ServingTiers", "SlotBytes", "TierCounters"]

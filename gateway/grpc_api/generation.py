@@ -67,7 +67,8 @@ def _logprobs(u: Update) -> list[pb.TokenLogprob]:
 
 def usage(out: RequestOutput) -> pb.Usage:
     return pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                    cached_prompt_tokens=out.num_cached_tokens)
+                    cached_prompt_tokens=out.num_cached_tokens,
+                    cached_prompt_tokens_by_tier=out.cached_tokens_by_tier or {})
 
 
 class GenerationServicer:

@@ -153,7 +153,8 @@ def _response(req: ks.ModelInferRequest, served: str, text: str, ids: list[int],
 def _final_params(last: pb.GenerateResponse) -> dict[str, Any]:
     u = last.usage
     return {"finish_reason": last.finish_reason, "prompt_tokens": u.prompt_tokens,
-            "completion_tokens": u.completion_tokens, "cached_prompt_tokens": u.cached_prompt_tokens}
+            "completion_tokens": u.completion_tokens, "cached_prompt_tokens": u.cached_prompt_tokens,
+            **{f"cached_prompt_tokens_{t}": n for t, n in sorted(u.cached_prompt_tokens_by_tier.items())}}
 
 
 class KServeServicer:
@@ -203,6 +204,7 @@ class KServeServicer:
                     chunk.usage.prompt_tokens = len(out.prompt_token_ids)
                     chunk.usage.completion_tokens = len(out.token_ids)
                     chunk.usage.cached_prompt_tokens = out.num_cached_tokens
+                    chunk.usage.cached_prompt_tokens_by_tier.update(out.cached_tokens_by_tier or {})
                 yield chunk
         finally:
             self.gen.finish(tenant, rid, stream)

@@ -143,7 +143,7 @@ class _ReleasingStream(StreamingResponse):
 
 
 def _usage(out: RequestOutput) -> Usage:
-    return usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+    return usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens, out.cached_tokens_by_tier)
 
 
 def _new_entries(out: RequestOutput) -> list[TokenLogprob]:

@@ -78,6 +78,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
+    # nanokv's extension: cached_tokens per tier ("L1" device, "L2" host, "L3" disk), with lower tiers on
+    cached_tokens_by_tier: dict[str, int] | None = None
 
 
 class Usage(BaseModel):

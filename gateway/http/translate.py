@@ -102,11 +102,12 @@ def chat_inputs(req: ChatCompletionRequest, info: ModelInfo) -> tuple[list[dict[
 # ---- outputs ---------------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          by_tier: dict[str, int] | None = None) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens, cached_tokens_by_tier=by_tier),
     )
 
 

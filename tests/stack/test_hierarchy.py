@@ -98,3 +98,71 @@ def test_bad_tier_settings_name_the_field(kw, field):
 def test_a_budget_holding_no_block_is_refused_at_attach():
     with pytest.raises(Exception, match="cpu_offload_bytes"):
         LLM(num_gpu_blocks=8, cpu_offload_bytes=1000)
+
+
+def _disk_kw(tmp_path, **kw):
+    # L1 8 blocks, L2 only 4: the first prompts' blocks go on down to the disk
+    return dict(TIERED, num_gpu_blocks=8, cpu_offload_bytes=4 * BLOCK_BYTES + (1 << 16),
+                disk_cache_dir=str(tmp_path / "kv"), disk_cache_bytes=64 * (BLOCK_BYTES + 8192), **kw)
+
+
+@pytest.fixture(scope="module")
+def plain_ids(llm):
+    """Six prompts without the chat template: no block in common, so later ones push the first
+    one's blocks out of L1 and L2 (the template's shared head would stay hot in L1)."""
+    from tests.conftest import PROMPTS
+
+    return [llm.engine._tokenize(" ".join([p] * 5)) for p in PROMPTS[:6]]
+
+
+def test_disk_tier_serves_after_a_restart(hf_model, plain_ids, tmp_path):
+    import stat
+
+    kw = _disk_kw(tmp_path)
+    cfg = EngineConfig.from_kwargs(**kw).to_dict()
+    want = hf_greedy(hf_model, plain_ids[0], GREEDY.max_tokens)
+    with start_services(cfg) as svc:
+        llm = LLM(**kw, cache_address=svc.cache_address, compute_address=svc.compute_address)
+        for ids in plain_ids:  # one at a time: each pushes the ones before down the tiers
+            llm.generate([ids], GREEDY, use_tqdm=False)
+        stats = llm.engine.cache.stats()
+        llm.engine.shutdown()
+    assert stats["tier_moved_blocks"].get("L2->L3", 0) > 0
+    files = list((tmp_path / "kv").glob("*.kvb"))
+    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    # a fresh stack on the same directory: the first prompt's blocks come back from the disk
+    with start_services(cfg) as svc:
+        llm = LLM(**kw, cache_address=svc.cache_address, compute_address=svc.compute_address)
+        out = llm.generate([plain_ids[0]], GREEDY, use_tqdm=False)[0]
+        llm.engine.shutdown()
+    assert out.token_ids == want
+    assert out.cached_tokens_by_tier is not None and out.cached_tokens_by_tier["L3"] > 0, out.cached_tokens_by_tier
+
+
+def test_disk_tier_drops_corrupt_and_foreign_files(hf_model, plain_ids, tmp_path):
+    kw = _disk_kw(tmp_path)
+    want = [hf_greedy(hf_model, ids, GREEDY.max_tokens) for ids in plain_ids[:2]]
+    llm = LLM(**kw)
+    for ids in plain_ids:
+        llm.generate([ids], GREEDY, use_tqdm=False)
+    llm.engine.shutdown()
+    files = sorted((tmp_path / "kv").glob("*.kvb"))
+    assert len(files) >= 3
+    for f in files[:-1]:  # every payload but one flipped: the checksum catches it at the read
+        data = bytearray(f.read_bytes())
+        data[-10] ^= 0xFF
+        f.write_bytes(bytes(data))
+    files[-1].write_bytes(files[-1].read_bytes()[:100])  # truncated: the re-index drops it
+    again = LLM(**kw)
+    outs = again.generate(plain_ids[:2], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == want  # never a wrong token from a bad file
+    assert not files[-1].exists()
+    st = again.engine.cache.stats()
+    assert st["tier_hit_tokens"].get("L3", 0) == 0
+    again.engine.shutdown()
+    # a store of another KV format's fingerprint drops every file it finds at start-up
+    survivors = list((tmp_path / "kv").glob("*.kvb"))
+    other = LLM(**dict(kw, quantization_bitwidth=8, enable_compression=True))
+    other.generate([plain_ids[0]], GREEDY, use_tqdm=False)
+    assert all(not f.exists() for f in survivors)
+    other.engine.shutdown()
