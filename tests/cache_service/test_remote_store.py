@@ -145,7 +145,7 @@ def test_server_down_then_back(server, caplog):
             assert time.monotonic() - t0 < 1.0
     assert st.status == "unreachable" and not st.available
     c = st.counters()
-    assert c["remote_tier_unreachable_errors_total"] >= 1 and c["remote_tier_skipped_total"] >= 70
+    assert c["remote_tier_unreachable_errors_total"] >= 1 and c["remote_tier_skipped_total"] >= 60
     assert c["remote_tier_not_stored_total"] == 20 and c["remote_tier_misses_total"] >= 20
     assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1  # one per state change
     srv.start()  # same port, empty (no persistence)
