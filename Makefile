@@ -34,6 +34,11 @@ tools:
 	@(command -v prometheus && command -v promtool) >/dev/null 2>&1 \
 		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
 		|| echo "prometheus unavailable: tests/stack/test_prometheus.py (fails under CI=true) and the promtool checks skip"
+	@# the shared KV tier's server (tests/helpers_valkey.py): Valkey where the distribution has it, else Redis
+	@(command -v valkey-server || command -v redis-server) >/dev/null 2>&1 \
+		|| (apt-get update -qq && pkg=$$(apt-cache show valkey-server >/dev/null 2>&1 && echo valkey-server \
+			|| echo redis-server) && apt-get install -y -qq --no-install-recommends $$pkg >/dev/null) \
+		|| echo "valkey/redis server unavailable: tests/cache_service/test_remote_store.py skips (fails under CI=true)"
 
 test: $(STAMP) tools
 	$(PY) -m pytest -q -x --durations=15

@@ -74,6 +74,19 @@ class Local:
     proc: subprocess.Popen | None = None
 
 
+def translate(s: str, mounts: dict[str, str], hosts: dict[str, str], ports: dict[int, int]) -> str:
+    """One argument or environment value moved out of containers: mount paths -> local folders,
+    "name:port" of other containers -> local addresses, container ports -> local ports, a 0.0.0.0
+    bind -> 127.0.0.1 (tests/k8s_local.py uses it for Kubernetes pods too)."""
+    for dst, local in mounts.items():
+        s = re.sub(rf"(?<![\w/]){re.escape(dst)}(?=/|$)", local, s)
+    for dns, local in hosts.items():
+        s = s.replace(dns, local)
+    for container, local_port in ports.items():
+        s = str(local_port) if s == str(container) else re.sub(rf"(?<=:){container}\b", str(local_port), s)
+    return "127.0.0.1" if s == "0.0.0.0" else s
+
+
 def localize(name: str, spec: dict[str, Any], env: dict[str, str], run_dir: Path, hosts: dict[str, str],
              service_names: list[str]) -> Local:
     """Translate one compose service to a local process. The only changes:
@@ -98,14 +111,7 @@ def localize(name: str, spec: dict[str, Any], env: dict[str, str], run_dir: Path
         ports.setdefault(int(p), free_port())
 
     def rewrite(s: str) -> str:
-        s = interpolate(str(s), env)
-        for dst, local in mounts.items():
-            s = re.sub(rf"(?<![\w/]){re.escape(dst)}(?=/|$)", local, s)
-        for dns, local in hosts.items():
-            s = s.replace(dns, local)
-        for container, local_port in ports.items():
-            s = str(local_port) if s == str(container) else re.sub(rf"(?<=:){container}\b", str(local_port), s)
-        return "127.0.0.1" if s == "0.0.0.0" else s
+        return translate(interpolate(str(s), env), mounts, hosts, ports)
 
     def command(value: Any) -> list[str]:
         return shlex.split(value) if isinstance(value, str) else [str(x) for x in (value or [])]
