@@ -217,6 +217,8 @@ class ComputeService:
             raise NanoKVError("step_id", f"got step {req.step_id}, expected {self._next_step}")
         self._next_step += 1
         self._apply(req)
+        if self._l2 is not None:
+            self._l2.flush()  # the previous steps' write-backs land in their host slots
         if req.copies:  # the memory hierarchy's moves, before anything reads or writes those blocks
             run_copies(req.copies, self.runner.kv_caches, self._host_tier(), self.runner.num_blocks)
         if not req.seq_ids:
@@ -269,11 +271,16 @@ class ComputeService:
         if h is None or h.host_tier is None:
             return None
         if self._l2 is None or self._l2.epoch != h.epoch:
-            self._l2 = HostTier(h, self.runner.pool_layout)
+            if self._l2 is not None:
+                self._l2.close()
+            self._l2 = HostTier(h, self.runner.pool_layout, self.device)
         return self._l2
 
     def collect(self, launched: PendingStep) -> StepResult:
-        return launched.wait()
+        res = launched.wait()
+        if self._l2 is not None:  # the gateway may now tell the cache service this step's slots are settled
+            self._l2.flush()
+        return res
 
     def step(self, request: StepRequest) -> StepResult:
         return self.collect(self.launch(request))

@@ -198,6 +198,15 @@ _PRESETS: dict[str, ModelConfig] = {
         rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
         tie_word_embeddings=True, qk_norm=True, bos_token_id=151643, eos_token_ids=[151645, 151643],
     ),
+    # the real Llama-3-8B architecture (random weights: the memory hierarchy's and serving benchmarks)
+    "llama3-8b": ModelConfig(
+        architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_ids=[128001, 128009],
+    ),
     # the SmolLM2-135M architecture (the embedded model), for random-weight runs
     "smollm2-135m": ModelConfig(
         architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,

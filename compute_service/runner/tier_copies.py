@@ -5,6 +5,17 @@ maps the host segment once per pool (PoolHandle.host_tier, a layout of the pool'
 ``host_tier_blocks`` blocks) and moves the bytes. Copies run in the order given: consecutive ones
 of one kind with distinct destinations are batched into one gather and one scatter per tensor
 (per layer: K and V, and their scales for int8/int4), since per-block copies are launch-bound.
+
+On a GPU nothing here waits for the device (async scheduling keeps the host a step ahead):
+  * a load gathers its slots on the host into a pinned bounce buffer, then one non-blocking copy
+    per tensor goes up and a scatter puts the blocks in place, all queued before the forward pass;
+  * a write-back (save) gathers its blocks on the device into a buffer, copies it non-blocking into
+    a pinned bounce buffer, and the host-side scatter into the slots waits (``flush``) until that
+    copy's event completes: at the next step's launch, or when a step's result is collected, which
+    is when the gateway may tell the cache service those slots are settled. A load of a slot
+    whose save is still pending flushes first.
+The host segment is page-locked once when mapped (cudaHostRegister for a shared-memory segment,
+pinned memory in process), which a non-blocking copy needs.
 """
 
 from __future__ import annotations
@@ -23,13 +34,37 @@ from nanokv.messages import COPY_LOAD, COPY_SAVE, PoolHandle, PoolLayout
 class HostTier:
     """The host tier's layer tensors, carved from the cache service's segment: [slots, ...] each."""
 
-    def __init__(self, handle: PoolHandle, layout: PoolLayout):
+    def __init__(self, handle: PoolHandle, layout: PoolLayout, device: torch.device | None = None):
         if handle.host_tier is None:
             raise ValueError("the pool handle carries no host tier")
         self.epoch = handle.epoch
         self.num_slots = handle.host_tier_blocks
+        buf = map_handle(handle.host_tier)
+        self._registered = None
+        if device is not None and device.type == "cuda" and not buf.is_pinned():
+            rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+            if int(rc) == 0:  # page-locked: non-blocking copies from and to it
+                self._registered = buf
+        self.buffer = buf
         l2 = dataclasses.replace(layout, num_blocks=self.num_slots, device="cpu", rank_kv_heads=[], rank_devices=[])
-        self.caches = carve_layer_caches(l2, map_handle(handle.host_tier))
+        self.caches = carve_layer_caches(l2, buf)
+        self._pending: list[tuple[torch.cuda.Event, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = []
+        self._pending_slots: set[int] = set()
+
+    def flush(self) -> None:
+        """Finish the write-backs whose device-to-host copies are queued: scatter them into their slots."""
+        for event, scatters, slots in self._pending:
+            event.synchronize()
+            for dst, src in scatters:
+                dst.index_copy_(0, slots, src)
+        self._pending.clear()
+        self._pending_slots.clear()
+
+    def close(self) -> None:
+        self.flush()
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered.data_ptr())
+            self._registered = None
 
 
 def _runs(copies: Sequence[tuple[int, int, int]]) -> list[tuple[int, list[int], list[int]]]:
@@ -60,13 +95,30 @@ def run_copies(copies: Sequence[tuple[int, int, int]], l1: list[LayerKV], l2: Ho
             raise NanoKVError("copies", f"({kind}, {block}, {slot}): kind 0 or 1, block in [0, {num_blocks}), "
                                         f"slot in [0, {l2.num_slots})")
     device = l1[0].k.device
+    cuda = device.type == "cuda"
     for kind, blocks, slots in _runs(copies):
-        b = torch.tensor(blocks, dtype=torch.long, device=device)
+        b = torch.tensor(blocks, dtype=torch.long).to(device, non_blocking=True)
         s = torch.tensor(slots, dtype=torch.long)
+        if kind == COPY_LOAD and l2._pending_slots.intersection(slots):
+            l2.flush()  # a slot written back moments ago is read again
+        scatters = []
         for dev, host in zip(l1, l2.caches):
             for name in dev.block_fields:
                 d, h = getattr(dev, name), getattr(host, name)
-                if kind == COPY_SAVE:  # [n, ...] gathered on the device, then one copy to the host
-                    h.index_copy_(0, s, d.index_select(0, b).to("cpu"))
-                else:
-                    d.index_copy_(0, b, h.index_select(0, s).to(device, non_blocking=True))
+                if kind == COPY_SAVE:  # [n, ...] gathered on the device, one copy to the host
+                    if not cuda:
+                        h.index_copy_(0, s, d.index_select(0, b))
+                        continue
+                    bounce = torch.empty((len(blocks), *d.shape[1:]), dtype=d.dtype, pin_memory=True)
+                    bounce.copy_(d.index_select(0, b), non_blocking=True)
+                    scatters.append((h, bounce))
+                else:  # gathered on the host, one copy up, scattered on the device
+                    rows = h.index_select(0, s)
+                    if cuda:
+                        rows = rows.pin_memory()
+                    d.index_copy_(0, b, rows.to(device, non_blocking=True))
+        if scatters:
+            event = torch.cuda.Event()
+            event.record()
+            l2._pending.append((event, scatters, s))
+            l2._pending_slots.update(slots)

@@ -140,8 +140,9 @@ async def openai_request(rec: Record, prompt: list[int], *, url: str, model: str
             if "error" in event:
                 raise HTTPStatusError(f"stream error: {event['error']}")
             for choice in event.get("choices") or []:
-                if choice.get("text"):
-                    times.append(t)
+                # a chunk per token; its text may be empty (held back mid-character, or a model
+                # without a tokenizer: random weights), it is a token arrival all the same
+                times.append(t)
                 rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
             state["usage"] = event.get("usage") or state["usage"]
 

@@ -1,0 +1,145 @@
+"""The memory hierarchy on the GPU: onload bandwidth against pinned copies, then a multi-turn workload
+served with L1 only, L1+L2 and L1+L2+L3, side by side in one run (docs/hierarchy.md).
+
+    python -m nanokv_tools.bench.gpu_tiers --out out/tiers.json [--model random:llama3-8b]
+
+1. Bandwidth: N blocks of the model's bf16 KV layout go host tier -> device pool through the very copy
+   path the compute service runs (runner/tier_copies.run_copies), against one pinned host-to-device
+   copy of the same bytes (the link's practical ceiling, measured in the same process).
+2. Serving: for each tier configuration, `nanokv serve` (or `nanokv up`: --launch-command up) starts
+   on the same random-weight model with the same small device pool, and `nanokv bench serve` replays
+   the same closed-loop multi-turn chat workload at a fixed request rate; TTFT, TPOT, output tok/s and
+   the prefix hit ratio come from its JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+
+def bandwidth(model: str, blocks: int, block_size: int = 16) -> dict[str, float]:
+    import torch
+
+    from nanokv.compute_service.model.config import ModelConfig
+    from nanokv.compute_service.runner.tier_copies import HostTier, run_copies
+    from nanokv.kv.segment import carve_layer_caches, pool_nbytes
+    from nanokv.messages import COPY_LOAD, PoolHandle, PoolLayout
+
+    mc = ModelConfig.preset(model.removeprefix("random:"))
+    dev = torch.device("cuda")
+    layout = PoolLayout(blocks, block_size, mc.num_key_value_heads, mc.head_dim, [16] * mc.num_hidden_layers,
+                        "bfloat16", 0, "cuda")
+    l1 = carve_layer_caches(layout, torch.zeros(pool_nbytes(layout), dtype=torch.uint8, device=dev))
+    host = dict(layout.__dict__, device="cpu")
+    hbuf = torch.ones(pool_nbytes(PoolLayout(**host)), dtype=torch.uint8)
+    handle = PoolHandle("local", 0, 1, buffer=None, host_tier=PoolHandle("local", hbuf.numel(), 1, buffer=hbuf),
+                        host_tier_blocks=blocks)
+    l2 = HostTier(handle, layout, dev)
+    copies = [(COPY_LOAD, b, (b * 7) % blocks) for b in range(blocks)]  # scattered slots, like a real hit
+    nbytes = hbuf.numel()
+    run_copies(copies, l1, l2, blocks)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    reps = 5
+    for _ in range(reps):
+        run_copies(copies, l1, l2, blocks)
+    torch.cuda.synchronize()
+    tier_s = (time.perf_counter() - t0) / reps
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst.copy_(pinned, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(pinned, non_blocking=True)
+    torch.cuda.synchronize()
+    pinned_s = (time.perf_counter() - t0) / reps
+    l2.close()
+    out = {"blocks": blocks, "bytes": nbytes, "onload_GBps": nbytes / tier_s / 1e9,
+           "pinned_h2d_GBps": nbytes / pinned_s / 1e9}
+    out["onload_vs_pinned"] = out["onload_GBps"] / out["pinned_h2d_GBps"]
+    return out
+
+
+CONFIGS: dict[str, str] = {
+    "L1": "",
+    "L1+L2": "--cpu-offload-bytes {l2}",
+    "L1+L2+L3": "--cpu-offload-bytes {l3_l2} --disk-cache-dir {dir} --disk-cache-bytes {l3}",
+}
+
+
+def serve(args: argparse.Namespace, name: str, extra: str, out_dir: str) -> dict[str, Any]:
+    path = os.path.join(out_dir, f"serve_{name.replace('+', '_')}.json")
+    server = f"--model {args.model} --num-gpu-blocks {args.l1_blocks} --max-num-seqs {args.max_num_seqs} {extra}"
+    cmd = [sys.executable, "-m", "nanokv_tools.bench.serve", "--launch", "--launch-command", args.launch_command,
+           "--launch-args", server, "--workload", "chat", "--chat-turns", str(args.turns),
+           "--chat-systems", "4", "--chat-system-len", str(args.system_len), "--chat-user-len", str(args.user_len),
+           "--random-output-len", str(args.output_len), "--max-output-tokens", str(args.output_len),
+           "--num-prompts", str(args.num_prompts), "--request-rates", str(args.rate),
+           "--token-range", args.token_range, "--out", path, "--no-plot"]
+    print("===", name, shlex.join(cmd), flush=True)
+    t0 = time.monotonic()
+    rc = subprocess.call(cmd)
+    print(f"=== {name} rc={rc} {time.monotonic() - t0:.0f}s", flush=True)
+    if rc != 0 or not os.path.exists(path):
+        return {"config": name, "rc": rc}
+    with open(path) as f:
+        s = json.load(f)["runs"][0]["summary"]
+    keep = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "output_throughput",
+            "prefix_hit_ratio", "completed", "failed", "duration")
+    return {"config": name, "rc": rc, **{k: s[k] for k in keep if k in s}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="random:llama3-8b")
+    p.add_argument("--out", default="tiers.json")
+    p.add_argument("--bandwidth-blocks", type=int, default=512)
+    p.add_argument("--l1-blocks", type=int, default=1536, help="the device pool, in 16-token blocks")
+    p.add_argument("--l2-gib", type=float, default=24.0)
+    p.add_argument("--l3-gib", type=float, default=16.0, help="the disk tier (with an L2 of half --l2-gib)")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=1024)
+    p.add_argument("--user-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--rate", type=float, default=4.0)
+    p.add_argument("--launch-command", choices=("serve", "up"), default="serve")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--token-range", default="1000:120000", help="LO:HI token ids (within the vocabulary)")
+    p.add_argument("--skip-bandwidth", action="store_true")
+    args = p.parse_args(argv)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    result: dict[str, Any] = {"args": vars(args)}
+    if not args.skip_bandwidth:
+        result["bandwidth"] = bandwidth(args.model, args.bandwidth_blocks)
+        print("bandwidth", json.dumps(result["bandwidth"]), flush=True)
+    gib = 1 << 30
+    with tempfile.TemporaryDirectory(prefix="nanokv-l3-") as d:
+        fill = {"l2": int(args.l2_gib * gib), "l3_l2": int(args.l2_gib * gib / 2), "l3": int(args.l3_gib * gib),
+                "dir": d}
+        result["serve"] = [serve(args, name, CONFIGS[name].format(**fill), out_dir)
+                           for name in args.configs.split(",")]
+    base = next((r for r in result["serve"] if r["config"] == "L1" and r.get("median_ttft_ms")), None)
+    for r in result["serve"]:
+        if base is not None and r.get("median_ttft_ms"):
+            r["ttft_p50_speedup_vs_L1"] = base["median_ttft_ms"] / r["median_ttft_ms"]
+            r["output_tok_s_vs_L1"] = r["output_throughput"] / base["output_throughput"]
+        print(json.dumps(r), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
