@@ -51,6 +51,7 @@ class HostTier:
         self._pending: list[tuple[torch.cuda.Event, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = []
         self._pending_slots: set[int] = set()
 
+    @torch.inference_mode()  # (called from collect too: the slots' views were made in inference mode)
     def flush(self) -> None:
         """Finish the write-backs whose device-to-host copies are queued: scatter them into their slots."""
         for event, scatters, slots in self._pending:
@@ -112,10 +113,11 @@ def run_copies(copies: Sequence[tuple[int, int, int]], l1: list[LayerKV], l2: Ho
                     bounce = torch.empty((len(blocks), *d.shape[1:]), dtype=d.dtype, pin_memory=True)
                     bounce.copy_(d.index_select(0, b), non_blocking=True)
                     scatters.append((h, bounce))
-                else:  # gathered on the host, one copy up, scattered on the device
-                    rows = h.index_select(0, s)
-                    if cuda:
-                        rows = rows.pin_memory()
+                elif not cuda:
+                    d.index_copy_(0, b, h.index_select(0, s))
+                else:  # gathered on the host straight into pinned memory, one copy up, scattered on the device
+                    rows = torch.empty((len(slots), *h.shape[1:]), dtype=h.dtype, pin_memory=True)
+                    torch.index_select(h, 0, s, out=rows)
                     d.index_copy_(0, b, rows.to(device, non_blocking=True))
         if scatters:
             event = torch.cuda.Event()

@@ -76,26 +76,30 @@ CONFIGS: dict[str, str] = {
 }
 
 
-def serve(args: argparse.Namespace, name: str, extra: str, out_dir: str) -> dict[str, Any]:
-    path = os.path.join(out_dir, f"serve_{name.replace('+', '_')}.json")
+def serve(args: argparse.Namespace, name: str, extra: str, out_dir: str, command: str) -> dict[str, Any]:
+    label = name if command == "serve" else f"{name} ({command})"
+    path = os.path.join(out_dir, f"serve_{name.replace('+', '_')}_{command}.json")
     server = f"--model {args.model} --num-gpu-blocks {args.l1_blocks} --max-num-seqs {args.max_num_seqs} {extra}"
-    cmd = [sys.executable, "-m", "nanokv_tools.bench.serve", "--launch", "--launch-command", args.launch_command,
+    # nanokv.v1 gRPC: its chunks carry token ids (a model without a tokenizer streams no OpenAI text)
+    cmd = [sys.executable, "-m", "nanokv_tools.bench.serve", "--launch", "--launch-command", command,
+           "--backend", "grpc",
            "--launch-args", server, "--workload", "chat", "--chat-turns", str(args.turns),
-           "--chat-systems", "4", "--chat-system-len", str(args.system_len), "--chat-user-len", str(args.user_len),
+           "--chat-systems", str(args.systems), "--chat-system-len", str(args.system_len),
+           "--chat-user-len", str(args.user_len),
            "--random-output-len", str(args.output_len), "--max-output-tokens", str(args.output_len),
            "--num-prompts", str(args.num_prompts), "--request-rates", str(args.rate),
            "--token-range", args.token_range, "--out", path, "--no-plot"]
-    print("===", name, shlex.join(cmd), flush=True)
+    print("===", label, shlex.join(cmd), flush=True)
     t0 = time.monotonic()
     rc = subprocess.call(cmd)
-    print(f"=== {name} rc={rc} {time.monotonic() - t0:.0f}s", flush=True)
-    if rc != 0 or not os.path.exists(path):
-        return {"config": name, "rc": rc}
+    print(f"=== {label} rc={rc} {time.monotonic() - t0:.0f}s", flush=True)
+    if not os.path.exists(path):
+        return {"config": label, "rc": rc}
     with open(path) as f:
         s = json.load(f)["runs"][0]["summary"]
     keep = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "output_throughput",
             "prefix_hit_ratio", "completed", "failed", "duration")
-    return {"config": name, "rc": rc, **{k: s[k] for k in keep if k in s}}
+    return {"config": label, "rc": rc, **{k: s[k] for k in keep if k in s}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,12 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-len", type=int, default=1024)
-    p.add_argument("--user-len", type=int, default=512)
+    p.add_argument("--user-len", type=int, default=384)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--rate", type=float, default=4.0)
-    p.add_argument("--launch-command", choices=("serve", "up"), default="serve")
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--systems", type=int, default=4, help="system prompts the conversations share")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="served in one process (nanokv serve)")
+    p.add_argument("--up-configs", default="", help="served by the three services (nanokv up)")
     p.add_argument("--token-range", default="1000:120000", help="LO:HI token ids (within the vocabulary)")
     p.add_argument("--skip-bandwidth", action="store_true")
     args = p.parse_args(argv)
@@ -128,13 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="nanokv-l3-") as d:
         fill = {"l2": int(args.l2_gib * gib), "l3_l2": int(args.l2_gib * gib / 2), "l3": int(args.l3_gib * gib),
                 "dir": d}
-        result["serve"] = [serve(args, name, CONFIGS[name].format(**fill), out_dir)
-                           for name in args.configs.split(",")]
+        runs = [(n, "serve") for n in args.configs.split(",") if n]
+        runs += [(n, "up") for n in args.up_configs.split(",") if n]
+        result["serve"] = [serve(args, name, CONFIGS[name].format(**fill), out_dir, command) for name, command in runs]
     base = next((r for r in result["serve"] if r["config"] == "L1" and r.get("median_ttft_ms")), None)
+    inproc = {r["config"]: r for r in result["serve"]}
     for r in result["serve"]:
         if base is not None and r.get("median_ttft_ms"):
             r["ttft_p50_speedup_vs_L1"] = base["median_ttft_ms"] / r["median_ttft_ms"]
             r["output_tok_s_vs_L1"] = r["output_throughput"] / base["output_throughput"]
+        same = inproc.get(r["config"].removesuffix(" (up)"))
+        split = r["config"].endswith(" (up)")
+        if split and same is not None and same.get("median_ttft_ms") and r.get("median_ttft_ms"):
+            r["ttft_p50_in_process_over_split"] = same["median_ttft_ms"] / r["median_ttft_ms"]
         print(json.dumps(r), flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
