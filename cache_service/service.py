@@ -116,6 +116,8 @@ class CacheService:
                 carried.evictions_by_policy.setdefault(self.manager.policy_name, 0)
                 self.manager.stats = carried
             self._attach_ghosts(layout)
+            if self.tiers is not None and self.tiers.disk is not None:
+                self.tiers.disk.close()  # the new pool's tiers get their own writer
             self.tiers = None
             handle = storage.handle()
             if cfg.cpu_offload_bytes:
@@ -223,6 +225,8 @@ class CacheService:
     def close_disk(self) -> None:
         """Let the disk tier's directory go (its lock): the engine in this process shuts down."""
         with self.lock:
+            if self.tiers is not None and self.tiers.disk is not None:
+                self.tiers.disk.close()  # its queued writes land first
             if self.disk_store is not None:
                 self.disk_store.close()
                 self.disk_store = None
@@ -233,6 +237,8 @@ class CacheService:
 
     def close(self) -> None:
         with self.lock:
+            if self.tiers is not None and self.tiers.disk is not None:
+                self.tiers.disk.close()
             self._drop_pool()
             if self.disk_store is not None:
                 self.disk_store.close()

@@ -7,11 +7,18 @@ written from its L2 slot, and a hit is read into a staging slot of the host segm
 compute service then copies into the device pool like an L2 hit (serving.py). At start-up the
 store's files (already checked by its re-index) are admitted least recently used first, so the
 tier's policy starts from the order the files were last used in.
+
+Writes and deletions run on a writer thread, never in a plan: a plan copies the victim's bytes out
+of its slot (a memcpy) and queues them; until the file is on disk a hit is served from that copy.
+A full queue (the disk slower than the evictions) drops the block instead of waiting; a write that
+fails is reported back and the tier forgets the block at the next plan (``drain``).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 
 from nanokv.cache_service.tiers.disk_store import DiskStore
 from nanokv.cache_service.tiers.formats import TierFormat
@@ -23,7 +30,7 @@ L3 = "L3"
 
 
 class DiskTier:
-    def __init__(self, store: DiskStore, payload_bytes: int, bits: int, policy: str = "lru"):
+    def __init__(self, store: DiskStore, payload_bytes: int, bits: int, policy: str = "lru", max_queue: int = 256):
         self.store = store
         self.payload_bytes = payload_bytes
         capacity = store.capacity_bytes // store.charge(payload_bytes)
@@ -33,6 +40,13 @@ class DiskTier:
         self.tier = LowerTier(L3, capacity, TierFormat("pool", bits, payload_bytes), policy, keep_on_load=True)
         self.write_failed = 0  # victims L2 could not write down (disk full, I/O error, bytes in flight)
         self.read_failed = 0  # hits whose file was gone, corrupt or slow: recomputed instead
+        self.queue_full = 0  # victims dropped because the writer was too far behind
+        self._lock = threading.Lock()
+        self._pending: dict[bytes, bytes] = {}  # queued writes: served from here until on disk
+        self._failed: list[bytes] = []  # writes the writer could not make (drain forgets them)
+        self._q: queue.Queue[tuple[str, bytes, bytes] | None] = queue.Queue(maxsize=max_queue)
+        self._writer = threading.Thread(target=self._write_loop, name="nanokv-disk-tier", daemon=True)
+        self._writer.start()
         kept = 0
         for e in store.entries():  # least recently used first
             if e.payload_bytes != payload_bytes:
@@ -46,26 +60,71 @@ class DiskTier:
             log.info("disk tier (L3): %d blocks indexed from %s", kept, store.dir)
 
     def write(self, block_hash: bytes, payload: bytes) -> bool:
-        """Put a block the tier admitted; on failure the tier forgets it (False)."""
-        if self.store.put(block_hash, payload):
-            return True
-        self.forget(block_hash)
-        return False
+        """Queue a block the tier admitted; when the writer is too far behind the tier forgets it (False)."""
+        with self._lock:
+            self._pending[block_hash] = payload
+        try:
+            self._q.put_nowait(("put", block_hash, payload))
+        except queue.Full:
+            with self._lock:
+                self._pending.pop(block_hash, None)
+            self.queue_full += 1
+            self.forget(block_hash)
+            return False
+        return True
 
     def forget(self, block_hash: bytes) -> None:
         """The tier's copy cannot be had (not written, or unreadable): drop it from the index."""
         self.write_failed += 1
         self.tier.discard(block_hash)
 
+    def drain(self) -> None:
+        """At a plan: forget the blocks whose writes failed since the last one."""
+        with self._lock:
+            failed, self._failed = self._failed, []
+        for h in failed:
+            self.forget(h)
+
     def read(self, block_hash: bytes) -> bytes | None:
-        data = self.store.get(block_hash)
+        with self._lock:
+            data = self._pending.get(block_hash)
+        if data is None:
+            data = self.store.get(block_hash)
         if data is None or len(data) != self.payload_bytes:
             self.read_failed += 1
             self.tier.discard(block_hash)
-            self.store.remove(block_hash)
+            self.remove(block_hash)
             return None
         return data
 
     def remove(self, block_hash: bytes) -> None:
-        """The tier evicted or dropped the block: its file goes."""
-        self.store.remove(block_hash)
+        """The tier evicted or dropped the block: its file goes (after any queued write of it)."""
+        with self._lock:
+            self._pending.pop(block_hash, None)
+        try:
+            self._q.put_nowait(("rm", block_hash, b""))
+        except queue.Full:
+            self.store.remove(block_hash)
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            op, h, data = job
+            if op == "rm":
+                self.store.remove(h)
+                continue
+            with self._lock:
+                wanted = self._pending.get(h) is data  # not removed (or re-queued) since
+            ok = self.store.put(h, data) if wanted else True
+            with self._lock:
+                if self._pending.get(h) is data:
+                    del self._pending[h]
+                if not ok:
+                    self._failed.append(h)
+
+    def close(self) -> None:
+        """Finish the queued writes (a clean shutdown keeps every block it admitted), stop the writer."""
+        self._q.put(None)
+        self._writer.join(timeout=60)

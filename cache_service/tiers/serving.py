@@ -89,6 +89,8 @@ class ServingTiers:
     def begin_plan(self, copies_done: int) -> None:
         self.plan_no += 1
         self.copies_done = max(self.copies_done, copies_done)
+        if self.disk is not None:
+            self.disk.drain()
 
     def settled(self, slot: int) -> bool:
         return self._touched.get(slot, 0) <= self.copies_done
@@ -196,6 +198,7 @@ class ServingTiers:
         return {**self.disk.store.stats(), "disk_tier_write_failed_total": self.disk.write_failed,
                 "disk_tier_read_failed_total": self.disk.read_failed,
                 "disk_tier_unsettled_drops_total": self.unsettled_drops,
+                "disk_tier_queue_full_total": self.disk.queue_full,
                 "disk_tier_staging_misses_total": self.staging_misses}
 
 __all__ = ["L1", "L2", "ServingTiers", "SlotBytes", "TierCounters"]
