@@ -16,10 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from nanokv.cache_service.manager import KVCacheManager
 from nanokv.errors import NanoKVError
 from nanokv.messages import PlanReply, PlanRequest, TableDelta
+
+if TYPE_CHECKING:
+    from nanokv.cache_service.sparsity.decide import CacheSparsity
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Planner:
         self.manager = manager
         self.on_admit = on_admit
         self._seqs: dict[int, _SeqState] = {}
+        self.sparsity: CacheSparsity | None = None  # block sparsity (CacheService.attach sets it)
 
     @property
     def num_seqs(self) -> int:
@@ -63,10 +68,12 @@ class Planner:
             st = self._state(seq_id, "commits")
             if cm.has_seq(seq_id):
                 cm.cache_blocks(seq_id, st.token_ids, num_computed, st.cache_salt)
+        reply = PlanReply()
+        if self.sparsity is not None:  # drop / demote what the news says ran (after its commits published)
+            self.sparsity.after_news(req, reply)
         for seq_id in req.finished:
             if self._seqs.pop(seq_id, None) is not None:
                 cm.free(seq_id)
-        reply = PlanReply()
         if req.is_news_only:
             reply.used_blocks = cm.num_used_blocks()
             return reply

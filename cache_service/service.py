@@ -109,7 +109,18 @@ class CacheService:
                 self.manager.stats = carried
             self._attach_ghosts(layout)
             self.planner = Planner(self.manager, self.ghosts.observe if self.ghosts is not None else None)
+            self._attach_sparsity()
             return storage.handle()
+
+    def _attach_sparsity(self) -> None:
+        """Block sparsity on the new pool (nanokv.cache_service.sparsity): its decisions, and the INT4
+        demotion store's free list, sized by the pool as the compute service sizes the store."""
+        params = self.config.sparsity_params
+        if params is None or self.planner is None or self.manager is None:
+            return
+        from nanokv.cache_service.sparsity.decide import CacheSparsity
+
+        self.planner.sparsity = CacheSparsity(params, self.manager)
 
     def _attach_ghosts(self, layout: PoolLayout) -> None:
         """The ghosts model the live pool: made once, then resized with it (a repool keeps their
@@ -233,6 +244,7 @@ class CacheService:
             if cm is None:
                 raise NotAttached()
             cs = cm.stats
+            sp = self.planner.sparsity if self.planner is not None else None
             return {
                 "kv_cache_usage": cm.usage(),
                 "kv_blocks_total": cm.num_blocks,
@@ -248,4 +260,7 @@ class CacheService:
                 "epoch": self.epoch,
                 "attached_epoch": self.attached_epoch,
                 "plan_calls": self.plan_calls,
+                # block sparsity (nanokv.cache_service.sparsity.decide), 0 when off
+                "sparsity_blocks_dropped": sp.blocks_dropped if sp is not None else 0,
+                "sparsity_blocks_demoted": sp.blocks_demoted if sp is not None else 0,
             }

@@ -60,6 +60,9 @@ class PlanRequest:
     chunked_prefill: bool = True
     epoch: int = 0  # the pool planned against (0: unchecked, e.g. a tool driving the planner directly)
     gateway_id: str = ""  # the sequences' holder (its lease: EngineConfig.gateway_lease_s)
+    # block sparsity (attention / hybrid): (seq_id, attention mass per logical block) of a step, as the
+    # compute service reported it (StepResult.block_scores); news, like the commits
+    block_scores: list[tuple[int, list[float]]] = field(default_factory=list)
 
     @property
     def is_news_only(self) -> bool:
@@ -72,6 +75,9 @@ class PlanReply:
     admitted: list[tuple[int, int, int]] = field(default_factory=list)  # (seq_id, prefix-hit tokens, new tokens)
     tables: list[TableDelta] = field(default_factory=list)  # for every sequence that runs this step
     used_blocks: int = 0  # blocks referenced by sequences after the plan (the adaptive controller's gauge)
+    # hybrid sparsity: (pool block, demotion-store slot) copies INT8 -> INT4 the compute service makes
+    # before the next forward pass (the block went back to the pool in this plan; StepRequest.demotions)
+    demotions: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -92,6 +98,9 @@ class StepRequest:
     preempted: list[int] = field(default_factory=list)  # forget tables (blocks went back to the cache)
     epoch: int = 0  # the pool the plan was made on (0: unchecked)
     gateway_id: str = ""
+    # hybrid sparsity: (pool block, store slot) copies to make before this step's forward pass, in
+    # order: every plan's PlanReply.demotions since the last step request
+    demotions: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -100,6 +109,9 @@ class StepResult:
     token_ids: list[int] = field(default_factory=list)  # one per sample row
     logprobs: list[tuple[float, dict[int, float]] | None] | None = None
     forward_ns: int = 0
+    # block sparsity (attention / hybrid): (seq_id, attention mass per logical block) of every row the
+    # step measured, reduced over the row's queries by the policy's score_mode (PlanRequest.block_scores)
+    block_scores: list[tuple[int, list[float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -128,6 +140,7 @@ class PoolTerms:
     block_size: int
     layer_bits: list[int]
     model: str = ""
+    sparsity: str = ""  # block sparsity's settings (SparsityParams.describe(); "": off)
 
 
 @dataclass
@@ -217,6 +230,8 @@ class CacheServiceStats(TypedDict):
     epoch: int  # the last pool allocated
     attached_epoch: int  # the pool a compute service holds now (0: none)
     plan_calls: int
+    sparsity_blocks_dropped: int  # block sparsity: blocks dropped since start (0 with sparsity off)
+    sparsity_blocks_demoted: int  # hybrid: blocks moved INT8 -> INT4 into the demotion store
 
 
 class ComputeServiceStats(TypedDict):
