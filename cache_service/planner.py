@@ -25,6 +25,7 @@ from nanokv.messages import PlanReply, PlanRequest, TableDelta
 if TYPE_CHECKING:
     from nanokv.cache_service.tiers.hierarchy import LowerMatch
     from nanokv.cache_service.tiers.serving import ServingTiers
+    from nanokv.cache_service.sparsity.decide import CacheSparsity
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Planner:
         self.on_admit = on_admit
         self.tiers = tiers
         self._seqs: dict[int, _SeqState] = {}
+        self.sparsity: CacheSparsity | None = None  # block sparsity (CacheService.attach sets it)
 
     @property
     def num_seqs(self) -> int:
@@ -71,12 +73,14 @@ class Planner:
             st = self._state(seq_id, "commits")
             if cm.has_seq(seq_id):
                 cm.cache_blocks(seq_id, st.token_ids, num_computed, st.cache_salt)
-        for seq_id in req.finished:
-            if self._seqs.pop(seq_id, None) is not None:
-                cm.free(seq_id)
         reply = PlanReply()
         if self.tiers is not None:
             self.tiers.begin_plan(req.copies_done)
+        if self.sparsity is not None:  # drop / demote what the news says ran (after its commits published)
+            self.sparsity.after_news(req, reply)
+        for seq_id in req.finished:
+            if self._seqs.pop(seq_id, None) is not None:
+                cm.free(seq_id)
         if req.is_news_only:
             reply.used_blocks = cm.num_used_blocks()
             return reply

@@ -124,6 +124,7 @@ class CacheService:
                 handle = self._attach_host_tier(layout, handle)
             self.planner = Planner(self.manager, self.ghosts.observe if self.ghosts is not None else None,
                                    tiers=self.tiers)
+            self._attach_sparsity()
             return handle
 
     def _attach_host_tier(self, layout: PoolLayout, handle: PoolHandle) -> PoolHandle:
@@ -180,6 +181,16 @@ class CacheService:
             r = self.disk_store.reindex_report
             log.info("disk tier (L3) at %s: %s", cfg.disk_cache_dir, r)
         return self.disk_store
+
+    def _attach_sparsity(self) -> None:
+        """Block sparsity on the new pool (nanokv.cache_service.sparsity): its decisions, and the INT4
+        demotion store's free list, sized by the pool as the compute service sizes the store."""
+        params = self.config.sparsity_params
+        if params is None or self.planner is None or self.manager is None:
+            return
+        from nanokv.cache_service.sparsity.decide import CacheSparsity
+
+        self.planner.sparsity = CacheSparsity(params, self.manager)
 
     def _attach_ghosts(self, layout: PoolLayout) -> None:
         """The ghosts model the live pool: made once, then resized with it (a repool keeps their
@@ -325,6 +336,7 @@ class CacheService:
             if cm is None:
                 raise NotAttached()
             cs = cm.stats
+            sp = self.planner.sparsity if self.planner is not None else None
             out: CacheServiceStats = {
                 "kv_cache_usage": cm.usage(),
                 "kv_blocks_total": cm.num_blocks,
@@ -340,6 +352,9 @@ class CacheService:
                 "epoch": self.epoch,
                 "attached_epoch": self.attached_epoch,
                 "plan_calls": self.plan_calls,
+                # block sparsity (nanokv.cache_service.sparsity.decide), 0 when off
+                "sparsity_blocks_dropped": sp.blocks_dropped if sp is not None else 0,
+                "sparsity_blocks_demoted": sp.blocks_demoted if sp is not None else 0,
             }
             if self.tiers is not None:
                 add_tier_stats(out, self.tiers)

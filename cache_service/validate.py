@@ -71,6 +71,15 @@ def validate_plan(planner: Planner, req: PlanRequest) -> None:
         if not 0 <= num_computed <= lengths[seq_id]:
             raise NanoKVError("commits", f"sequence {seq_id}: {num_computed} computed tokens; allowed: "
                                          f"0 to its {lengths[seq_id]} tokens")
+    max_blocks = cm.num_blocks
+    for seq_id, mass in req.block_scores:  # an unknown id is ignored (ended while its step ran)
+        _ids("block_scores", [seq_id])
+        st = planner._seqs.get(seq_id)
+        if st is not None and st.owner != owner:
+            raise PreconditionError("block_scores", f"sequence {seq_id} belongs to another gateway")
+        if len(mass) > max_blocks or any(not 0.0 <= m < float("inf") for m in mass):
+            raise NanoKVError("block_scores", f"sequence {seq_id}: {len(mass)} scores; allowed: at most "
+                                              f"{max_blocks} (the pool's blocks), each a finite number >= 0")
     _ids("finished", req.finished)
     for seq_id in req.finished:  # an id the cache never saw is fine (aborted before its first plan)
         st = planner._seqs.get(seq_id)

@@ -32,6 +32,7 @@ from nanokv.compute_service.runner.model_runner import ModelRunner, resolve_devi
 from nanokv.compute_service.runner.sampler import Sampler
 from nanokv.compute_service.runner.tier_copies import HostTier, run_copies
 from nanokv.compute_service.runner.tp_protocol import TokenWindow
+from nanokv.compute_service.sparsity.compute_hook import attach as attach_sparsity
 from nanokv.compute_service.step_io import HostCopies, Launched
 from nanokv.compute_service.step_trace import forward_span
 from nanokv.compute_service.warmup import warm_logits
@@ -88,6 +89,8 @@ class ComputeService:
                                       free_segment=free_segment)
             self.runner.fold_value_rotations()  # (this service owns the model; tensor parallel keeps the GEMMs)
         self.runner.capture_cudagraphs(self.max_model_len)
+        # block sparsity: the attention probe, the INT4 demotion store (None when compression_sparsity is 0)
+        self.sparsity = attach_sparsity(cfg, self.runner)
         # running K/V quantization error per layer (sampled on eager steps), read by stats()
         self.compression_monitor = CompressionMonitor().attach(self.runner.layer_hooks)
         self.error_probe = make_error_probe(cfg, self.runner) if error_probe else None
@@ -164,6 +167,8 @@ class ComputeService:
         if self._attach_pool is None or not getattr(self.runner, "follows_cache_pool", True):
             raise PreconditionError("compute", "this compute service cannot change its pool (no cache service "
                                                "attach, or tensor-parallel ranks started by torchrun)")
+        if self.sparsity is not None:  # (its probe and demotion store are built on the pool at start-up)
+            raise PreconditionError("repool", "not with block sparsity (compression_sparsity > 0)")
         n, bits = self.runner.check_repool(num_blocks, layer_bits)  # a bad layout changes nothing
         check_repool_memory(self.config, self.runner, n, bits)  # nor one the device cannot hold
         self.drop_sequences()
@@ -193,6 +198,10 @@ class ComputeService:
             t = self._tables.setdefault(d.seq_id, [])
             del t[d.start:]
             t.extend(d.blocks)
+        if req.demotions:  # hybrid sparsity: before this step's forward pass may write the blocks again
+            if self.sparsity is None:
+                raise NanoKVError("demotions", "this compute service runs without block sparsity")
+            self.sparsity.demote(req.demotions)
 
     def _freeze_gc(self) -> None:
         """At the first two steps (the second one catches what the first step's torch.compile made):
@@ -245,25 +254,28 @@ class ComputeService:
         rows = req.sample_rows
         logits = self.runner.execute(items, rows, feed=feed) if feed is not None else self.runner.execute(items, rows)
         self.steps += 1
+        # attention / hybrid sparsity: this step's attention mass per block, for the cache service
+        scores = self.sparsity.scores(req.seq_ids) if self.sparsity is not None else []
         seq_ids = [req.seq_ids[r] for r in rows]
         params = [self._params[s] for s in seq_ids]
         self._last = None
         if not rows:
             self.forward_ns += time.perf_counter_ns() - t0
-            return Launched(req.step_id, StepResult(req.step_id, forward_ns=time.perf_counter_ns() - t0))
+            return Launched(req.step_id, StepResult(req.step_id, forward_ns=time.perf_counter_ns() - t0,
+                                                    block_scores=scores))
         if logits is None:
             raise RuntimeError("rows to sample got no logits")
         if any(p.logprobs is not None for p in params):
             res = self.sampler(logits, params, seq_ids)
             ns = time.perf_counter_ns() - t0
             self.forward_ns += ns
-            return Launched(req.step_id, StepResult(req.step_id, res.token_ids, res.logprobs, ns))
+            return Launched(req.step_id, StepResult(req.step_id, res.token_ids, res.logprobs, ns, block_scores=scores))
         tokens = self.sampler.sample(logits, params, seq_ids)
         self._last = (tokens, {s: r for r, s in enumerate(seq_ids)})
         host, event = self._host.to_host(tokens)
         ns = time.perf_counter_ns() - t0
         self.forward_ns += ns
-        return Launched(req.step_id, None, host, event)
+        return Launched(req.step_id, None, host, event, block_scores=scores)
 
     def _host_tier(self) -> HostTier | None:
         """The cache service's host tier, mapped once per pool (a re-attach brings a new one)."""

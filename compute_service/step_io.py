@@ -4,7 +4,7 @@ collect waits on, and the pinned host buffers the ids are copied into without bl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ class Launched:
     result: StepResult | None  # ready (synchronous sampling: logprobs wanted, or nothing sampled)
     host: torch.Tensor | None = None  # [n] int64, valid once `event` completes
     event: Any = None  # torch.cuda.Event on CUDA
+    block_scores: list[tuple[int, list[float]]] = field(default_factory=list)  # StepResult.block_scores
 
     def wait(self) -> StepResult:
         """The step's result, once its copy to the host is complete."""
@@ -27,7 +28,7 @@ class Launched:
         if self.event is not None:
             self.event.synchronize()
         assert self.host is not None  # a launch without a result always has its host copy
-        return StepResult(self.step_id, self.host.tolist())
+        return StepResult(self.step_id, self.host.tolist(), block_scores=self.block_scores)
 
 
 class HostCopies:

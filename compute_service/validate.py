@@ -50,6 +50,14 @@ def validate_step(svc: Any, req: StepRequest, *, in_turn: bool = True) -> None:
                                         f"sample of this sequence, as its row's last token")
         if start + n > max_len:
             raise NanoKVError("num_new", f"sequence {seq_id}: {start} + {n} tokens exceed the context of {max_len}")
+    # block sparsity: -1 is a hole, -2 - j slot j of hybrid's demotion store (nanokv.kv.demote)
+    sparsity = getattr(svc, "sparsity", None)
+    store = sparsity.store if sparsity is not None else None
+    low = 0 if sparsity is None else -1 if store is None else -1 - store.num_slots
+    if sparsity is None and req.demotions:
+        raise NanoKVError("demotions", "this compute service runs without block sparsity (compression_sparsity 0)")
+    if sparsity is not None:
+        _check_sparse(req, svc._tables, block_size, num_blocks, store.num_slots if store is not None else 0)
     lengths = {s: len(t) for s, t in svc._tables.items()}  # after this step's forgets and deltas
     for seq_id in (*req.finished, *req.preempted):
         lengths.pop(seq_id, None)
@@ -60,8 +68,9 @@ def validate_step(svc: Any, req: StepRequest, *, in_turn: bool = True) -> None:
         if d.start + len(d.blocks) > max_table:
             raise NanoKVError("tables.blocks", f"sequence {d.seq_id}: more than {max_table} blocks")
         for b in d.blocks:
-            if not 0 <= b < num_blocks:
-                raise NanoKVError("tables.blocks", f"block id {b} out of range; allowed: [0, {num_blocks})")
+            if not low <= b < num_blocks:
+                raise NanoKVError("tables.blocks", f"block id {b} out of range; allowed: [0, {num_blocks})" + (
+                    f", -1 (a hole) or a demotion-store code down to {low}" if low < 0 else ""))
         lengths[d.seq_id] = d.start + len(d.blocks)
     params = set(svc._params) | {s for s, _ in req.new_seqs}
     params -= set(req.finished)
@@ -73,3 +82,22 @@ def validate_step(svc: Any, req: StepRequest, *, in_turn: bool = True) -> None:
             raise NanoKVError("tables", f"sequence {seq_id}: {have} blocks cannot hold {start + n} tokens")
         if r in req.sample_rows and seq_id not in params:
             raise PreconditionError("new_seqs", f"sequence {seq_id} samples but its sampling params never came")
+
+
+def _check_sparse(req: StepRequest, tables: dict[int, list[int]], block_size: int, num_blocks: int,
+                  num_slots: int) -> None:
+    """Block sparsity: the demotions name pool blocks and store slots, and every row writes its new
+    tokens into pool blocks (never a hole or a demoted entry: only full blocks are sparsified)."""
+    for b, j in req.demotions:
+        if not 0 <= b < num_blocks or not 0 <= j < num_slots:
+            raise NanoKVError("demotions", f"({b}, {j}): allowed blocks [0, {num_blocks}), slots [0, {num_slots})")
+    deltas = {d.seq_id: d for d in req.tables}
+    for seq_id, start, n in zip(req.seq_ids, req.num_computed, req.num_new):
+        d = deltas.get(seq_id)
+        t = tables.get(seq_id, []) if seq_id not in req.preempted else []
+        if d is not None:
+            t = t[:d.start] + d.blocks
+        for i in range(start // block_size, min(len(t), (start + n - 1) // block_size + 1)):
+            if t[i] < 0:
+                raise NanoKVError("tables", f"sequence {seq_id}: its tokens {start}..{start + n - 1} would be "
+                                            f"written to entry {i}, which is {t[i]}, not a pool block")

@@ -17,6 +17,15 @@ whose copy is done by now:
     the wait for the device. A sequence that stops on those tokens is in that plan; it is dropped
     from the batch when the reply is applied, and its blocks go back with the plan after.
 Steps whose requests want logprobs sample synchronously (the logprob tensors are read at once).
+
+Block sparsity keeps its order: the cache service drops and demotes a sequence's blocks when a plan
+carries the commits of a step that ran it, ranking by the attention scores the plans so far carried
+(nanokv.cache_service.sparsity.decide). Here step N+1's plan leaves while step N runs and before step
+N-1's reply is read, so it carries step N-1's commits and step N-2's scores: the attention policies
+rank by scores one step older than under synchronous scheduling (the drops themselves still follow
+each step's commits); that costs no wait and no extra call. The order is the code's, not the clock's, so the
+tokens are the same in one process and over gRPC. The INT4 copies a plan asks for go with the next
+step request and run on the device's stream before that step's forward pass, after the step in flight.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ class AsyncStepper:
         eng.stepped(res.step_id)
         t1 = time.perf_counter()
         eng.rpc["step_s"] += t1 - t0  # the wait the pipeline did not hide
+        eng.scheduler.note_scores(res.block_scores)  # block sparsity: with the next plan sent (see the docstring)
         outputs = []
         for seq, ph, tok in zip(prev.seqs, prev.placeholder, res.token_ids):
             if seq.is_finished:
@@ -99,6 +109,7 @@ class AsyncStepper:
             eng.scheduler.update(out)
             eng.counters.count_step(out)
             res = eng.compute.collect(launched)
+            eng.scheduler.note_scores(res.block_scores)
             lps = res.logprobs or [None] * len(seqs)
             for seq, tok, lp in zip(seqs, res.token_ids, lps):
                 if not seq.is_finished:
@@ -123,7 +134,7 @@ class AsyncStepper:
                     seq.append_token(PLACEHOLDER)
             self.pending = Pending(seqs, placeholder, launched)
         else:
-            eng.compute.collect(launched)
+            eng.scheduler.note_scores(eng.compute.collect(launched).block_scores)
         if eng.controller is not None:  # (a change of the pool or its widths lands the step in flight first)
             eng.controller.on_step(out)
         return outputs

@@ -37,9 +37,9 @@ if TYPE_CHECKING:  # the in-process services' types: their modules import torch,
 
     from nanokv.cache_service.manager import KVCacheManager
     from nanokv.cache_service.service import CacheService
+    from nanokv.cache_service.sparsity.decide import CacheSparsity
     from nanokv.compute_service.model.config import ModelConfig
     from nanokv.compute_service.service import ComputeService
-    from nanokv.compute_service.sparsity.engine_hook import EngineSparsity
     from nanokv.gateway.adaptive.controller import AdaptiveController
     from nanokv.gateway.recovery import Recovery
 
@@ -99,11 +99,6 @@ class Engine:
         self.scheduler = self._new_scheduler()
         if self.recovery is not None:
             self.recovery.attach()  # a new gateway takes over: what any earlier one held is released
-        self.sparsity: EngineSparsity | None = None
-        if self.local_compute is not None:
-            from nanokv.compute_service.sparsity.engine_hook import attach as attach_sparsity
-
-            self.sparsity = attach_sparsity(cfg, self.cache_manager, self.runner)  # None unless sparsity > 0
         eos = set(info.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -121,8 +116,7 @@ class Engine:
                                       "build_s": 0.0, "tokens_s": 0.0}
         self._async: AsyncStepper | None = None
         tp = cfg.tensor_parallel_size
-        if cfg.async_scheduling or (cfg.async_scheduling is None and self.device_type == "cuda" and tp == 1
-                                    and self.sparsity is None):
+        if cfg.async_scheduling or (cfg.async_scheduling is None and self.device_type == "cuda" and tp == 1):
             self._async = AsyncStepper(self)
         self.controller: AdaptiveController | None = None  # self-tuning, off unless asked
         warm_up(self)  # CUDA: compile what a chunked prompt needs now, not mid-request (nanokv.gateway.warmup)
@@ -145,6 +139,13 @@ class Engine:
         if self.local_cache.manager is None:
             raise AttributeError("cache_manager: no pool is attached")
         return self.local_cache.manager
+
+    @property
+    def sparsity(self) -> CacheSparsity | None:
+        """Block sparsity's decisions and counters in the in-process cache service (None when off)."""
+        if self.local_cache is None:
+            raise AttributeError("sparsity: the cache service runs in another process (its stats count it)")
+        return self.local_cache.planner.sparsity if self.local_cache.planner is not None else None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -286,10 +287,9 @@ class Engine:
         req = self.step_request(out)
         res = self.run_step(req)
         self.scheduler.update(out)
-        if self.sparsity is not None:  # block sparsity: drop / demote per policy (nanokv.compute_service.sparsity)
-            # publish this step's blocks before any of them is dropped (a dropped block stays cached)
-            self.scheduler.flush()
-            self.sparsity.after_step(sched)
+        # block sparsity: the cache service drops / demotes with the next plan, after these commits
+        # publish what this step computed, ranking by these scores (nanokv.cache_service.sparsity.decide)
+        self.scheduler.note_scores(res.block_scores)
         self.counters.count_step(out)
         outputs: list[RequestOutput] = []
         lps = res.logprobs or [None] * len(res.token_ids)
@@ -344,6 +344,7 @@ class Engine:
         req.copies, seq = self.scheduler.take_copies()
         if seq:
             self._copy_seqs[req.step_id] = seq
+        req.demotions = self.scheduler.take_demotions()  # hybrid sparsity's copies, before this step writes
         self._finished_ids = []
         return req
 
@@ -363,7 +364,8 @@ class Engine:
             self.rpc["plan_calls"] += 1
             self.rpc["plan_s"] += time.perf_counter() - t0
         if self._finished_ids and (self._async is None or self._async.pending is None):
-            self.run_step(StepRequest(next(self._step_ids), finished=self._finished_ids))
+            self.run_step(StepRequest(next(self._step_ids), finished=self._finished_ids,
+                                      demotions=self.scheduler.take_demotions()))
             self.rpc["steps"] -= 1  # not a scheduling step
             self._finished_ids = []
 

@@ -28,10 +28,12 @@ if TYPE_CHECKING:
 def repool(eng: Engine, num_blocks: int | None = None, layer_bits: list[int] | None = None
            ) -> list[RequestOutput]:
     """Change the pool; returns the outputs of the step that was in flight (async scheduling)."""
-    if eng.sparsity is not None or (eng.controller is not None and eng.local_cache is not None):
+    if eng.controller is not None and eng.local_cache is not None:
         # (across processes the controller changes the pool through this very function)
-        raise PreconditionError("repool", "block sparsity and the in-process adaptive controller hold the pool; "
-                                          "they change it themselves")
+        raise PreconditionError("repool", "the in-process adaptive controller holds the pool; it changes it itself")
+    if eng.config.compression_sparsity:  # (the cache service's setting, with the services apart)
+        raise PreconditionError("repool", "not with block sparsity (compression_sparsity > 0): its store and "
+                                          "decisions are built on the pool at start-up")
     outputs = eng.land()  # 1. the step in flight lands
     sch = eng.scheduler
     sch.settle()  # a plan sent ahead is answered before the cache service attaches the new pool

@@ -12,7 +12,9 @@ cache service. A step's block work goes to it as one transaction (`cache.plan`, 
 which running sequences must grow to how many tokens, in order, and which waiting ones may be
 admitted; the reply says what was preempted and admitted, with each admission's prefix hit, and
 carries the block-table changes for the compute service. What the cache must learn between steps
-(new prompts, sampled tokens, computed blocks to publish, ended sequences) rides on the next plan.
+(new prompts, sampled tokens, computed blocks to publish, ended sequences, block sparsity's attention
+scores) rides on the next plan; block sparsity's INT4 copies a reply asks for (PlanReply.demotions)
+ride on the next step request (take_demotions).
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class Scheduler:
         self.copies: list[tuple[int, int, int]] = []
         self.copy_seq = 0  # the last plan whose copies are in `copies`
         self.copies_done = 0  # the last plan whose copies a finished step ran (sent with every plan)
+        # hybrid sparsity: (block, slot) copies the replies asked for, for the next step request, in order
+        self.demotions: list[tuple[int, int]] = []
 
     # ---- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -127,7 +131,19 @@ class Scheduler:
         if self.has_news():
             req, self.news = self.news, PlanRequest()
             self.plan_calls += 1
-            self.used_blocks = self.cache.plan(req).used_blocks
+            reply = self.cache.plan(req)
+            self.used_blocks = reply.used_blocks
+            self.demotions.extend(reply.demotions)
+
+    def note_scores(self, scores: list[tuple[int, list[float]]]) -> None:
+        """Block sparsity: a step's attention mass per block (StepResult.block_scores) goes to the
+        cache service with the next plan."""
+        self.news.block_scores.extend(scores)
+
+    def take_demotions(self) -> list[tuple[int, int]]:
+        """The INT4 copies the plans since the last step request asked for (StepRequest.demotions)."""
+        out, self.demotions = self.demotions, []
+        return out
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput, count: bool = True) -> None:
         self.running.remove(seq)
@@ -155,6 +171,7 @@ class Scheduler:
         compute service know none of them. What the old pool's cache would have learned is dropped."""
         self.preempt_all()
         self.news = PlanRequest()
+        self.demotions = []
         for seq in self.waiting:
             seq.params_sent = False  # the compute service forgot every sequence's sampling params
             self.news.new_seqs.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.cache_salt))
@@ -227,6 +244,7 @@ class Scheduler:
             self.copies.extend(reply.copies)
             self.copy_seq = reply.copy_seq
         loaded = {seq_id: (l2, l3) for seq_id, l2, l3 in reply.loaded}
+        self.demotions.extend(reply.demotions)
         by_id = {s.seq_id: s for s in self.running}
         for seq_id in reply.preempted:
             seq = by_id.get(seq_id)

@@ -5,7 +5,8 @@ keeps two of them consistent:
 
   compute -> cache (Cache.Attach, PoolTerms): block_size and the configured KV format per layer must
       be the cache service's own (its planner counts tokens per block; a plan for 16-token blocks on
-      a pool of 32-token blocks would address the wrong slots); the model is recorded
+      a pool of 32-token blocks would address the wrong slots); so must block sparsity's settings (the
+      cache service decides what the compute service measures and copies); the model is recorded
   gateway -> both (nanokv.gateway.recovery, at every attach): the cache service's block size is the
       compute service's; the model is the one the gateway expects (if it names one); the gateway's
       batch limits fit the buffers the compute service sized for them
@@ -44,7 +45,13 @@ def bits_text(bits: list[int]) -> str:
 
 def pool_terms(config: Any, num_layers: int, model: str) -> PoolTerms:
     """The compute service's terms from its config (a ComputeConfig; num_layers: its model's)."""
-    return PoolTerms(config.block_size, config.layer_bits(num_layers), model)
+    return PoolTerms(config.block_size, config.layer_bits(num_layers), model, sparsity=sparsity_text(config))
+
+
+def sparsity_text(config: Any) -> str:
+    """Block sparsity's settings of a CacheConfig or ComputeConfig, canonical ("": off)."""
+    params = config.sparsity_params
+    return params.describe() if params is not None else ""
 
 
 def check_attach(cache_config: Any, terms: PoolTerms) -> None:
@@ -62,6 +69,11 @@ def check_attach(cache_config: Any, terms: PoolTerms) -> None:
         raise Mismatch("quantization_bitwidth", (cache, f"KV bits {bits_text(mine)}"),
                        (compute, f"KV bits {bits_text(list(terms.layer_bits))}"),
                        "start both with the same --enable-compression and --quantization-bitwidth")
+    mine_s = sparsity_text(cache_config)
+    if mine_s != terms.sparsity:
+        raise Mismatch("compression_sparsity", (cache, f"block sparsity {mine_s or 'off'}"),
+                       (compute, f"block sparsity {terms.sparsity or 'off'}"),
+                       "start both with the same --compression-sparsity, --sparsity-policy and --sparsity-options")
 
 
 def _same_model(a: str, b: str) -> bool:

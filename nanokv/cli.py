@@ -34,6 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization-bitwidth", default=None, help="8, 4, or a JSON per-layer plan")
     g.add_argument("--compression-sparsity", type=float, default=None)
     g.add_argument("--sparsity-policy", default=None)
+    g.add_argument("--sparsity-options", default=None,
+                   help="block sparsity's knobs 'name=value,...' (sink_blocks, recent_blocks, min_ranked, score_mode, "
+                        "store_fraction)")
     g.add_argument("--enforce-eager", action="store_true", default=None)
     g.add_argument("--batch-invariant", action="store_true", default=None)
     g.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false", default=None)
@@ -47,7 +50,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 ENGINE_KEYS = ("model", "dtype", "device", "block_size", "num_gpu_blocks", "gpu_memory_utilization",
                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "eviction_policy",
                "enable_compression", "quantization_bitwidth", "compression_sparsity", "sparsity_policy",
-               "enforce_eager", "batch_invariant", "tensor_parallel_size", "attention_backend",
+               "sparsity_options", "enforce_eager", "batch_invariant", "tensor_parallel_size", "attention_backend",
                "enable_prefix_caching", "adaptive", "kernel_options")
 
 

@@ -5,16 +5,14 @@ with a suggestion and every value is range-checked by the config of the service 
 (nanokv.service_config), so the rest of the code can trust it. A flat name a service shares with
 another (block_size: cache and compute) sets both; reading it gives the gateway's, else the cache
 service's, else the compute service's value. ``cfg.cache``, ``cfg.compute`` and ``cfg.gateway`` are
-what each service runs with. Two settings belong to no single service: compression_sparsity and
-sparsity_policy reach into all three, so they work only with the services in one process. One is no
-flat name: metrics_port, a service process's own (`nanokv cache --metrics-port`), means nothing here.
+what each service runs with. One is no flat name: metrics_port, a service process's own
+(`nanokv cache --metrics-port`), means nothing here.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from nanokv import config_checks as ck
 from nanokv.config_checks import (  # noqa: F401 - the names callers import from here
     ADAPTIVE_POLICY_CANDIDATES,
     ADAPTIVE_START_POLICY,
@@ -37,7 +35,9 @@ from nanokv.service_config import CacheConfig, ComputeConfig, GatewayConfig
 __all__ = ["EngineConfig", "CacheConfig", "ComputeConfig", "GatewayConfig", "ConfigError", "parse_bitwidth"]
 
 SECTIONS: dict[str, type] = {"gateway": GatewayConfig, "cache": CacheConfig, "compute": ComputeConfig}
-IN_PROCESS = {"compression_sparsity": 0.0, "sparsity_policy": "streaming"}  # (name: default)
+# settings of no service, for the services in one process only (name: default); none now: block
+# sparsity's are the cache and compute services' own (nanokv.service_config.Sparsity)
+IN_PROCESS: dict[str, Any] = {}
 # a service process's own settings, meaningless for LLM() (no servers in one process): not flat names
 PROCESS_ONLY = ("metrics_port", "metrics_host")
 
@@ -63,9 +63,7 @@ class EngineConfig:
     cache: CacheConfig
     compute: ComputeConfig
     gateway: GatewayConfig
-    compression_sparsity: float
-    sparsity_policy: str
-    extra: dict[str, Any]  # free-form knobs code may set (cfg.extra["sparsity"]); no flag, no check
+    extra: dict[str, Any]  # free-form knobs code may set; no flag, no check
 
     def __init__(self, extra: dict[str, Any] | None = None, **kwargs: Any):
         check_keys(kwargs, self.keys())
@@ -116,18 +114,10 @@ class EngineConfig:
         return KEYS
 
     def _check_in_process(self) -> None:
-        ck.choice(self, "sparsity_policy", ck.SPARSITY_POLICIES)
-        s = self.compression_sparsity
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not (0.0 <= float(s) < 1.0):
-            raise ConfigError("compression_sparsity", f"got {s!r}; must be a number in [0, 1)")
-        # (the adaptive controller goes with it: a change of the KV tensors or the pool, in place or
-        # through Engine.repool, lands the step in flight first; tensor parallelism too: rank 0 sends
-        # the fed input ids to the other ranks)
-        if self.gateway.async_scheduling and s:
-            raise ConfigError("async_scheduling", "needs compression_sparsity 0; set it false or null (auto)")
-        if self.gateway.remote and s:
-            raise ConfigError("compression_sparsity", "works only with the services in one process (cache_address "
-                                                      "and compute_address null): it reaches into all three services")
+        """The in-process settings (IN_PROCESS) against the rest. Async scheduling goes with anything:
+        the adaptive controller (a change of the KV tensors or the pool, in place or through
+        Engine.repool, lands the step in flight first), tensor parallelism (rank 0 sends the fed input
+        ids to the other ranks), block sparsity (nanokv.cache_service.sparsity.decide: the order)."""
 
     # ---- the flat names ---------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:

@@ -64,6 +64,9 @@ class PlanRequest:
     epoch: int = 0  # the pool planned against (0: unchecked, e.g. a tool driving the planner directly)
     gateway_id: str = ""  # the sequences' holder (its lease: EngineConfig.gateway_lease_s)
     copies_done: int = 0  # the last PlanReply.copy_seq whose copies a finished step ran (tiers/serving.py)
+    # block sparsity (attention / hybrid): (seq_id, attention mass per logical block) of a step, as the
+    # compute service reported it (StepResult.block_scores); news, like the commits
+    block_scores: list[tuple[int, list[float]]] = field(default_factory=list)
 
     @property
     def is_news_only(self) -> bool:
@@ -79,6 +82,9 @@ class PlanReply:
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # (COPY_*, L1 block, L2 slot), in order
     loaded: list[tuple[int, int, int]] = field(default_factory=list)  # (seq_id, tokens from L2, from L3) of admitted
     copy_seq: int = 0  # this plan's number when it has copies (the gateway reports it back: copies_done)
+    # hybrid sparsity: (pool block, demotion-store slot) copies INT8 -> INT4 the compute service makes
+    # before the next forward pass (the block went back to the pool in this plan; StepRequest.demotions)
+    demotions: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -100,6 +106,9 @@ class StepRequest:
     epoch: int = 0  # the pool the plan was made on (0: unchecked)
     gateway_id: str = ""
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # PlanReply.copies, run before the forward
+    # hybrid sparsity: (pool block, store slot) copies to make before this step's forward pass, in
+    # order: every plan's PlanReply.demotions since the last step request
+    demotions: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -108,6 +117,9 @@ class StepResult:
     token_ids: list[int] = field(default_factory=list)  # one per sample row
     logprobs: list[tuple[float, dict[int, float]] | None] | None = None
     forward_ns: int = 0
+    # block sparsity (attention / hybrid): (seq_id, attention mass per logical block) of every row the
+    # step measured, reduced over the row's queries by the policy's score_mode (PlanRequest.block_scores)
+    block_scores: list[tuple[int, list[float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -136,6 +148,7 @@ class PoolTerms:
     block_size: int
     layer_bits: list[int]
     model: str = ""
+    sparsity: str = ""  # block sparsity's settings (SparsityParams.describe(); "": off)
 
 
 @dataclass
@@ -233,6 +246,8 @@ class CacheServiceStats(TypedDict):
     tier_blocks: NotRequired[dict[str, int]]
     tier_capacity_blocks: NotRequired[dict[str, int]]
     tier_moved_blocks: NotRequired[dict[str, int]]
+    sparsity_blocks_dropped: int  # block sparsity: blocks dropped since start (0 with sparsity off)
+    sparsity_blocks_demoted: int  # hybrid: blocks moved INT8 -> INT4 into the demotion store
 
 
 class ComputeServiceStats(TypedDict):

@@ -10,6 +10,9 @@ settings only). A setting two services read is declared once, in a group both co
                                    its buffers for (the gateway's may not exceed the compute service's)
   Adaptive       all three         the self-tuning controller runs in the gateway; the cache service
                                    keeps its ghost caches, the compute service its KV-error probe
+  Sparsity       cache + compute   block sparsity: the cache service decides which blocks go, the
+                                   compute service measures attention mass and makes the INT4 copies;
+                                   must agree (checked at attach, like KVFormat)
 
 EngineConfig (nanokv.config) composes the three under the flat names LLM() takes.
 """
@@ -91,7 +94,36 @@ class Adaptive:
 
 
 @dataclass(frozen=True)
-class CacheConfig(KVFormat, ServiceProcess, Adaptive):
+class Sparsity:
+    # block sparsity (nanokv.sparsity, docs/quality.md "Block sparsity"): the fraction s in [0, 1) of a
+    # long sequence's full blocks that goes (0: off); which go first; the policy's knobs "name=value,..."
+    compression_sparsity: float = 0.0
+    sparsity_policy: str = "streaming"
+    sparsity_options: str = ""
+
+    def _check_sparsity(self) -> None:
+        """(after _check_kv_format: quantization_bitwidth parsed)"""
+        from nanokv.sparsity import params_of
+
+        params = params_of(self)  # ConfigError naming the field
+        if params is not None and params.demotes:
+            spec = getattr(self, "quantization_bitwidth", None)
+            widths = {spec["default"], *spec["layers"].values()} if isinstance(spec, dict) else set()
+            if not getattr(self, "enable_compression", False) or widths != {8}:
+                raise ConfigError("sparsity_policy", "hybrid demotes INT8 blocks to INT4 and needs every KV layer at "
+                                                     "8 bits: set enable_compression true and quantization_bitwidth 8 "
+                                                     "(or use streaming, interval or attention)")
+
+    @property
+    def sparsity_params(self) -> Any:
+        """nanokv.sparsity.SparsityParams, or None when compression_sparsity is 0."""
+        from nanokv.sparsity import params_of
+
+        return params_of(self)
+
+
+@dataclass(frozen=True)
+class CacheConfig(KVFormat, ServiceProcess, Adaptive, Sparsity):
     """`nanokv cache`: blocks, prefix hashes, eviction, the KV pool's storage."""
     enable_prefix_caching: bool = True
     eviction_policy: str = "clock"
@@ -115,6 +147,7 @@ class CacheConfig(KVFormat, ServiceProcess, Adaptive):
         self._check_process()
         self._check_kv_format()
         ck.policy_candidates(self.adaptive_policy_candidates)
+        self._check_sparsity()
 
     @property
     def policy_candidates(self) -> tuple[str, ...]:
@@ -122,7 +155,7 @@ class CacheConfig(KVFormat, ServiceProcess, Adaptive):
 
 
 @dataclass(frozen=True)
-class ComputeConfig(KVFormat, ServiceProcess, BatchLimits, Adaptive):
+class ComputeConfig(KVFormat, ServiceProcess, BatchLimits, Adaptive, Sparsity):
     """`nanokv compute`: the model, the forward pass, sampling; it sizes the KV pool (it knows the
     weights' and activations' memory) and asks the cache service to allocate it."""
     model: str | None = None  # GGUF file, HF folder, or None for the embedded SmolLM2-135M-Instruct
@@ -170,6 +203,7 @@ class ComputeConfig(KVFormat, ServiceProcess, BatchLimits, Adaptive):
         self._check_process()
         self._check_batch()
         self._check_kv_format()
+        self._check_sparsity()
 
 
 @dataclass(frozen=True)
@@ -181,7 +215,7 @@ class GatewayConfig(BatchLimits, Adaptive):
     model: str | None = None
     enable_chunked_prefill: bool = True
     # host schedules step N+1 while the device runs step N (gateway/async_step.py);
-    # None = on where it pays: a CUDA device, one process, no sparsity, no in-process adaptive controller
+    # None = on where it pays: a CUDA device, one process, no in-process adaptive controller
     async_scheduling: bool | None = None
     # services (docs/services.md): None = in this process; else the address of a running
     # `nanokv cache` / `nanokv compute` ("unix:/path.sock" or "127.0.0.1:PORT"); both or neither

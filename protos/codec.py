@@ -80,11 +80,11 @@ def layout_from_pb(m: pb.PoolLayout) -> PoolLayout:
 
 
 def terms_to_pb(t: PoolTerms) -> pb.PoolTerms:
-    return pb.PoolTerms(block_size=t.block_size, layer_bits=t.layer_bits, model=t.model)
+    return pb.PoolTerms(block_size=t.block_size, layer_bits=t.layer_bits, model=t.model, sparsity=t.sparsity)
 
 
 def terms_from_pb(m: pb.PoolTerms) -> PoolTerms:
-    return PoolTerms(m.block_size, list(m.layer_bits), m.model)
+    return PoolTerms(m.block_size, list(m.layer_bits), m.model, sparsity=m.sparsity)
 
 
 def cache_info_to_pb(c: CacheConfig, model: str = "") -> pb.CacheInfo:
@@ -95,7 +95,9 @@ def cache_info_to_pb(c: CacheConfig, model: str = "") -> pb.CacheInfo:
         enable_prefix_caching=c.enable_prefix_caching, lru_k=c.lru_k,
         prefix_caching_hash_algo=c.prefix_caching_hash_algo, adaptive=c.adaptive,
         adaptive_policy_candidates=c.adaptive_policy_candidates, device=c.device,
-        gateway_lease_s=c.gateway_lease_s, metrics_port=c.metrics_port, model=model)
+        gateway_lease_s=c.gateway_lease_s, metrics_port=c.metrics_port, model=model,
+        compression_sparsity=c.compression_sparsity, sparsity_policy=c.sparsity_policy,
+        sparsity_options=c.sparsity_options)
 
 
 def cache_info_from_pb(m: pb.CacheInfo) -> tuple[CacheConfig, str]:
@@ -106,7 +108,9 @@ def cache_info_from_pb(m: pb.CacheInfo) -> tuple[CacheConfig, str]:
         eviction_policy=m.eviction_policy, enable_prefix_caching=m.enable_prefix_caching, lru_k=m.lru_k,
         prefix_caching_hash_algo=m.prefix_caching_hash_algo, adaptive=m.adaptive,
         adaptive_policy_candidates=m.adaptive_policy_candidates, device=m.device,
-        gateway_lease_s=m.gateway_lease_s, metrics_port=m.metrics_port), m.model
+        gateway_lease_s=m.gateway_lease_s, metrics_port=m.metrics_port,
+        compression_sparsity=m.compression_sparsity, sparsity_policy=m.sparsity_policy or "streaming",
+        sparsity_options=m.sparsity_options), m.model
 
 
 def handle_to_pb(h: PoolHandle) -> pb.PoolHandle:
@@ -143,7 +147,8 @@ def plan_request_to_pb(r: PlanRequest) -> pb.PlanRequest:
         appended=pack_tuples(r.appended), commits=pack_tuples(r.commits), finished=pack(r.finished),
         running=pack(r.running), grows=pack_tuples(r.grows), waiting=pack_tuples(r.waiting),
         token_budget=r.token_budget, max_num_seqs=r.max_num_seqs, chunked_prefill=r.chunked_prefill,
-        epoch=r.epoch, gateway_id=r.gateway_id, copies_done=r.copies_done)
+        epoch=r.epoch, gateway_id=r.gateway_id, copies_done=r.copies_done,
+        block_scores=_scores_to_pb(r.block_scores))
 
 
 def plan_request_from_pb(m: pb.PlanRequest) -> PlanRequest:
@@ -154,7 +159,16 @@ def plan_request_from_pb(m: pb.PlanRequest) -> PlanRequest:
         finished=unpack(m.finished, "finished"), running=unpack(m.running, "running"),
         grows=unpack_triples(m.grows, "grows"), waiting=unpack_triples(m.waiting, "waiting"),
         token_budget=m.token_budget, max_num_seqs=m.max_num_seqs, chunked_prefill=m.chunked_prefill,
-        epoch=m.epoch, gateway_id=m.gateway_id, copies_done=m.copies_done)
+        epoch=m.epoch, gateway_id=m.gateway_id, copies_done=m.copies_done,
+        block_scores=_scores_from_pb(m.block_scores))
+
+
+def _scores_to_pb(scores: Sequence[tuple[int, list[float]]]) -> list[pb.BlockScores]:
+    return [pb.BlockScores(seq_id=s, mass=mass) for s, mass in scores]
+
+
+def _scores_from_pb(scores: Iterable[pb.BlockScores]) -> list[tuple[int, list[float]]]:
+    return [(m.seq_id, list(m.mass)) for m in scores]
 
 
 def _deltas_to_pb(deltas: Sequence[TableDelta]) -> list[pb.TableDelta]:
@@ -168,13 +182,13 @@ def _deltas_from_pb(deltas: Iterable[pb.TableDelta]) -> list[TableDelta]:
 def plan_reply_to_pb(r: PlanReply) -> pb.PlanReply:
     return pb.PlanReply(preempted=pack(r.preempted), admitted=pack_tuples(r.admitted), tables=_deltas_to_pb(r.tables),
                         used_blocks=r.used_blocks, copies=pack_tuples(r.copies), loaded=pack_tuples(r.loaded),
-                        copy_seq=r.copy_seq)
+                        copy_seq=r.copy_seq, demotions=pack_tuples(r.demotions))
 
 
 def plan_reply_from_pb(m: pb.PlanReply) -> PlanReply:
     return PlanReply(unpack(m.preempted, "preempted"), unpack_triples(m.admitted, "admitted"),
                      _deltas_from_pb(m.tables), m.used_blocks, unpack_triples(m.copies, "copies"),
-                     unpack_triples(m.loaded, "loaded"), m.copy_seq)
+                     unpack_triples(m.loaded, "loaded"), m.copy_seq, demotions=unpack_pairs(m.demotions, "demotions"))
 
 
 def cache_stats_to_pb(s: CacheServiceStats) -> pb.CacheStats:
@@ -188,7 +202,8 @@ def cache_stats_from_pb(m: pb.CacheStats) -> CacheServiceStats:
         prefix_hits_tokens=m.prefix_hits_tokens, evictions_by_policy=dict(m.evictions_by_policy),
         eviction_policy=m.eviction_policy, recomputed_tokens=m.recomputed_tokens,
         cache_preemptions=m.cache_preemptions, num_seqs=m.num_seqs, epoch=m.epoch, attached_epoch=m.attached_epoch,
-        plan_calls=m.plan_calls)
+        plan_calls=m.plan_calls, sparsity_blocks_dropped=m.sparsity_blocks_dropped,
+        sparsity_blocks_demoted=m.sparsity_blocks_demoted)
     if m.tier_capacity_blocks:  # lower tiers
         out["tier_hit_tokens"] = dict(m.tier_hit_tokens)
         out["tier_blocks"] = dict(m.tier_blocks)
@@ -255,7 +270,7 @@ def step_request_to_pb(r: StepRequest) -> pb.StepRequest:
         tables=_deltas_to_pb(r.tables),
         new_seqs=[pb.SeqParams(seq_id=s, params=params_to_pb(p)) for s, p in r.new_seqs],
         finished=pack(r.finished), preempted=pack(r.preempted), epoch=r.epoch, gateway_id=r.gateway_id,
-        copies=pack_tuples(r.copies))
+        copies=pack_tuples(r.copies), demotions=pack_tuples(r.demotions))
 
 
 def step_request_from_pb(m: pb.StepRequest) -> StepRequest:
@@ -265,7 +280,7 @@ def step_request_from_pb(m: pb.StepRequest) -> StepRequest:
         unpack(m.sample_rows, "sample_rows"), _deltas_from_pb(m.tables),
         [(s.seq_id, params_from_pb(s.params)) for s in m.new_seqs],
         unpack(m.finished, "finished"), unpack(m.preempted, "preempted"), m.epoch, m.gateway_id,
-        unpack_triples(m.copies, "copies"))
+        unpack_triples(m.copies, "copies"), demotions=unpack_pairs(m.demotions, "demotions"))
     B = len(r.seq_ids)
     if len(r.num_computed) != B or len(r.num_new) != B:
         raise ValueError(f"num_computed, num_new: one value per row of seq_ids ({B})")
@@ -279,7 +294,8 @@ def step_request_from_pb(m: pb.StepRequest) -> StepRequest:
 
 
 def step_result_to_pb(r: StepResult) -> pb.StepResult:
-    m = pb.StepResult(step_id=r.step_id, token_ids=pack(r.token_ids), forward_ns=r.forward_ns)
+    m = pb.StepResult(step_id=r.step_id, token_ids=pack(r.token_ids), forward_ns=r.forward_ns,
+                      block_scores=_scores_to_pb(r.block_scores))
     if r.logprobs is not None:
         m.has_logprobs = True
         for lp in r.logprobs:
@@ -296,7 +312,8 @@ def step_result_from_pb(m: pb.StepResult) -> StepResult:
     if m.has_logprobs:
         lps = [(x.logprob, dict(zip(x.top_ids, x.top_logprobs))) if asked else None
                for x, asked in zip(m.logprobs, m.logprob_rows)]
-    return StepResult(m.step_id, unpack(m.token_ids, "token_ids"), lps, m.forward_ns)
+    return StepResult(m.step_id, unpack(m.token_ids, "token_ids"), lps, m.forward_ns,
+                      block_scores=_scores_from_pb(m.block_scores))
 
 
 def compute_stats_to_pb(s: ComputeServiceStats) -> pb.ComputeStats:

@@ -35,14 +35,16 @@ class PoolLayout(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_bits: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., stage_slots: _Optional[int] = ..., device: _Optional[str] = ..., rank_kv_heads: _Optional[_Iterable[int]] = ..., rank_devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PoolTerms(_message.Message):
-    __slots__ = ("block_size", "layer_bits", "model")
+    __slots__ = ("block_size", "layer_bits", "model", "sparsity")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYER_BITS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    SPARSITY_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     layer_bits: _containers.RepeatedScalarFieldContainer[int]
     model: str
-    def __init__(self, block_size: _Optional[int] = ..., layer_bits: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ...) -> None: ...
+    sparsity: str
+    def __init__(self, block_size: _Optional[int] = ..., layer_bits: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., sparsity: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("layout", "terms")
@@ -53,7 +55,7 @@ class AttachRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., terms: _Optional[_Union[PoolTerms, _Mapping]] = ...) -> None: ...
 
 class CacheInfo(_message.Message):
-    __slots__ = ("block_size", "enable_compression", "default_bits", "layer_bits", "eviction_policy", "enable_prefix_caching", "lru_k", "prefix_caching_hash_algo", "adaptive", "adaptive_policy_candidates", "device", "gateway_lease_s", "metrics_port", "model")
+    __slots__ = ("block_size", "enable_compression", "default_bits", "layer_bits", "eviction_policy", "enable_prefix_caching", "lru_k", "prefix_caching_hash_algo", "adaptive", "adaptive_policy_candidates", "device", "gateway_lease_s", "metrics_port", "model", "compression_sparsity", "sparsity_policy", "sparsity_options")
     class LayerBitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,9 @@ class CacheInfo(_message.Message):
     GATEWAY_LEASE_S_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_SPARSITY_FIELD_NUMBER: _ClassVar[int]
+    SPARSITY_POLICY_FIELD_NUMBER: _ClassVar[int]
+    SPARSITY_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     enable_compression: bool
     default_bits: int
@@ -89,7 +94,10 @@ class CacheInfo(_message.Message):
     gateway_lease_s: float
     metrics_port: int
     model: str
-    def __init__(self, block_size: _Optional[int] = ..., enable_compression: _Optional[bool] = ..., default_bits: _Optional[int] = ..., layer_bits: _Optional[_Mapping[int, int]] = ..., eviction_policy: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., lru_k: _Optional[int] = ..., prefix_caching_hash_algo: _Optional[str] = ..., adaptive: _Optional[bool] = ..., adaptive_policy_candidates: _Optional[str] = ..., device: _Optional[str] = ..., gateway_lease_s: _Optional[float] = ..., metrics_port: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    compression_sparsity: float
+    sparsity_policy: str
+    sparsity_options: str
+    def __init__(self, block_size: _Optional[int] = ..., enable_compression: _Optional[bool] = ..., default_bits: _Optional[int] = ..., layer_bits: _Optional[_Mapping[int, int]] = ..., eviction_policy: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., lru_k: _Optional[int] = ..., prefix_caching_hash_algo: _Optional[str] = ..., adaptive: _Optional[bool] = ..., adaptive_policy_candidates: _Optional[str] = ..., device: _Optional[str] = ..., gateway_lease_s: _Optional[float] = ..., metrics_port: _Optional[int] = ..., model: _Optional[str] = ..., compression_sparsity: _Optional[float] = ..., sparsity_policy: _Optional[str] = ..., sparsity_options: _Optional[str] = ...) -> None: ...
 
 class PoolHandle(_message.Message):
     __slots__ = ("kind", "nbytes", "epoch", "path", "cuda", "ranks", "host_tier", "host_tier_blocks")
@@ -150,7 +158,7 @@ class NewSeq(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("new_seqs", "appended", "commits", "finished", "running", "grows", "waiting", "token_budget", "max_num_seqs", "chunked_prefill", "epoch", "gateway_id", "copies_done")
+    __slots__ = ("new_seqs", "appended", "commits", "finished", "running", "grows", "waiting", "token_budget", "max_num_seqs", "chunked_prefill", "epoch", "gateway_id", "copies_done", "block_scores")
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     APPENDED_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +172,7 @@ class PlanRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     COPIES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SCORES_FIELD_NUMBER: _ClassVar[int]
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSeq]
     appended: bytes
     commits: bytes
@@ -177,7 +186,16 @@ class PlanRequest(_message.Message):
     epoch: int
     gateway_id: str
     copies_done: int
-    def __init__(self, new_seqs: _Optional[_Iterable[_Union[NewSeq, _Mapping]]] = ..., appended: _Optional[bytes] = ..., commits: _Optional[bytes] = ..., finished: _Optional[bytes] = ..., running: _Optional[bytes] = ..., grows: _Optional[bytes] = ..., waiting: _Optional[bytes] = ..., token_budget: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., epoch: _Optional[int] = ..., gateway_id: _Optional[str] = ..., copies_done: _Optional[int] = ...) -> None: ...
+    block_scores: _containers.RepeatedCompositeFieldContainer[BlockScores]
+    def __init__(self, new_seqs: _Optional[_Iterable[_Union[NewSeq, _Mapping]]] = ..., appended: _Optional[bytes] = ..., commits: _Optional[bytes] = ..., finished: _Optional[bytes] = ..., running: _Optional[bytes] = ..., grows: _Optional[bytes] = ..., waiting: _Optional[bytes] = ..., token_budget: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., epoch: _Optional[int] = ..., gateway_id: _Optional[str] = ..., copies_done: _Optional[int] = ..., block_scores: _Optional[_Iterable[_Union[BlockScores, _Mapping]]] = ...) -> None: ...
+
+class BlockScores(_message.Message):
+    __slots__ = ("seq_id", "mass")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    MASS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    mass: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq_id: _Optional[int] = ..., mass: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("gateway_id",)
@@ -196,7 +214,7 @@ class TableDelta(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., blocks: _Optional[bytes] = ...) -> None: ...
 
 class PlanReply(_message.Message):
-    __slots__ = ("preempted", "admitted", "tables", "used_blocks", "copies", "loaded", "copy_seq")
+    __slots__ = ("preempted", "admitted", "tables", "used_blocks", "copies", "loaded", "copy_seq", "demotions")
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +222,7 @@ class PlanReply(_message.Message):
     COPIES_FIELD_NUMBER: _ClassVar[int]
     LOADED_FIELD_NUMBER: _ClassVar[int]
     COPY_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
     preempted: bytes
     admitted: bytes
     tables: _containers.RepeatedCompositeFieldContainer[TableDelta]
@@ -211,10 +230,11 @@ class PlanReply(_message.Message):
     copies: bytes
     loaded: bytes
     copy_seq: int
-    def __init__(self, preempted: _Optional[bytes] = ..., admitted: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., used_blocks: _Optional[int] = ..., copies: _Optional[bytes] = ..., loaded: _Optional[bytes] = ..., copy_seq: _Optional[int] = ...) -> None: ...
+    demotions: bytes
+    def __init__(self, preempted: _Optional[bytes] = ..., admitted: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., used_blocks: _Optional[int] = ..., copies: _Optional[bytes] = ..., loaded: _Optional[bytes] = ..., copy_seq: _Optional[int] = ..., demotions: _Optional[bytes] = ...) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "prefix_queries_tokens", "prefix_hits_tokens", "evictions_by_policy", "eviction_policy", "recomputed_tokens", "cache_preemptions", "num_seqs", "epoch", "plan_calls", "attached_epoch", "tier_hit_tokens", "tier_blocks", "tier_capacity_blocks", "tier_moved_blocks")
+    __slots__ = ("kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "prefix_queries_tokens", "prefix_hits_tokens", "evictions_by_policy", "eviction_policy", "recomputed_tokens", "cache_preemptions", "num_seqs", "epoch", "plan_calls", "attached_epoch", "tier_hit_tokens", "tier_blocks", "tier_capacity_blocks", "tier_moved_blocks", "sparsity_blocks_dropped", "sparsity_blocks_demoted")
     class EvictionsByPolicyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +288,8 @@ class CacheStats(_message.Message):
     TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIER_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIER_MOVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SPARSITY_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    SPARSITY_BLOCKS_DEMOTED_FIELD_NUMBER: _ClassVar[int]
     kv_cache_usage: float
     kv_blocks_total: int
     kv_blocks_free: int
@@ -286,7 +308,9 @@ class CacheStats(_message.Message):
     tier_blocks: _containers.ScalarMap[str, int]
     tier_capacity_blocks: _containers.ScalarMap[str, int]
     tier_moved_blocks: _containers.ScalarMap[str, int]
-    def __init__(self, kv_cache_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_queries_tokens: _Optional[int] = ..., prefix_hits_tokens: _Optional[int] = ..., evictions_by_policy: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ..., recomputed_tokens: _Optional[int] = ..., cache_preemptions: _Optional[int] = ..., num_seqs: _Optional[int] = ..., epoch: _Optional[int] = ..., plan_calls: _Optional[int] = ..., attached_epoch: _Optional[int] = ..., tier_hit_tokens: _Optional[_Mapping[str, int]] = ..., tier_blocks: _Optional[_Mapping[str, int]] = ..., tier_capacity_blocks: _Optional[_Mapping[str, int]] = ..., tier_moved_blocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    sparsity_blocks_dropped: int
+    sparsity_blocks_demoted: int
+    def __init__(self, kv_cache_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_queries_tokens: _Optional[int] = ..., prefix_hits_tokens: _Optional[int] = ..., evictions_by_policy: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ..., recomputed_tokens: _Optional[int] = ..., cache_preemptions: _Optional[int] = ..., num_seqs: _Optional[int] = ..., epoch: _Optional[int] = ..., plan_calls: _Optional[int] = ..., attached_epoch: _Optional[int] = ..., tier_hit_tokens: _Optional[_Mapping[str, int]] = ..., tier_blocks: _Optional[_Mapping[str, int]] = ..., tier_capacity_blocks: _Optional[_Mapping[str, int]] = ..., tier_moved_blocks: _Optional[_Mapping[str, int]] = ..., sparsity_blocks_dropped: _Optional[int] = ..., sparsity_blocks_demoted: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("clear_stats",)
@@ -444,7 +468,7 @@ class SeqParams(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "num_computed", "num_new", "num_prefills", "tokens", "sample_rows", "tables", "new_seqs", "finished", "preempted", "epoch", "gateway_id", "copies")
+    __slots__ = ("step_id", "seq_ids", "num_computed", "num_new", "num_prefills", "tokens", "sample_rows", "tables", "new_seqs", "finished", "preempted", "epoch", "gateway_id", "copies", "demotions")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
@@ -459,6 +483,7 @@ class StepRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: bytes
     num_computed: bytes
@@ -473,7 +498,8 @@ class StepRequest(_message.Message):
     epoch: int
     gateway_id: str
     copies: bytes
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., num_computed: _Optional[bytes] = ..., num_new: _Optional[bytes] = ..., num_prefills: _Optional[int] = ..., tokens: _Optional[bytes] = ..., sample_rows: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[SeqParams, _Mapping]]] = ..., finished: _Optional[bytes] = ..., preempted: _Optional[bytes] = ..., epoch: _Optional[int] = ..., gateway_id: _Optional[str] = ..., copies: _Optional[bytes] = ...) -> None: ...
+    demotions: bytes
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., num_computed: _Optional[bytes] = ..., num_new: _Optional[bytes] = ..., num_prefills: _Optional[int] = ..., tokens: _Optional[bytes] = ..., sample_rows: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[SeqParams, _Mapping]]] = ..., finished: _Optional[bytes] = ..., preempted: _Optional[bytes] = ..., epoch: _Optional[int] = ..., gateway_id: _Optional[str] = ..., copies: _Optional[bytes] = ..., demotions: _Optional[bytes] = ...) -> None: ...
 
 class Logprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")
@@ -486,20 +512,22 @@ class Logprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "token_ids", "has_logprobs", "logprobs", "logprob_rows", "forward_ns")
+    __slots__ = ("step_id", "token_ids", "has_logprobs", "logprobs", "logprob_rows", "forward_ns", "block_scores")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_ROWS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SCORES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     token_ids: bytes
     has_logprobs: bool
     logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
     logprob_rows: _containers.RepeatedScalarFieldContainer[bool]
     forward_ns: int
-    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., logprob_rows: _Optional[_Iterable[bool]] = ..., forward_ns: _Optional[int] = ...) -> None: ...
+    block_scores: _containers.RepeatedCompositeFieldContainer[BlockScores]
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., logprob_rows: _Optional[_Iterable[bool]] = ..., forward_ns: _Optional[int] = ..., block_scores: _Optional[_Iterable[_Union[BlockScores, _Mapping]]] = ...) -> None: ...
 
 class ComputeStats(_message.Message):
     __slots__ = ("compression_error", "compute_steps", "forward_s", "num_seqs", "epoch", "device_free_bytes", "kv_bytes_per_block")

@@ -9,7 +9,7 @@ blocks in hybrid's INT4 demotion store, through the torch reference gather) and 
 The weights are summed over heads and over each block's positions and accumulated over layers.
 
 `take()` then reduces over the step's queries, per sequence: the largest mass any one query gave
-each block ("max") and the total ("sum"); nanokv.compute_service.sparsity.state accumulates one of them across
+each block ("max") and the total ("sum"); nanokv.cache_service.sparsity.state accumulates one of them across
 steps. Dense per-layer weights are formed for at most `query_chunk` queries at a time.
 
 Cost: one extra attention pass with explicit weights per layer (the reference path; a fused

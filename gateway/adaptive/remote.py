@@ -199,6 +199,11 @@ def remote_parts(engine: Engine, full: bool) -> RemoteParts:
             parts["ghosts"], parts["policy_rule"] = None, False
     if not full:
         return parts
+    if cfg.compression_sparsity:  # (the cache service's setting, taken at attach)
+        # both act through a repool, which block sparsity refuses: its decisions and the INT4 demotion
+        # store are sized on the start-up pool (in one process the pool rule resizes in place instead)
+        log.warning("adaptive: KV-width and pool rules off with block sparsity over the services' RPCs")
+        return parts
     if any(b < 16 for b in engine.model_info.layer_bits):
         parts["precision"] = RemotePrecision(engine)  # (tensor parallel too: Compute.Repool widens every rank)
     if engine.device_type == "cuda" or cfg.adaptive_pool_reserve_bytes is not None:

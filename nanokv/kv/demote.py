@@ -1,10 +1,12 @@
 """Hybrid sparsity's INT4 demotion store: a demoted INT8 block leaves the block pool.
 
-Demoting block b of a sequence (nanokv.compute_service.sparsity.engine_hook, nanokv_tools.eval.sparse):
+Demoting block b of a sequence (the services: nanokv.cache_service.sparsity.decide decides and
+keeps the free list, nanokv.compute_service.sparsity.compute_hook copies; nanokv_tools.eval.sparse):
   1. take a free slot j of the store (none free: the block stays INT8, the caller counts it);
-  2. copy b, re-quantized INT8 -> INT4, into slot j of every layer (`DemotionStore.demote`);
-  3. give b back to the pool: its block-table entry becomes the code -2 - j
-     (KVCacheManager.replace_with_external); -1 stays a hole, >= 0 a pool block.
+  2. give b back to the pool: its block-table entry becomes the code -2 - j
+     (KVCacheManager.replace_with_external); -1 stays a hole, >= 0 a pool block;
+  3. copy b, re-quantized INT8 -> INT4, into slot j of every layer (`DemotionStore.demote`) before
+     anything writes b again (the services: first thing in the next step, before its forward pass).
 So the bytes a sequence holds for a demoted block really are INT4-sized, and the INT8 block serves
 other sequences. The slot comes back when the sequence drops the entry, finishes, is aborted or is
 preempted (the manager calls `release_code`, see KVCacheManager.set_external_release).
@@ -12,7 +14,8 @@ preempted (the manager calls `release_code`, see KVCacheManager.set_external_rel
 Layout, per layer (HybridInt8KV.demoted), M slots in nanokv.kv.quant's per-row int4 format:
     k, v                               uint8   [M, H, bs, D/2]  dim d low nibble, d + D/2 high nibble
     k_scale, k_zero, v_scale, v_zero   float16 [M, H, bs]       one asymmetric range per (token, head) row
-A slot number means the same in every layer: one pure-Python free list serves all layers. The codes
+A slot number means the same in every layer: one pure-Python free list serves all layers (the
+store's own, for the eval harness; between the services, the cache service's DemotionSlots). The codes
 come from the dequantized int8 row (a second rounding on top of the int8 one; keys stay in the
 rotated basis of the int8 layer).
 
@@ -35,16 +38,10 @@ import torch
 from nanokv.errors import ConfigError, NanoKVError
 from nanokv.kv import quant
 from nanokv.kv.cache import Int8KV, LayerKV
+from nanokv.sparsity import code_slot, slot_code
 
-
-def code(slot: int) -> int:
-    """The block-table entry of store slot `slot`."""
-    return -2 - slot
-
-
-def slot_of(entry: int) -> int:
-    """The store slot of block-table entry `entry` (<= -2)."""
-    return -2 - entry
+code = slot_code  # the block-table entry of store slot j: -2 - j
+slot_of = code_slot  # the store slot of a block-table entry <= -2
 
 
 def slot_bytes(num_kv_heads: int, block_size: int, head_dim: int) -> int:

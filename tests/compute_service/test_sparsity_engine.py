@@ -26,8 +26,8 @@ _IDS = itertools.count()
 
 def _engine(blocks: int = 96, **kw) -> Engine:
     """A small engine; sparsity knobs sized for a 20-block prompt (the default protected set is larger)."""
-    cfg = EngineConfig.from_kwargs(num_gpu_blocks=blocks, block_size=BS, max_num_batched_tokens=CHUNK, **kw)
-    cfg.extra["sparsity"] = {"sink_blocks": 1, "recent_blocks": 4, "min_ranked": 0}
+    cfg = EngineConfig.from_kwargs(num_gpu_blocks=blocks, block_size=BS, max_num_batched_tokens=CHUNK,
+                                   sparsity_options="sink_blocks=1,recent_blocks=4,min_ranked=0", **kw)
     return Engine(cfg)
 
 
@@ -76,7 +76,7 @@ def dense(prompt):
 def test_s0_is_the_engine_without_the_feature(prompt, dense):
     _, want, _ = dense
     eng = _engine(compression_sparsity=0.0, sparsity_policy="hybrid")
-    assert eng.sparsity is None and eng.runner.attn_probe is None
+    assert eng.sparsity is None and eng.local_compute.sparsity is None and eng.runner.attn_probe is None
     assert _generate(eng, prompt).token_ids == want.token_ids
     # s > 0 on a sequence whose blocks are all protected (sink + 4 recent): the probe runs, nothing drops
     short = prompt[:50]
@@ -98,8 +98,8 @@ def test_peak_blocks_per_sequence_fall(prompt, dense, policy):
     # after each step at most ceil(n/2) full blocks + the open one; a step then adds <= CHUNK/BS blocks
     assert max(peaks) <= math.ceil(0.5 * n_full) + 1 + CHUNK // BS
     assert max(peaks) < 0.75 * dense_peak
-    sp = eng.sparsity
-    assert sp is not None and sp.peak_blocks[out.request_id] == max(peaks)  # the engine's own record agrees
+    sp = eng.sparsity  # the cache service's decisions
+    assert sp is not None and max(sp.peak_blocks.values()) == max(peaks)  # its own record agrees
     assert sp.blocks_dropped >= n_full // 2 - 1
     if policy == "hybrid":
         assert sp.blocks_demoted > 0
@@ -127,7 +127,10 @@ def test_sparsified_prefix_is_served_only_where_exact(prompt, dense):
 
 def _hybrid(blocks: int = 96) -> Engine:
     eng = _engine(blocks, compression_sparsity=0.5, sparsity_policy="hybrid", **INT8)
-    assert eng.sparsity is not None and eng.sparsity.store is not None
+    assert eng.sparsity is not None and eng.sparsity.slots is not None  # the free list: the cache service's
+    sp = eng.local_compute.sparsity
+    assert sp is not None and sp.store is not None  # the tensors: the compute service's
+    assert sp.store.num_slots == eng.sparsity.slots.num_slots
     return eng
 
 
@@ -139,24 +142,33 @@ def test_hybrid_needs_int8_layers():
 def test_demoted_blocks_leave_the_pool_and_are_never_served(prompt):
     eng = _hybrid()
     sp, cm = eng.sparsity, eng.cache_manager
-    assert sp is not None and sp.store is not None
+    assert sp is not None and sp.slots is not None
     moves: list[tuple[int, int, int]] = []  # (free blocks before, after, blocks demoted) per demotion call
     inner = sp._demote
 
-    def demote(seq_id, logical):
+    def demote(seq_id, logical, reply):
         before = cm.num_free_blocks()
-        done = inner(seq_id, logical)
+        done = inner(seq_id, logical, reply)
         moves.append((before, cm.num_free_blocks(), len(done)))
         table = cm.block_table(seq_id)
         assert all(table[i] <= -2 for i in done)  # the entries now name store slots
         return done
 
     sp._demote = demote  # type: ignore[method-assign]
+    copies: list[tuple[int, int]] = []  # what the compute service was asked to copy INT8 -> INT4
+    csp = eng.local_compute.sparsity
+    inner_copy = csp.demote
+
+    def copy(pairs):
+        copies.extend(pairs)
+        inner_copy(pairs)
+
+    csp.demote = copy  # type: ignore[method-assign]
     _generate(eng, prompt)
     assert sp.blocks_demoted > 0 and sp.demotions_refused == sp.demotions_store_full == 0
-    assert sum(n for *_, n in moves) == sp.blocks_demoted
+    assert sum(n for *_, n in moves) == sp.blocks_demoted == len(copies)  # every demotion copied, once
     assert all(after - before == n for before, after, n in moves)  # each demoted int8 block is back in the pool
-    assert sp.store.num_free() == sp.store.num_slots and cm.num_used_blocks() == 0  # all slots came back
+    assert sp.slots.num_free() == sp.slots.num_slots and cm.num_used_blocks() == 0  # all slots came back
     # what the prefix cache serves is exact int8 data, never an int4 copy: the blocks computed before
     # the first hole, bit-identical to a dense int8 engine's (a demoted block's int8 original included)
     hit = _hit(eng, prompt)
@@ -178,19 +190,21 @@ def test_hybrid_returns_every_block_and_slot_after_preemption_and_abort(prompt):
     exactly the demoted entries of live tables; at the end every block and slot is back."""
     eng = _hybrid(blocks=24)
     sp, cm = eng.sparsity, eng.cache_manager
-    assert sp is not None and sp.store is not None
-    store = sp.store
-    inner = sp.after_step
+    assert sp is not None and sp.slots is not None
+    store = sp.slots
+    planner = eng.local_cache.planner
+    inner = planner.plan
 
-    def after_step(scheduled):
-        inner(scheduled)
-        live = [b for s in eng.scheduler.running for b in cm.block_table(s.seq_id)]
+    def plan(req):  # after every plan: the held slots are exactly the demoted entries of live tables
+        reply = inner(req)
+        live = [b for s in list(planner._seqs) if cm.has_seq(s) for b in cm.block_table(s)]
         held = store.num_slots - store.num_free()
         assert held == sum(1 for b in live if b <= -2)  # no slot leaks, none double-booked
         assert len({b for b in live if b <= -2}) == held
         assert cm.num_used_blocks() == len({b for b in live if b >= 0})
+        return reply
 
-    sp.after_step = after_step  # type: ignore[method-assign]
+    planner.plan = plan  # type: ignore[method-assign]
     prompts = [prompt[k:k + 300] for k in (0, 7, 13)]  # no shared prefix
     for i, p in enumerate(prompts):
         eng.add_request(f"pre{i}", p, GREEDY)
@@ -206,3 +220,4 @@ def test_hybrid_returns_every_block_and_slot_after_preemption_and_abort(prompt):
     assert cm.stats.preemptions > 0 and sp.blocks_demoted > 0
     assert set(finished) >= {"pre0", "pre1"} and all(len(finished[r]) == GREEDY.max_tokens for r in ("pre0", "pre1"))
     assert cm.num_used_blocks() == 0 and store.num_free() == store.num_slots
+    assert store.num_slots == eng.local_compute.sparsity.store.num_slots

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanokv.cache_service.manager import KVCacheManager
-from nanokv.compute_service.sparsity import POLICIES, SequenceSparsity, SparsityParams, keep_budget, plan
+from nanokv.cache_service.sparsity import POLICIES, SequenceSparsity, SparsityParams, keep_budget, plan
+from nanokv.cache_service.sparsity.policies import on_interval_grid
 from nanokv.compute_service.sparsity.accounting import KVBytes
-from nanokv.compute_service.sparsity.policies import on_interval_grid
 from nanokv.errors import NanoKVError
 from nanokv.kv.cache import bytes_per_block
 from nanokv.kv.demote import code, slot_bytes

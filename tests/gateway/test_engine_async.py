@@ -126,8 +126,8 @@ def test_streaming_outputs_carry_every_token_once():
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="async_scheduling"):
         LLM("random:tiny-qwen3", async_scheduling="yes")
-    with pytest.raises(ConfigError, match="async_scheduling"):
-        LLM("random:tiny-qwen3", async_scheduling=True, compression_sparsity=0.5)
+    with pytest.raises(ConfigError, match="sparsity_policy"):  # (async scheduling goes with block sparsity)
+        LLM("random:tiny-qwen3", async_scheduling=True, compression_sparsity=0.5, sparsity_policy="lru")
 
 
 def test_real_model_eos_stops_identical():

@@ -98,8 +98,13 @@ def test_engine_config_flat_names_reach_each_service():
     ({"max_num_seqs": 0}, "max_num_seqs", "between 1 and 65536"),
     ({"block_size": 24}, "block_size", "a power of two from 8 to 256"),
     ({"cache_address": "unix:/x.sock"}, "compute_address", "go together"),
-    ({"compression_sparsity": 0.5, "cache_address": "a:1", "compute_address": "b:2"}, "compression_sparsity",
-     "works only with the services in one process"),
+    ({"compression_sparsity": 1.0}, "compression_sparsity", "[0, 1)"),
+    ({"sparsity_policy": "lru"}, "sparsity_policy", "allowed values: streaming, interval, attention, hybrid"),
+    ({"compression_sparsity": 0.5, "sparsity_options": "window=4"}, "sparsity_options",
+     "sink_blocks, recent_blocks, min_ranked, score_mode, store_fraction"),
+    ({"compression_sparsity": 0.5, "sparsity_options": "score_mode=mean"}, "sparsity_options", "allowed: max, sum"),
+    ({"compression_sparsity": 0.5, "sparsity_options": "recent_blocks=x"}, "sparsity_options", "an integer"),
+    ({"compression_sparsity": 0.5, "sparsity_policy": "hybrid"}, "sparsity_policy", "quantization_bitwidth 8"),
 ])
 def test_engine_config_validates_through_the_owning_service(kwargs, field, allowed):
     with pytest.raises(ConfigError) as e:
@@ -142,6 +147,15 @@ def test_compute_with_another_kv_format_is_refused_at_attach(services, tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]
     assert ("quantization_bitwidth: the cache service has KV bits 16 (layers 0-1), the compute service KV bits "
             "8 (layer 0), 16 (layer 1)") in out.stderr
+
+
+def test_compute_with_other_sparsity_settings_is_refused_at_attach(services, tmp_path):
+    out = compute_against(services.cache_address, tmp_path, "--block-size", "8", "--compression-sparsity", "0.5",
+                          "--sparsity-options", "recent_blocks=4")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert ("compression_sparsity: the cache service has block sparsity off, the compute service block sparsity "
+            "streaming@0.5 (sink_blocks=4, recent_blocks=4, min_ranked=8, score_mode='max', store_fraction=0.5)"
+            ) in out.stderr
 
 
 def gateway_against(svc, *flags: str) -> subprocess.CompletedProcess:

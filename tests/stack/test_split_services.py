@@ -78,11 +78,9 @@ def test_split_quantized_kv_equals_in_process(prompts, bits):
     assert ss["compression_error"].keys() == ls["compression_error"].keys()
 
 
-def test_split_rejects_in_process_only_features():
+def test_split_rejects_half_an_address_pair():
     from nanokv.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="compression_sparsity"):
-        EngineConfig.from_kwargs(compression_sparsity=0.5, cache_address="unix:/x", compute_address="unix:/y")
     with pytest.raises(ConfigError, match="compute_address"):
         EngineConfig.from_kwargs(cache_address="unix:/x")
 

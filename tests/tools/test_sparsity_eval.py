@@ -16,10 +16,10 @@ from nanokv_tools.eval.sparse import SparseView
 
 import nanokv.config
 from nanokv.compute_service.sparsity.accounting import KVBytes
-from nanokv.compute_service.sparsity.policies import SparsityParams
 from nanokv.errors import NanoKVError
 from nanokv.kv.cache import allocate_layer_cache
 from nanokv.kv.demote import DemotionStore
+from nanokv.sparsity import SparsityParams
 
 CORPUS = str(Path(nanokv.config.__file__))  # a text every checkout has
 

@@ -20,9 +20,9 @@ import sys
 import time
 from typing import Any
 
-from nanokv.compute_service.sparsity.policies import SparsityParams
 from nanokv.config import SPARSITY_POLICIES
 from nanokv.errors import NanoKVError
+from nanokv.sparsity import SparsityParams
 from nanokv_tools.eval import corpus, settings
 from nanokv_tools.eval.passkey import MAX_NEW
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from nanokv.compute_service.sparsity.policies import SparsityParams
 from nanokv.config import parse_bitwidth
 from nanokv.errors import NanoKVError
 from nanokv.kv.cache import bytes_per_block
 from nanokv.kv.fakequant import FakeQuant
+from nanokv.sparsity import SparsityParams
 
 
 @dataclass

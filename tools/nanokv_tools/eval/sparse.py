@@ -12,7 +12,7 @@ After every step (`after_step`, called with the tokens computed so far) the view
 live bytes (nanokv.compute_service.sparsity.accounting: entries covering computed tokens, not holes, each at the
 bytes that hold it: a pool block at its format's bytes, a store slot at the store's; the step's
 peak, new blocks included), then folds the step's attention mass into the scores and applies the
-policy, exactly as the engine's nanokv.compute_service.sparsity.engine_hook does. Dense settings get a view too
+policy, exactly as the cache service (nanokv.cache_service.sparsity.decide) does. Dense settings get a view too
 (params None): it only measures.
 """
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from nanokv.cache_service.sparsity.state import SequenceSparsity
 from nanokv.compute_service.sparsity.accounting import KVBytes
-from nanokv.compute_service.sparsity.policies import SparsityParams
-from nanokv.compute_service.sparsity.state import SequenceSparsity
 from nanokv.kv import demote
+from nanokv.sparsity import SparsityParams
 
 
 class SparseView:

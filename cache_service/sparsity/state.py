@@ -1,7 +1,8 @@
 """Per-sequence sparsity state: accumulated block scores, what was dropped and demoted, peak size.
 
 Pure Python. One SequenceSparsity follows one sequence's block table from its first step; the
-engine (nanokv.compute_service.sparsity.engine_hook) and the eval harness (nanokv_tools.eval.sparse) both drive it:
+cache service (nanokv.cache_service.sparsity.decide) and the eval harness (nanokv_tools.eval.sparse)
+both drive it:
 
     st.observe(step_mass)          # attention / hybrid: this step's mass per logical block
     p = st.plan(num_computed)      # which live full blocks to drop / demote now
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from nanokv.compute_service.sparsity.policies import Plan, SparsityParams, plan
+from nanokv.cache_service.sparsity.policies import Plan, plan
+from nanokv.sparsity import SparsityParams
 
 
 class SequenceSparsity:

@@ -1,6 +1,7 @@
 """Which full blocks a sequence keeps under block sparsity: one ranking rule per policy, one budget.
 
-Pure Python (no torch): the engine, the eval harness and the unit tests share it.
+Pure Python (no torch): the cache service (nanokv.cache_service.sparsity.decide), the eval harness
+and the unit tests share it. The settings (SparsityParams) live in nanokv.sparsity.
 
 The budget is the same for every policy. With s = compression_sparsity and n the sequence's full
 blocks (the open tail block is never a candidate):
@@ -15,7 +16,7 @@ which of the other live blocks to keep first (at least `min_ranked` of them):
   streaming  the most recent ones (StreamingLLM: sinks + a recent window);
   interval   those on a fixed stride pattern of rate (1 - s) (block i is on it when
              floor((i + 1)(1 - s)) > floor(i (1 - s))), newest first among equals;
-  attention  the highest accumulated attention mass (H2O-like; see nanokv.compute_service.sparsity.probe);
+  attention  the highest accumulated attention mass (H2O-like; measured by nanokv.compute_service.sparsity.probe);
   hybrid     as attention, and of the kept non-protected blocks the lowest-ranked fraction s is
              demoted INT8 -> INT4 (moved into the INT4 demotion store, nanokv.kv.demote): by rank,
              the top tier stays INT8, the middle tier is INT4, the bottom tier is dropped
@@ -31,57 +32,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-POLICIES = ("streaming", "interval", "attention", "hybrid")
-SCORE_MODES = ("max", "sum")
+from nanokv.sparsity import POLICIES, SparsityParams
+
 _EPS = 1e-9  # float slack for the stride pattern (e.g. 3 * (1 - 0.7))
 
-
-@dataclass(frozen=True)
-class SparsityParams:
-    sparsity: float  # s in [0, 1)
-    policy: str = "streaming"
-    # first blocks always kept: attention sinks (StreamingLLM keeps 4 tokens) and, at 4 blocks
-    # (64 tokens), the start of the prompt where instructions usually are
-    sink_blocks: int = 4
-    # last full blocks always kept: 32 blocks (512 tokens at block size 16), half the budget of a 2k-token
-    # sequence at s = 0.5, H2O's split (development screening on 2k-token windows, not in the docs: a
-    # 4-block window cost about 3x the PPL of a 32-block one)
-    recent_blocks: int = 32
-    # blocks kept by the policy's ranking beyond the protected ones, whatever the budget: without them
-    # a sequence whose budget is below the protected set (1,024 tokens at s = 0.5) keeps only sinks
-    # and the recent window, and every policy degenerates to streaming
-    min_ranked: int = 8
-    # attention / hybrid: how per-step attention mass accumulates per block. "max": the largest mass
-    # one query gave the block (a needle read by one query keeps its score; a sum favours blocks
-    # every query glances at, e.g. the sinks); "sum": H2O's total.
-    score_mode: str = "max"
-    # hybrid, in the engine: slots of the INT4 demotion store as a fraction of the int8 pool's blocks
-    # at start-up, allocated next to the pool (a pool resize leaves the store as it is). A slot takes
-    # 0.55 of an int8 block's bytes (D = 64), so 0.5 costs ~27% more KV memory. At s = 0.5 and the
-    # default protected set a 2k-token sequence holds ~0.3 demoted blocks per int8 one, tending to
-    # s / (1 - s) for much longer ones. A full store leaves a block INT8, counted in
-    # EngineSparsity.demotions_store_full. The eval (one sequence at a time) sizes it to the pool.
-    store_fraction: float = 0.5
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= float(self.sparsity) < 1.0:
-            raise ValueError(f"sparsity must be in [0, 1), got {self.sparsity!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy {self.policy!r}; allowed: {', '.join(POLICIES)}")
-        if self.score_mode not in SCORE_MODES:
-            raise ValueError(f"score_mode {self.score_mode!r}; allowed: {', '.join(SCORE_MODES)}")
-        if min(self.sink_blocks, self.recent_blocks, self.min_ranked) < 0:
-            raise ValueError("sink_blocks, recent_blocks and min_ranked must be >= 0")
-        if not 0.0 < float(self.store_fraction) <= 4.0:
-            raise ValueError(f"store_fraction must be in (0, 4], got {self.store_fraction!r}")
-
-    @property
-    def needs_scores(self) -> bool:
-        return self.policy in ("attention", "hybrid")
-
-    @property
-    def demotes(self) -> bool:
-        return self.policy == "hybrid"
+__all__ = ["POLICIES", "Plan", "SparsityParams", "keep_budget", "on_interval_grid", "plan", "protected"]
 
 
 @dataclass

@@ -1,0 +1,90 @@
+"""Block sparsity, the compute service's part: measure, and copy what the cache service demotes.
+
+The cache service decides which blocks go (nanokv.cache_service.sparsity.decide); here:
+  - attention / hybrid: the attention probe (probe.py) measures each step's attention mass per
+    block; `scores` reduces it per row by the policy's score_mode into StepResult.block_scores, which
+    the gateway relays to the cache service with the next plan (no extra call);
+  - hybrid: the INT4 demotion store's tensors (nanokv.kv.demote) sit beside the int8 layers; a step
+    request's `demotions` (pool block, slot) are copied INT8 -> INT4 first thing in the step, before
+    the forward pass may write those blocks again (the cache service gave them back to the pool).
+    The store's free list is the cache service's (DemotionSlots): the same size by the same rule.
+With s = 0 the compute service builds none of this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from nanokv.errors import ConfigError, NanoKVError
+from nanokv.sparsity import SparsityParams, demotion_slots
+
+if TYPE_CHECKING:
+    from nanokv.compute_service.sparsity.probe import AttentionProbe
+    from nanokv.kv.demote import DemotionStore
+
+
+class ComputeSparsity:
+    def __init__(self, params: SparsityParams, runner: Any) -> None:
+        self.params = params
+        self.runner = runner
+        self.probe: AttentionProbe | None = None
+        if params.needs_scores:
+            from nanokv.compute_service.sparsity.probe import AttentionProbe
+
+            self.probe = AttentionProbe()
+            runner.attn_probe = self.probe
+        self.store: DemotionStore | None = None
+        if params.demotes:
+            from nanokv.kv.demote import DemotionStore
+
+            # ConfigError unless every layer is int8; slots: what the cache service's free list holds
+            self.store = DemotionStore(runner.kv_caches, demotion_slots(params, runner.num_blocks))
+            runner.demotion_store = self.store
+
+    def demote(self, moves: Sequence[tuple[int, int]]) -> None:
+        """(pool block, slot) pairs, in order: each block copied INT8 -> INT4 into its slot."""
+        if not moves:
+            return
+        if self.store is None:
+            raise NanoKVError("demotions", "this compute service keeps no demotion store (sparsity_policy is not "
+                                           "hybrid here)")
+        n, m = self.runner.num_blocks, self.store.num_slots
+        for b, j in moves:
+            if not 0 <= b < n or not 0 <= j < m:
+                raise NanoKVError("demotions", f"({b}, {j}): allowed blocks 0..{n - 1}, slots 0..{m - 1}")
+        blocks, slots = [b for b, _ in moves], [j for _, j in moves]
+        if len(set(slots)) == len(slots):
+            self.store.demote(blocks, slots)  # one batched copy per layer
+        else:  # a slot freed and taken again since the last step: in order, the last copy wins
+            for b, j in moves:
+                self.store.demote([b], [j])
+
+    def scores(self, seq_ids: Sequence[int]) -> list[tuple[int, list[float]]]:
+        """This step's attention mass per block, per row that the probe measured: (seq_id, mass).
+        Empty without the probe, or when the step ran without it (a CUDA-graph step)."""
+        if self.probe is None:
+            return []
+        out = []
+        for seq_id, mass in zip(seq_ids, self.probe.take()):
+            if mass is not None:
+                mx, sm = mass
+                out.append((seq_id, (mx if self.params.score_mode == "max" else sm).tolist()))
+        return out
+
+
+def attach(cfg: Any, runner: Any) -> ComputeSparsity | None:
+    """The compute service's sparsity for its config (a ComputeConfig), or None when s is 0."""
+    params = cfg.sparsity_params
+    if params is None:
+        return None
+    if params.needs_scores and cfg.tensor_parallel_size > 1:
+        raise ConfigError("sparsity_policy", f"{params.policy!r} needs the attention probe, which is not wired "
+                                             "for tensor parallelism yet; use streaming or interval")
+    if params.demotes and getattr(runner.backend, "name", "torch") != "torch":
+        raise ConfigError("sparsity_policy", "hybrid reads demoted blocks from the INT4 demotion store, which "
+                                             "only the torch reference does for now; use attention_backend='torch'")
+    if params.demotes and getattr(runner, "graphs", None) is not None:
+        # the store read selects the demoted entries of a step's tables (data-dependent shapes): not capturable
+        raise ConfigError("sparsity_policy", "hybrid needs eager decode steps; set enforce_eager=True")
+    return ComputeSparsity(params, runner)
