@@ -1,0 +1,138 @@
+"""One replica as the router sees it: its addresses, health, load, and the index of the blocks its
+cache holds, rebuilt from its KV-event stream (nanokv.events.v1.KvEvents, relayed by its gateway)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from nanokv.errors import NanoKVError
+from nanokv.protos import kv_events_pb2 as pb
+
+# a block found only in a lower tier is worth less than one in the device pool: it must be loaded
+TIER_WEIGHT = {"L1": 1.0, "L2": 0.5, "L3": 0.25}
+
+
+@dataclass(frozen=True)
+class ReplicaAddress:
+    host: str
+    http_port: int
+    grpc_port: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}:{self.http_port}:{self.grpc_port}"
+
+    def _host(self) -> str:
+        return f"[{self.host}]" if ":" in self.host else self.host
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self._host()}:{self.grpc_port}"
+
+    @property
+    def http_base(self) -> str:
+        return f"http://{self._host()}:{self.http_port}"
+
+
+def _port(text: str, what: str, flag: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise NanoKVError(flag, f"{what} {text!r} is not a port (1 to 65535)")
+    return port
+
+
+def parse_replica(spec: str, flag: str = "replicas") -> ReplicaAddress:
+    """HOST:HTTP_PORT:GRPC_PORT (an IPv6 host in brackets: [::1]:8000:50051)."""
+    host, sep, rest = spec.strip().rpartition(":")
+    host, sep2, http = host.rpartition(":")
+    if not (sep and sep2 and host):
+        raise NanoKVError(flag, f"got {spec!r}; expected HOST:HTTP_PORT:GRPC_PORT")
+    return ReplicaAddress(host.strip("[]"), _port(http, "HTTP port", flag), _port(rest, "gRPC port", flag))
+
+
+def parse_replicas(text: str | None) -> list[ReplicaAddress]:
+    return [parse_replica(s) for s in (text or "").split(",") if s.strip()]
+
+
+@dataclass
+class Replica:
+    address: ReplicaAddress
+    channel: grpc.aio.Channel
+    healthy: bool = False
+    # load from GetServerInfo, and what the router itself has sent there and not seen end
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+    inflight: int = 0
+    # the index: medium -> block hashes cached there, and where its event stream stands
+    blocks: dict[str, set[bytes]] = field(default_factory=dict)
+    stream_id: str = ""
+    last_seq: int = 0
+    hash_algo: str = "sha256"
+    block_size: int = 0
+    events_seen: int = 0
+    down: asyncio.Event = field(default_factory=asyncio.Event)  # set while unhealthy: its streams end
+    last_ok: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.address.name
+
+    def mark(self, healthy: bool) -> None:
+        if healthy and not self.healthy:
+            self.down = asyncio.Event()
+            self.last_ok = time.monotonic()
+        elif not healthy:
+            self.down.set()
+            self.num_running = self.num_waiting = 0
+        self.healthy = healthy
+
+    # ---- the index -------------------------------------------------------------------------------
+    def apply(self, batch: pb.KvEventBatch) -> None:
+        """One batch of its KV-event stream (a snapshot first drops everything known)."""
+        if batch.snapshot:
+            self.blocks.clear()
+        if batch.block_size:
+            self.block_size = batch.block_size
+        if batch.hash_algo:
+            self.hash_algo = batch.hash_algo
+        blocks = self.blocks
+        for e in batch.events:
+            kind = e.WhichOneof("event")
+            if kind == "stored":
+                blocks.setdefault(e.stored.medium or "L1", set()).update(e.stored.block_hashes)
+            elif kind == "removed":
+                s = blocks.get(e.removed.medium or "L1")
+                if s is not None:
+                    s.difference_update(e.removed.block_hashes)
+            elif kind == "cleared":
+                if e.cleared.medium:
+                    blocks.pop(e.cleared.medium, None)
+                else:
+                    blocks.clear()
+        self.events_seen += len(batch.events)
+        self.stream_id, self.last_seq = batch.stream_id, batch.last_seq
+
+    def num_blocks_indexed(self) -> int:
+        return sum(len(s) for s in self.blocks.values())
+
+    def cached_prefix(self, hashes: Sequence[bytes]) -> tuple[int, float]:
+        """(blocks of the longest cached prefix, their worth weighted by tier): a walk of set probes."""
+        tiers = [(TIER_WEIGHT.get(m, 0.1), s) for m, s in self.blocks.items() if s]
+        tiers.sort(key=lambda t: -t[0])
+        n, worth = 0, 0.0
+        for h in hashes:
+            w = next((w for w, s in tiers if h in s), None)
+            if w is None:
+                break
+            n, worth = n + 1, worth + w
+        return n, worth
