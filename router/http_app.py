@@ -69,13 +69,23 @@ def build_router_app(svc: RouterService) -> Starlette:
                 log.warning("replica %s: %s", rep.name, e)
                 svc.failed(rep)
                 continue
-            return _relay(svc, rep, resp)
+            return await _relay(svc, rep, resp)
         return _error(503, "no replica could be reached")
 
-    def _relay(svc: RouterService, rep: Any, resp: httpx.Response) -> Response:
+    async def _relay(svc: RouterService, rep: Any, resp: httpx.Response) -> Response:
         streaming = resp.headers.get("content-type", "").startswith("text/event-stream")
         out_headers = {k: v for k, v in resp.headers.items()
                        if k in ("content-type", "retry-after", "cache-control", "x-request-id")}
+        if not streaming:  # whole, so a replica that dies half-way gives a clean 503, not a cut body
+            try:
+                with svc.holding(rep):
+                    data = b"".join([c async for c in until_down(resp.aiter_raw(), rep)])
+            except (httpx.HTTPError, ReplicaDown) as e:
+                svc.failed(rep)
+                return _error(503, f"replica {rep.name} failed during the request: {type(e).__name__}")
+            finally:
+                await resp.aclose()
+            return Response(data, resp.status_code, headers=out_headers)
 
         async def body() -> AsyncIterator[bytes]:
             with svc.holding(rep):
@@ -84,11 +94,7 @@ def build_router_app(svc: RouterService) -> Starlette:
                         yield chunk
                 except (httpx.HTTPError, ReplicaDown) as e:
                     svc.failed(rep)
-                    msg = f"replica {rep.name} failed during the request: {type(e).__name__}"
-                    if streaming:
-                        yield _sse_error(503, msg)
-                    else:
-                        yield json.dumps(error_body(503, msg)).encode()
+                    yield _sse_error(503, f"replica {rep.name} failed during the request: {type(e).__name__}")
                 finally:
                     await resp.aclose()
 

@@ -22,6 +22,7 @@ from nanokv.router.replica import Replica, ReplicaAddress
 log = logging.getLogger("nanokv.router")
 READY_SERVICE = "nanokv.v1.Generation"  # a gateway says SERVING here when it can take requests
 RESUBSCRIBE_S = 0.5
+DEAD_AFTER_CHECKS = 3
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0),
                    ("grpc.enable_retries", 0)]
 
@@ -101,7 +102,8 @@ class ReplicaPool:
             self.on_change()
 
     async def _check(self, rep: Replica) -> None:
-        timeout = max(0.2, min(2.0, self.interval))
+        timeout = max(1.0, min(5.0, 2 * self.interval))  # a busy replica answers late, not never
+        dead = False
         try:
             reply = await health_pb2_grpc.HealthStub(rep.channel).Check(
                 health_pb2.HealthCheckRequest(service=READY_SERVICE), timeout=timeout)
@@ -113,11 +115,13 @@ class ReplicaPool:
                 rep.kv_blocks_free, rep.kv_blocks_total = info.kv_blocks_free, info.kv_blocks_total
         except grpc.aio.AioRpcError as e:
             ok = False
+            # refused (gone) or several silent checks in a row: its streams end; one late answer: not yet
+            dead = e.code() == grpc.StatusCode.UNAVAILABLE or rep.failures + 1 >= DEAD_AFTER_CHECKS
             if rep.healthy:
                 log.warning("replica %s failed its check: %s %s", rep.name, e.code().name, e.details())
         if ok != rep.healthy:
             log.info("replica %s is %s", rep.name, "up" if ok else "down")
-        rep.mark(ok)
+        rep.mark(ok, dead)
         if ok and rep.name not in self._tasks:
             self._tasks[rep.name] = asyncio.create_task(self._follow(rep))
 

@@ -4,7 +4,6 @@ cache holds, rebuilt from its KV-event stream (nanokv.events.v1.KvEvents, relaye
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -81,19 +80,23 @@ class Replica:
     block_size: int = 0
     events_seen: int = 0
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set while unhealthy: its streams end
-    last_ok: float = 0.0
+    failures: int = 0  # checks failed in a row
 
     @property
     def name(self) -> str:
         return self.address.name
 
-    def mark(self, healthy: bool) -> None:
-        if healthy and not self.healthy:
-            self.down = asyncio.Event()
-            self.last_ok = time.monotonic()
-        elif not healthy:
-            self.down.set()
-            self.num_running = self.num_waiting = 0
+    def mark(self, healthy: bool, dead: bool = True) -> None:
+        """Up or down for new requests. ``dead`` (it refused a connection, or failed checks in a row)
+        also ends the streams running there; a replica that was only slow to answer keeps them."""
+        if healthy:
+            self.failures = 0
+            if self.down.is_set():
+                self.down = asyncio.Event()
+        else:
+            self.failures += 1
+            if dead:
+                self.down.set()
         self.healthy = healthy
 
     # ---- the index -------------------------------------------------------------------------------

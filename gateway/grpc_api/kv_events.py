@@ -20,7 +20,7 @@ from nanokv.protos import kv_events_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from nanokv.gateway.engine import Engine
 
-POLL_S = 0.05  # an in-process log is polled (its wait() would hold a thread of the event loop's pool)
+POLL_S = 0.02  # an in-process log is polled (its wait() would hold a thread of the event loop's pool)
 
 
 class KvEventsRelay:
