@@ -64,7 +64,8 @@ def build_router_app(svc: RouterService) -> Starlette:
             upstream = client.build_request("POST", rep.address.http_base + request.url.path, content=raw,
                                             headers=headers)
             try:
-                resp = await client.send(upstream, stream=True)
+                with svc.holding(rep):  # counted from now: a non-streaming reply's headers come at its end
+                    resp = await client.send(upstream, stream=True)
             except httpx.TransportError as e:
                 log.warning("replica %s: %s", rep.name, e)
                 svc.failed(rep)

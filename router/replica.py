@@ -4,6 +4,7 @@ cache holds, rebuilt from its KV-event stream (nanokv.events.v1.KvEvents, relaye
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -14,6 +15,8 @@ from nanokv.protos import kv_events_pb2 as pb
 
 # a block found only in a lower tier is worth less than one in the device pool: it must be loaded
 TIER_WEIGHT = {"L1": 1.0, "L2": 0.5, "L3": 0.25}
+ROUTED_TTL_S = 2.0
+ROUTED_MAX = 50_000  # past it, expired entries are dropped on the next insert
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,9 @@ class Replica:
     events_seen: int = 0
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set while unhealthy: its streams end
     failures: int = 0  # checks failed in a row
+    # blocks of prompts just sent here, until their BlockStored events can have come: a conversation's
+    # next turn, sent the moment its answer ends, finds its prefix here, not on the least loaded replica
+    routed: dict[bytes, float] = field(default_factory=dict)  # hash -> monotonic expiry
 
     @property
     def name(self) -> str:
@@ -125,6 +131,16 @@ class Replica:
         self.events_seen += len(batch.events)
         self.stream_id, self.last_seq = batch.stream_id, batch.last_seq
 
+    def expect(self, hashes: Sequence[bytes], ttl_s: float = ROUTED_TTL_S) -> None:
+        now = time.monotonic()
+        routed = self.routed
+        if len(routed) > ROUTED_MAX:
+            for h in [h for h, t in routed.items() if t < now]:
+                del routed[h]
+        until = now + ttl_s
+        for h in hashes:
+            routed[h] = until
+
     def num_blocks_indexed(self) -> int:
         return sum(len(s) for s in self.blocks.values())
 
@@ -132,10 +148,12 @@ class Replica:
         """(blocks of the longest cached prefix, their worth weighted by tier): a walk of set probes."""
         tiers = [(TIER_WEIGHT.get(m, 0.1), s) for m, s in self.blocks.items() if s]
         tiers.sort(key=lambda t: -t[0])
-        n, worth = 0, 0.0
+        n, worth, now, routed = 0, 0.0, time.monotonic(), self.routed
         for h in hashes:
             w = next((w for w, s in tiers if h in s), None)
             if w is None:
-                break
+                if routed.get(h, 0.0) < now:
+                    break
+                w = 1.0
             n, worth = n + 1, worth + w
         return n, worth

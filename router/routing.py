@@ -71,4 +71,7 @@ class Router:
             cost = (full - worth) + self.load_weight * load
             scored.append((cost, i, rep, hit))
         scored.sort(key=lambda s: (s[0], s[1]))
+        best = scored[0][2]
+        if best.block_size > 0:
+            best.expect(hashes[(best.block_size, best.hash_algo)])
         return Choice([s[2] for s in scored], scored[0][3], n_tokens)

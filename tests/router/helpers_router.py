@@ -16,7 +16,7 @@ import httpx
 
 from tests.helpers_grpc import KEY_A, KEY_B, ROOT, Server, _stop, free_port, start_server
 
-BLOCKS_PER_REPLICA = 48
+BLOCKS_PER_REPLICA = 64
 REPLICA_FLAGS = ["--device", "cpu", "--dtype", "float32", "--block-size", "8", "--max-num-seqs", "16",
                  "--max-waiting", "256"]
 HEADERS = {"Authorization": f"Bearer {KEY_A}"}

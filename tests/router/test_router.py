@@ -49,18 +49,20 @@ def stack():
 def test_kv_routing_keeps_the_hit_ratio_of_one_big_replica(stack):
     replicas, single, kv, rr = stack
     t0 = time.monotonic()
-    # the single replica's run beside the kv router's (their own processes); round-robin after kv, on the
-    # same three replicas, with another system prompt (the kv run's blocks are older: LRU drops them)
+    # the single replica's run beside the kv router's, the same conversations (their own processes);
+    # round-robin after kv, on the same three replicas, under another system prompt of the same length
+    # (the kv run's blocks are older: LRU drops them first)
     with ThreadPoolExecutor(2) as ex:
-        one_f = ex.submit(run_conversations, single.http, "single", CONVERSATIONS)
-        routed = run_conversations(kv.http, "kv", CONVERSATIONS)
-        robin = run_conversations(rr.http, "robin", CONVERSATIONS)
+        one_f = ex.submit(run_conversations, single.http, "A", CONVERSATIONS)
+        routed = run_conversations(kv.http, "A", CONVERSATIONS)
+        robin = run_conversations(rr.http, "B", CONVERSATIONS)
         one = one_f.result()
     print(f"\nprefix hit ratio over {CONVERSATIONS} two-turn conversations: one replica of "
           f"{3 * BLOCKS_PER_REPLICA} blocks {one.hit_ratio:.3f}, kv routing over 3 x {BLOCKS_PER_REPLICA} "
           f"{routed.hit_ratio:.3f}, round-robin {robin.hit_ratio:.3f} ({time.monotonic() - t0:.0f} s)")
     assert not (one.errors or routed.errors or robin.errors), (one.errors + routed.errors + robin.errors)[:5]
     assert len(routed.answers) == CONVERSATIONS
+    assert routed.prompt_tokens == one.prompt_tokens  # the same greedy answers, hence the same second turns
     assert routed.hit_ratio >= 0.95 * one.hit_ratio, (routed.hit_ratio, one.hit_ratio)
     assert robin.hit_ratio < routed.hit_ratio  # the comparison means something: affinity is what pays
     m = kv.metrics()
@@ -139,7 +141,7 @@ def test_sigkill_of_a_replica_mid_run(stack):
     def grpc_stream(i: int) -> None:
         with grpc.insecure_channel(kv.grpc_address) as ch:
             req = pb.GenerateRequest(text=f"Write a long story about dragon {i}.", sampling_params=pb.SamplingParams(
-                max_tokens=120, temperature=0, ignore_eos=True))
+                max_tokens=80, temperature=0, ignore_eos=True))
             first = True
             try:
                 for _ in pb_grpc.GenerationStub(ch).Generate(req, metadata=auth(), timeout=240):
@@ -155,7 +157,7 @@ def test_sigkill_of_a_replica_mid_run(stack):
             outcomes.append(result)
 
     def sse_stream(i: int) -> None:
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Once upon a time, knight {i}", "max_tokens": 120,
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Once upon a time, knight {i}", "max_tokens": 80,
                 "temperature": 0, "ignore_eos": True, "stream": True}
         text = ""
         with httpx.stream("POST", f"{kv.http}/v1/completions", json=body, headers=HEADERS, timeout=240) as r:
