@@ -62,7 +62,9 @@ class GrpcProxy:
         tenant = self.svc.tenant(_key(md))
         ids, salt, rid = None, None, ""
         try:
-            if method == "Generate" and data is not None:
+            if self.svc.router.policy != "kv":  # (round-robin reads no prompt)
+                req = None
+            elif method == "Generate" and data is not None:
                 req = pb.GenerateRequest.FromString(data)
             elif method == "ModelInfer" and data is not None:
                 m = ks.ModelInferRequest.FromString(data)

@@ -51,8 +51,10 @@ def build_router_app(svc: RouterService) -> Starlette:
             body: Any = json.loads(raw)
         except ValueError:
             body = None
-        await svc.ensure_tokenizer()
-        ids = svc.prompts.chat(body) if api == "chat" else svc.prompts.completion(body)
+        ids = None
+        if svc.router.policy == "kv":  # (round-robin reads no prompt)
+            await svc.ensure_tokenizer()
+            ids = svc.prompts.chat(body) if api == "chat" else svc.prompts.completion(body)
         salt = body.get("cache_salt") if isinstance(body, dict) else None
         try:
             choice = svc.choose(api, ids, svc.tenant(_presented_key(request)),
