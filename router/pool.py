@@ -102,7 +102,7 @@ class ReplicaPool:
             self.on_change()
 
     async def _check(self, rep: Replica) -> None:
-        timeout = max(1.0, min(5.0, 2 * self.interval))  # a busy replica answers late, not never
+        timeout = max(2.0, min(5.0, 2 * self.interval))  # a busy replica answers late, not never
         dead = False
         try:
             reply = await health_pb2_grpc.HealthStub(rep.channel).Check(
@@ -112,13 +112,20 @@ class ReplicaPool:
                 info = await pb_grpc.GenerationStub(rep.channel).GetServerInfo(
                     pb.GetServerInfoRequest(), timeout=timeout, metadata=self.metadata)
                 rep.num_running, rep.num_waiting = info.num_running, info.num_waiting
+                # what other routers (or direct clients) have there: this router's own share is exact
+                rep.others = max(0, info.num_running + info.num_waiting - rep.inflight)
                 rep.kv_blocks_free, rep.kv_blocks_total = info.kv_blocks_free, info.kv_blocks_total
         except grpc.aio.AioRpcError as e:
-            ok = False
-            # refused (gone) or several silent checks in a row: its streams end; one late answer: not yet
+            # refused (gone), or silent DEAD_AFTER_CHECKS checks in a row: down, and its streams end.
+            # A late answer (a busy replica, whose event loop also serves its requests) changes nothing:
+            # taking it out would send its conversations' next turns where their prefixes are not
             dead = e.code() == grpc.StatusCode.UNAVAILABLE or rep.failures + 1 >= DEAD_AFTER_CHECKS
+            ok = rep.healthy and not dead
             if rep.healthy:
                 log.warning("replica %s failed its check: %s %s", rep.name, e.code().name, e.details())
+            if ok:
+                rep.failures += 1
+                return
         if ok != rep.healthy:
             log.info("replica %s is %s", rep.name, "up" if ok else "down")
         rep.mark(ok, dead)

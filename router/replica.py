@@ -75,6 +75,7 @@ class Replica:
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
     inflight: int = 0
+    others: int = 0  # sequences there beyond this router's, at the last check
     # the index: medium -> block hashes cached there, and where its event stream stands
     blocks: dict[str, set[bytes]] = field(default_factory=dict)
     stream_id: str = ""

@@ -2,8 +2,10 @@
 
 kv: each healthy replica's cost is the prefill it would do, in blocks (the prompt's full blocks minus
 its longest cached prefix there, tier-weighted), plus ``load_weight`` blocks per sequence it is
-running or holding in its queue (the larger of its last GetServerInfo and what this router has in
-flight there). Lowest cost wins; ties go round-robin. round_robin: the healthy replicas in turn.
+running or holding in its queue: what this router has in flight there (exact, at once) plus what the
+last GetServerInfo showed beyond that (other routers' and clients'). Lowest cost wins; ties go
+round-robin; when the winner's load exceeds the least loaded's by more than the mean load, the least
+loaded take the request. round_robin: the healthy replicas in turn.
 The prompt's block hashes are the cache service's own (cache_service/hashing.py), salted with the
 tenant exactly as the gateway salts them, so a tenant's prefixes attract only that tenant's requests.
 """
@@ -20,6 +22,7 @@ from nanokv.gateway.grpc_api.generation import cache_salt
 from nanokv.router.replica import Replica
 
 POLICIES = ("kv", "round_robin")
+BALANCE_MIN = 2  # sequences: below this imbalance the cost alone decides
 
 
 @dataclass
@@ -67,10 +70,17 @@ class Router:
                                                    max_blocks=(n_tokens - 1) // bs)
                 hit, worth = rep.cached_prefix(hashes[key])
                 hit, full = hit * bs, n_tokens // bs
-            load = max(rep.num_running + rep.num_waiting, rep.inflight)
+            load = rep.inflight + rep.others
             cost = (full - worth) + self.load_weight * load
-            scored.append((cost, i, rep, hit))
+            scored.append((cost, i, rep, hit, load))
         scored.sort(key=lambda s: (s[0], s[1]))
+        # imbalance guard: when the winner holds far more than the least loaded (more than the mean
+        # load, and BALANCE_MIN), the lightly loaded ones take it. Without it a replica whose cache is
+        # cold (new, restarted) would never win against warm ones sharing a long common prefix
+        loads = [s[4] for s in scored]
+        least, mean = min(loads), sum(loads) / len(loads)
+        if scored[0][4] - least > max(BALANCE_MIN, mean):
+            scored.sort(key=lambda s: (s[4] > least + 1, s[0], s[1]))
         best = scored[0][2]
         if best.block_size > 0:
             best.expect(hashes[(best.block_size, best.hash_algo)])

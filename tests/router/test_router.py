@@ -67,7 +67,7 @@ def test_kv_routing_keeps_the_hit_ratio_of_one_big_replica(stack):
     assert robin.hit_ratio < routed.hit_ratio  # the comparison means something: affinity is what pays
     m = kv.metrics()
     per_replica = [line for line in m.splitlines() if line.startswith("nanokv_router_requests_total{")]
-    assert len(per_replica) == 3, m  # every replica got work
+    assert len(per_replica) == 3, per_replica  # every replica got work
     assert "nanokv_router_predicted_hit_tokens_total" in m
 
 
