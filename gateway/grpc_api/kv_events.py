@@ -48,7 +48,8 @@ class KvEventsRelay:
     async def _forward(self, req: pb.SubscribeRequest) -> AsyncIterator[pb.KvEventBatch]:
         address = self.engine.config.gateway.cache_address or ""
         async with grpc.aio.insecure_channel(address) as channel:
-            async for batch in pb_grpc.KvEventsStub(channel).Subscribe(req):
+            stub = pb_grpc.KvEventsStub(channel)  # type: ignore[no-untyped-call]  # (generated, untyped)
+            async for batch in stub.Subscribe(req):
                 yield batch
 
     async def GetRoutingInfo(self, req: pb.RoutingInfoRequest, context: grpc.aio.ServicerContext) -> pb.RoutingInfo:
