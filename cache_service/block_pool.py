@@ -37,6 +37,9 @@ class BlockPool:
         # shrink), called while block ``block`` still holds the content - the memory hierarchy
         # (cache_service/tiers) writes it to a lower tier. None: no hierarchy, no cost.
         self.on_evict: Callable[[int, bytes, int], None] | None = None
+        # on_removed(hash): a cached hash left the index (evicted, shrunk away or dropped); the KV-event
+        # log (cache_service/kv_events.py) publishes it. Separate from on_evict: it hears every removal.
+        self.on_removed: Callable[[bytes], None] | None = None
 
     # ---- queries ------------------------------------------------------------------------------
     def num_allocatable(self) -> int:
@@ -110,6 +113,8 @@ class BlockPool:
             recent.popitem(last=False)
         if self.on_evict is not None:
             self.on_evict(b, h, self.depth[b])
+        if self.on_removed is not None:
+            self.on_removed(h)
         return b
 
     def drop_evictable(self) -> None:
@@ -120,6 +125,8 @@ class BlockPool:
                 del self.index[h]
                 self.hash[b] = None
                 self.free.append(b)
+                if self.on_removed is not None:
+                    self.on_removed(h)
         self.num_evictable = 0
         self.recently_evicted.clear()
 
@@ -196,6 +203,8 @@ class BlockPool:
                 recent[h] = None
                 if self.on_evict is not None:
                     self.on_evict(b, h, self.depth[b])
+                if self.on_removed is not None:
+                    self.on_removed(h)
         self.free = [b for b in self.free if b < new]
         del self.ref[new:], self.hash[new:], self.depth[new:]
         self.num_blocks = new

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanokv.cache_service.block_pool import BlockPool
 from nanokv.cache_service.hashing import HASH_ALGOS, hash_full_blocks
+from nanokv.cache_service.kv_events import L1
 from nanokv.cache_service.policies import make_policy
 from nanokv.cache_service.types import CacheStats, PrefixMatch
 from nanokv.errors import NanoKVError
+
+if TYPE_CHECKING:
+    from nanokv.cache_service.kv_events import KVEventLog
 
 
 @dataclass
@@ -78,6 +82,7 @@ class KVCacheManager:
         self.stats = CacheStats(evictions_by_policy={eviction_policy: 0})
         self._seqs: dict[Hashable, _Seq] = {}
         self._external_release: Callable[[int], None] | None = None  # see set_external_release
+        self.events: KVEventLog | None = None  # see set_event_log
 
     # ---- gauges ------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -246,6 +251,8 @@ class KVCacheManager:
                 continue
             if pool.register(b, h, i):
                 self.stats.blocks_cached += 1
+                if self.events is not None:
+                    self.events.stored(h, seq.hashes[i - 1] if i else b"", bs)
             else:
                 other = pool.index[h]
                 if other != b:
@@ -371,11 +378,19 @@ class KVCacheManager:
         take it. None removes the hook."""
         self.pool.on_evict = hook
 
+    def set_event_log(self, log: KVEventLog | None) -> None:
+        """Publish block events (stored, removed, all cleared) to ``log`` (cache_service/kv_events.py)
+        from now on; None stops it. Independent of set_evict_hook."""
+        self.events = log
+        self.pool.on_removed = log.removed if log is not None else None
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block. Refused (False) while any block is in use."""
         if self.pool.num_used:
             return False
         self.pool.drop_evictable()
+        if self.events is not None:
+            self.events.cleared(L1)
         self.pool.policy = make_policy(self.policy_name, self.num_blocks, **self._policy_kwargs)
         return True
 

@@ -13,11 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 from nanokv.agreement import Mismatch, check_attach
+from nanokv.cache_service.kv_events_rpc import KvEventsServicer
 from nanokv.cache_service.segments import remove_orphans
 from nanokv.cache_service.service import CacheService, NotAttached
 from nanokv.lease import start_reaper
 from nanokv.messages import CacheServiceStats
-from nanokv.protos import codec
+from nanokv.protos import codec, kv_events_pb2_grpc
 from nanokv.protos import internal_pb2 as pb
 from nanokv.protos import internal_pb2_grpc as pb_grpc
 from nanokv.rpc import add_servicer, make_server, rpc_errors, set_serving, stop_on_signals
@@ -102,6 +103,8 @@ def serve(config: CacheConfig, listen: str, stop: threading.Event | None = None)
     server, hs = make_server(listen)
     add_servicer(server, metrics.instrument(CacheServicer(svc, config), pb.DESCRIPTOR.services_by_name["Cache"]),
                  "Cache", pb)
+    kv_events_pb2_grpc.add_KvEventsServicer_to_server(  # type: ignore[no-untyped-call]  # (generated, untyped)
+        KvEventsServicer(svc.events), server)  # (for a router)
     metrics.serve(config.metrics_port, config.metrics_host)
     server.start()
     set_serving(hs, [SERVICE_NAME], True)

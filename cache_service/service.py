@@ -23,6 +23,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from nanokv.cache_service.kv_events import KVEventLog
 from nanokv.cache_service.manager import CacheStats, KVCacheManager
 from nanokv.cache_service.plan_trace import plan_span
 from nanokv.cache_service.planner import Planner
@@ -89,6 +90,8 @@ class CacheService:
         self.leases = Leases(config.gateway_lease_s)
         self.lock = threading.Lock()  # gRPC handlers run on a thread pool; a plan is one transaction
         self.plan_calls = 0
+        # block events for a KV-aware router (cache_service/kv_events.py); one log per incarnation
+        self.events = KVEventLog(block_size=0, hash_algo=config.prefix_caching_hash_algo)
 
     # ---- the pool ---------------------------------------------------------------------------------
     def attach(self, layout: PoolLayout) -> PoolHandle:
@@ -112,6 +115,9 @@ class CacheService:
                                                      else cfg.eviction_policy),
                 lru_k=cfg.lru_k, hash_algo=cfg.prefix_caching_hash_algo,
             )
+            self.events.block_size = layout.block_size
+            self.events.cleared()  # a new manager starts empty
+            self.manager.set_event_log(self.events)
             if carried is not None:  # counters stay monotonic across pools of one incarnation (/metrics)
                 carried.evictions_by_policy.setdefault(self.manager.policy_name, 0)
                 self.manager.stats = carried
@@ -215,6 +221,7 @@ class CacheService:
                 self.attached_epoch = 0
                 self._stats = self.manager.stats if self.manager is not None else self._stats
                 self.manager = self.planner = None
+                self.events.cleared()
 
     def free_storage(self, epoch: int) -> None:
         """The compute service in this process views no byte of `epoch`'s segment any more: an

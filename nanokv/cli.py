@@ -4,6 +4,7 @@
   cache | compute | gateway | up                  the services as separate processes (docs/services.md)
   soak [--minutes N]                              faults under load: the services as processes, a compute restart
   health ADDR                                     one grpc.health.v1 (or HTTP /health) check: exit 0 if healthy
+  router --replicas H:P:G,...                     one front for many replicas, KV-aware (docs/router.md)
 """
 
 from __future__ import annotations
@@ -167,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
                     "temp dir, removed at the end); the services are restarted when they exit (docs/operating.md)")
     add_serve_args(up, helps=helps)
 
+    from nanokv.router.cli import add_router_args
+    r = sub.add_parser("router", help="route requests over replicas (gateways) by cached prefix and load")
+    add_router_args(r)
+
     for name, what in TOOL_COMMANDS.items():  # their flags are their own: the rest of the line goes to them
         t = sub.add_parser(name, help=f"{what} (nanokv-tools)", add_help=False)
         t.add_argument("rest", nargs=argparse.REMAINDER)
@@ -190,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "up":  # supervises the three as child processes (nanokv.supervise)
             from nanokv.launch import up_main
             return up_main(args, argv[1:])
+        if args.cmd == "router":
+            from nanokv.router.cli import router_main
+            return router_main(args)
         if args.cmd in ("cache", "compute", "gateway"):
             return _service_main(args)
     except NanoKVError as e:

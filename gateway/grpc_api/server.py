@@ -26,8 +26,10 @@ from nanokv.gateway.grpc_api.auth import AuthInterceptor, KeyRing
 from nanokv.gateway.grpc_api.errors import status_for
 from nanokv.gateway.grpc_api.generation import GenerationServicer, PublicModelInfo
 from nanokv.gateway.grpc_api.kserve import KServeServicer
+from nanokv.gateway.grpc_api.kv_events import KvEventsRelay
 from nanokv.gateway.grpc_api.validate import parse
 from nanokv.gateway.http.async_engine import AsyncEngine
+from nanokv.protos import kv_events_pb2
 from nanokv.protos import nanokv_v1_pb2 as pb
 from nanokv.protos.kserve import grpc_service_pb2 as ks
 
@@ -38,6 +40,7 @@ log = logging.getLogger("nanokv.gateway.grpc")
 
 GENERATION = pb.DESCRIPTOR.services_by_name["Generation"]
 KSERVE = ks.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+KV_EVENTS = kv_events_pb2.DESCRIPTOR.services_by_name["KvEvents"]  # for a router (router/)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -115,6 +118,7 @@ class GrpcApi:
         self.aengine = aengine
         self.generation = GenerationServicer(aengine, PublicModelInfo.from_engine(engine, model_name), self.keys)
         self.kserve = KServeServicer(self.generation, self.keys)
+        self.kv_events = KvEventsRelay(engine)
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
@@ -123,11 +127,12 @@ class GrpcApi:
                    ("grpc.max_send_message_length", 64 << 20),
                    ("grpc.so_reuseport", 0)]
         server = grpc.aio.server(interceptors=[AuthInterceptor(self.keys, self.on_reject)], options=options)
-        server.add_generic_rpc_handlers((_service(GENERATION, self.generation), _service(KSERVE, self.kserve)))
+        server.add_generic_rpc_handlers((_service(GENERATION, self.generation), _service(KSERVE, self.kserve),
+                                         _service(KV_EVENTS, self.kv_events)))
         hs = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-        names = (GENERATION.full_name, KSERVE.full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                 reflection.SERVICE_NAME)
+        names = (GENERATION.full_name, KSERVE.full_name, KV_EVENTS.full_name,
+                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
         self.port = server.add_insecure_port(self.address)
         if self.port == 0 and not self.address.startswith("unix:"):

@@ -8,6 +8,7 @@ Layers, bottom first (a module may import its own layer and the ones below it):
   cache_service    blocks, hashes, policies, the KV segment it owns
   compute_service  model, runner, sampler; maps the cache service's segment through kv
   gateway          scheduler, APIs, clients; starts the other two in process for LLM()
+  router           router/: one front for many replicas (gateways), routing by KV events; no torch
   app              nanokv/__init__.py, cli.py, launch.py, torchrun.py: entry points
   tools            tools/nanokv_tools: bench, sim, eval (never imported by the product)
 Imports under `if TYPE_CHECKING:` are for annotations only and do not count.
@@ -23,8 +24,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ORDER = ["common", "kv", "kernels", "protos", "cache_service", "compute_service", "gateway", "app", "tools"]
-SERVICES = ("kernels", "protos", "cache_service", "compute_service", "gateway")
+ORDER = ["common", "kv", "kernels", "protos", "cache_service", "compute_service", "gateway", "router", "app", "tools"]
+SERVICES = ("kernels", "protos", "cache_service", "compute_service", "gateway", "router")
 APP = ("__init__", "cli", "launch", "torchrun")
 # which lower layers each layer may import; peers of one level are listed explicitly
 ALLOWED = {
@@ -35,7 +36,8 @@ ALLOWED = {
     "cache_service": {"common", "kv", "protos"},
     "compute_service": {"common", "kv", "kernels", "protos"},
     "gateway": {"common", "kv", "protos", "cache_service", "compute_service"},
-    "app": {"common", "kv", "protos", "cache_service", "compute_service", "gateway"},
+    "router": {"common", "kv", "protos", "cache_service", "gateway"},
+    "app": {"common", "kv", "protos", "cache_service", "compute_service", "gateway", "router"},
     "tools": set(ORDER[:-1]),
 }
 
@@ -153,9 +155,9 @@ def test_the_checker_sees_a_violation(tmp_path: Path):
     assert runtime_imports(f) == ["typing", "nanokv.compute_service"]
 
 
-GATEWAY_MODULES = sorted(
+GATEWAY_MODULES = sorted(  # and the router's: it runs where the gateway may run, without torch
     "nanokv." + ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-    for p in (ROOT / "gateway").rglob("*.py"))
+    for d in ("gateway", "router") for p in (ROOT / d).rglob("*.py"))
 
 
 def test_every_gateway_module_imports_without_torch():
