@@ -44,7 +44,7 @@ test: $(STAMP) tools
 	$(PY) -m pytest -q -x --durations=15
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check nanokv gateway cache_service compute_service kernels tests
+	$(VENV)/bin/ruff check nanokv gateway cache_service compute_service kernels router tests tools
 	$(VENV)/bin/mypy nanokv
 
 bench: $(STAMP)

@@ -23,9 +23,9 @@ from nanokv.errors import NanoKVError
 from nanokv.messages import PlanReply, PlanRequest, TableDelta
 
 if TYPE_CHECKING:
+    from nanokv.cache_service.sparsity.decide import CacheSparsity
     from nanokv.cache_service.tiers.hierarchy import LowerMatch
     from nanokv.cache_service.tiers.serving import ServingTiers
-    from nanokv.cache_service.sparsity.decide import CacheSparsity
 
 
 @dataclass
