@@ -34,6 +34,11 @@ class EngineStats(TypedDict):
     prompt_tokens: int
     generation_tokens: int
     computed_tokens: int
+    # the memory hierarchy ({} without lower tiers): per tier / per move, as the cache service counts
+    tier_hit_tokens: dict[str, int]
+    tier_blocks: dict[str, int]
+    tier_capacity_blocks: dict[str, int]
+    tier_moved_blocks: dict[str, int]
 
 
 class EngineCounters:
@@ -91,4 +96,7 @@ def stats(eng: Engine) -> EngineStats:
         rpc=dict(eng.rpc, plan_rtt_s=eng.cache.plan_rtt_s),
         prompt_tokens=tokens["prompt_tokens"], generation_tokens=tokens["generation_tokens"],
         computed_tokens=tokens["computed_tokens"],
+        tier_hit_tokens=dict(cs.get("tier_hit_tokens") or {}), tier_blocks=dict(cs.get("tier_blocks") or {}),
+        tier_capacity_blocks=dict(cs.get("tier_capacity_blocks") or {}),
+        tier_moved_blocks=dict(cs.get("tier_moved_blocks") or {}),
     )

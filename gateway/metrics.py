@@ -161,7 +161,27 @@ class _StatsCollector:
         for layer, v in sorted((stats.get("compression_error") or {}).items(), key=lambda kv: int(kv[0])):
             err.add_metric([str(layer)], float(v))
         yield err
+        yield from _tier_metrics(stats)
         adapt = CounterMetricFamily("nanokv_adaptations", "Self-tuning actions, by kind.", labels=["kind"])
         for kind, v in sorted((stats.get("adaptations") or {}).items()):
             adapt.add_metric([str(kind)], v)
         yield adapt
+
+
+def _tier_metrics(stats: Mapping[str, Any]) -> Iterator[Metric]:
+    """The memory hierarchy's families (docs/hierarchy.md); without lower tiers they have no samples."""
+    hits = CounterMetricFamily("nanokv_tier_hit_tokens", "Prompt tokens served from each KV tier.", labels=["tier"])
+    blocks = GaugeMetricFamily("nanokv_tier_blocks", "KV blocks resident in each tier.", labels=["tier"])
+    cap = GaugeMetricFamily("nanokv_tier_capacity_blocks", "KV blocks each tier holds at most.", labels=["tier"])
+    moved = CounterMetricFamily("nanokv_tier_moved_blocks", "KV blocks copied between tiers, by direction.",
+                                labels=["src", "dst"])
+    for t, v in sorted((stats.get("tier_hit_tokens") or {}).items()):
+        hits.add_metric([t], v)
+    for t, v in sorted((stats.get("tier_blocks") or {}).items()):
+        blocks.add_metric([t], v)
+    for t, v in sorted((stats.get("tier_capacity_blocks") or {}).items()):
+        cap.add_metric([t], v)
+    for move, v in sorted((stats.get("tier_moved_blocks") or {}).items()):
+        src, _, dst = move.partition("->")
+        moved.add_metric([src, dst], v)
+    yield from (hits, blocks, cap, moved)

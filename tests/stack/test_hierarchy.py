@@ -80,6 +80,18 @@ def test_per_request_tier_split_of_cached_tokens(chat_ids):
     assert tiers is not None and tiers["L2"] > 0 and tiers["L3"] == 0, tiers
     assert sum(tiers.values()) == again.num_cached_tokens
     assert again.num_cached_tokens >= len(chat_ids[0]) - 16  # all but the tail block came back
+    # and Prometheus sees the tiers
+    import re
+
+    from nanokv.gateway.metrics import EngineMetrics
+
+    metrics = EngineMetrics()
+    metrics.update(llm.engine.stats())
+    text = metrics.render().decode()
+    l2_hits = re.search(r'^nanokv_tier_hit_tokens_total\{tier="L2"\} (\S+)$', text, re.M)
+    assert l2_hits is not None and float(l2_hits.group(1)) >= tiers["L2"], text[-2000:]
+    assert re.search(r'^nanokv_tier_moved_blocks_total\{dst="L2",src="L1"\} [1-9]', text, re.M), text[-2000:]
+    assert 'nanokv_tier_capacity_blocks{tier="L1"} 8.0' in text
 
 
 @pytest.mark.parametrize("kw, field", [
