@@ -7,12 +7,14 @@ engine answers."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import httpx
 import pytest
 import yaml
 from compose_local import start, stop
-from k8s_local import K8S, find, localize_pod, render, validate
+from k8s_local import K8S, find, localize_container, localize_pod, pod_ports, render, validate
 
 from nanokv.protos import nanokv_v1_pb2 as pb
 from nanokv.protos import nanokv_v1_pb2_grpc as pb_grpc
@@ -119,13 +121,21 @@ def test_cpu_replica_pod_runs_as_local_processes(tmp_path, llm):
     hosts = {"otel-collector:4317": f"127.0.0.1:{rx.port}"}
     stack = localize_pod(_pod(docs, "StatefulSet", "nanokv-replica"), tmp_path / "replica-0", hosts, SECRETS,
                          prefix="replica-0-")
-    # the router leg: localize_container(<router container>, ...) with hosts mapping the headless
-    # Service to the replicas' local ports, added to `stack` with depends_on on the replicas' gateways
+    # the router, from its Deployment: the headless Service's name resolves to this host (localhost,
+    # through the same --replicas-dns lookup it makes in the cluster), at the replica gateway's ports
+    gw = stack["replica-0-gateway"]
+    router_pod = _pod(docs, "Deployment", "nanokv-router")
+    router_c = _by_name(router_pod)["router"]
+    router = localize_container(router_c, pod_ports(router_pod), tmp_path / "replica-0", hosts, SECRETS,
+                                name="router", depends_on={"replica-0-gateway": "service_healthy"})
+    i = router.argv.index("--replicas-dns")
+    assert router.argv[i + 1].startswith("nanokv-replicas:")  # (its ports already remapped to local ones)
+    router.argv[i + 1] = f"localhost:{gw.ports[8000]}:{gw.ports[50051]}"
+    stack["router"] = router
     started = []
     try:
         started = start(stack, tmp_path / "replica-0")
-        assert [s.name for s in started] == ["replica-0-cache", "replica-0-compute", "replica-0-gateway"]
-        gw = stack["replica-0-gateway"]
+        assert [s.name for s in started] == ["replica-0-cache", "replica-0-compute", "replica-0-gateway", "router"]
         ref = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
         body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True}
@@ -142,6 +152,17 @@ def test_cpu_replica_pod_runs_as_local_processes(tmp_path, llm):
             info = pb_grpc.GenerationStub(ch).GetServerInfo(pb.GetServerInfoRequest(), timeout=10,
                                                            metadata=[("authorization", f"Bearer {KEY}")])
         assert [t for c in chunks for t in c.token_ids] == list(ref.token_ids)
+        # through the router: the same key, the same greedy text
+        via = f"http://127.0.0.1:{router.ports[8000]}/v1/completions"
+        assert httpx.post(via, json=body, timeout=60).status_code == 401
+        deadline = time.monotonic() + 60  # the router lists the replica after its first health check
+        while True:
+            r = httpx.post(via, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref.text
         assert info.kv_blocks_total == 2048  # the cpu overlay's --num-gpu-blocks
         pool = httpx.get(f"http://127.0.0.1:{stack['replica-0-cache'].ports[9101]}/metrics", timeout=10).text
         assert "nanokv_cache_pool_blocks 2048.0" in pool
