@@ -117,7 +117,8 @@ class Planner:
                 tokens = st.token_ids[:num_tokens]
                 prefix = cm.match_prefix(tokens, st.cache_salt)
                 lower = self.tiers.begin(prefix) if self.tiers is not None else None
-                hit = prefix.num_tokens + (lower.num_blocks * cm.block_size if lower is not None else 0)
+                hit = prefix.num_tokens + (self.tiers.hit_blocks(lower) * cm.block_size
+                                           if self.tiers is not None and lower is not None else 0)
                 n = num_tokens - hit
                 if n > budget:
                     if not req.chunked_prefill:
@@ -164,15 +165,15 @@ class Planner:
         """The blocks below L1 go into the sequence's fresh blocks (copies the step runs first) and
         are published in L1 now: no step reads them before those copies."""
         tiers = self.tiers
-        if tiers is None or not lower.num_blocks:
+        if tiers is None or not tiers.hit_blocks(lower):
             if tiers is not None:
                 tiers.finish(lower)
             return
         loaded = tiers.land(lower, self.manager.block_table(seq_id))
-        disk = tiers.from_disk(lower)
+        disk, remote = tiers.from_disk(lower), tiers.from_remote()
         self.manager.cache_blocks(seq_id, st.token_ids, hit, st.cache_salt)
         tiers.finish(lower)
-        reply.loaded.append((seq_id, loaded - disk, disk))
+        reply.loaded.append((seq_id, loaded - disk - remote, disk, remote))
 
     def _preempt(self, seq_id: int, running: list[int], preempted: set[int], reply: PlanReply) -> None:
         running.remove(seq_id)

@@ -122,8 +122,7 @@ class CacheService:
                 carried.evictions_by_policy.setdefault(self.manager.policy_name, 0)
                 self.manager.stats = carried
             self._attach_ghosts(layout)
-            if self.tiers is not None and self.tiers.disk is not None:
-                self.tiers.disk.close()  # the new pool's tiers get their own writer
+            self._close_tier_writers()  # the new pool's tiers get their own
             self.tiers = None
             handle = storage.handle()
             if cfg.cpu_offload_bytes:
@@ -149,25 +148,39 @@ class CacheService:
         l2, per_block = host_layout(layout, cfg.cpu_offload_bytes)
         slots = l2.num_blocks
         # disk hits are read into staging slots past L2's: one batch of prefill blocks per plan
-        staging = min(256, max(8, slots // 4)) if cfg.disk_cache_dir else 0
+        staging = min(256, max(8, slots // 4)) if cfg.disk_cache_dir or cfg.remote_cache_url else 0
         if self.host_storage is not None:
             self.host_storage.close()
         self.host_storage = PoolStorage(dataclasses.replace(l2, num_blocks=slots + staging), self.shared, self.epoch)
         assert self.manager is not None  # made by attach, under the lock
         bits = max(layout.layer_bits)
         fmt = TierFormat("pool", bits, per_block)
-        disk = host = None
-        if cfg.disk_cache_dir:
+        disk = host = remote = None
+        if staging:
             from nanokv.cache_service.storage import HostSlots
-            from nanokv.cache_service.tiers.disk_tier import DiskTier
 
             host = HostSlots(self.host_storage)
+        if cfg.disk_cache_dir and host is not None:
+            from nanokv.cache_service.tiers.disk_tier import DiskTier
+
             disk = DiskTier(self._disk_store(layout), host.slot_bytes, bits, cfg.disk_cache_policy)
+        if cfg.remote_cache_url and host is not None:
+            from nanokv.cache_service.tiers.remote_store import RemoteStore, check_url
+            from nanokv.cache_service.tiers.remote_tier import RemoteTier
+
+            check_url(cfg.remote_cache_url)
+            store = RemoteStore(cfg.remote_cache_url, self._fingerprint(layout), ttl_s=cfg.remote_cache_ttl_s)
+            remote = RemoteTier(store, host.slot_bytes)
         self.tiers = ServingTiers(self.manager, slots, fmt, cfg.cpu_offload_policy, disk=disk, host=host,
-                                  staging=staging)
+                                  staging=staging, remote=remote)
         log.info("host tier (L2): %d blocks, %d bytes, policy %s", slots, self.host_storage.nbytes,
                  cfg.cpu_offload_policy)
         return dataclasses.replace(handle, host_tier=self.host_storage.handle(), host_tier_blocks=slots + staging)
+
+    def _fingerprint(self, layout: PoolLayout) -> str:
+        """What a stored block's bytes depend on: the model and the KV layout (disk files, shared tier)."""
+        return (f"model={self.attached_model or 'unnamed'};bits={layout.layer_bits};dtype={layout.dtype};"
+                f"block={layout.block_size};heads={layout.num_kv_heads};dim={layout.head_dim}")
 
     def _disk_store(self, layout: PoolLayout) -> DiskStore:
         """The disk tier's store, opened once per process (it locks its directory) for the model and KV
@@ -175,8 +188,7 @@ class CacheService:
         from nanokv.cache_service.tiers.disk_store import DiskStore
 
         cfg = self.config
-        fp = (f"model={self.attached_model or 'unnamed'};bits={layout.layer_bits};dtype={layout.dtype};"
-              f"block={layout.block_size};heads={layout.num_kv_heads};dim={layout.head_dim}")
+        fp = self._fingerprint(layout)
         if self.disk_store is not None and self.disk_store_fp != fp:
             self.disk_store.close()
             self.disk_store = None
@@ -240,23 +252,28 @@ class CacheService:
             self.host_storage.close()
         self.storage = self.host_storage = self.manager = self.planner = self.tiers = None
 
+    def _close_tier_writers(self) -> None:
+        if self.tiers is not None:
+            if self.tiers.disk is not None:
+                self.tiers.disk.close()
+            if self.tiers.remote is not None:
+                self.tiers.remote.close()
+
     def close_disk(self) -> None:
         """Let the disk tier's directory go (its lock): the engine in this process shuts down."""
         with self.lock:
-            if self.tiers is not None and self.tiers.disk is not None:
-                self.tiers.disk.close()  # its queued writes land first
+            self._close_tier_writers()  # their queued writes land first
             if self.disk_store is not None:
                 self.disk_store.close()
                 self.disk_store = None
-            if self.tiers is not None and self.tiers.disk is not None:
+            if self.tiers is not None and (self.tiers.disk is not None or self.tiers.remote is not None):
                 self.tiers = None
                 if self.planner is not None:
                     self.planner.tiers = None
 
     def close(self) -> None:
         with self.lock:
-            if self.tiers is not None and self.tiers.disk is not None:
-                self.tiers.disk.close()
+            self._close_tier_writers()
             self._drop_pool()
             if self.disk_store is not None:
                 self.disk_store.close()

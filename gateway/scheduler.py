@@ -243,7 +243,7 @@ class Scheduler:
         if reply.copies:
             self.copies.extend(reply.copies)
             self.copy_seq = reply.copy_seq
-        loaded = {seq_id: (l2, l3) for seq_id, l2, l3 in reply.loaded}
+        loaded = {seq_id: (l2, l3, rem) for seq_id, l2, l3, rem in reply.loaded}
         self.demotions.extend(reply.demotions)
         by_id = {s.seq_id: s for s in self.running}
         for seq_id in reply.preempted:
@@ -270,8 +270,8 @@ class Scheduler:
                 seq.num_cached_tokens = hit
                 seq.ever_scheduled = True
                 if seq_id in loaded:  # part of the hit came from the lower tiers
-                    l2, l3 = loaded[seq_id]
-                    seq.cached_tokens_by_tier = {"L1": hit - l2 - l3, "L2": l2, "L3": l3}
+                    l2, l3, rem = loaded[seq_id]
+                    seq.cached_tokens_by_tier = {"L1": hit - l2 - l3 - rem, "L2": l2, "L3": l3, "remote": rem}
             seq.computed_before_preemption = 0
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

@@ -175,6 +175,12 @@ def tiers(cfg: Any) -> None:
                                               f"(got dir={d!r}, bytes={cfg.disk_cache_bytes})")
     if d is not None and cfg.cpu_offload_bytes == 0:
         raise ConfigError("disk_cache_dir", "the disk tier (L3) sits below the host tier: set cpu_offload_bytes > 0")
+    url = cfg.remote_cache_url
+    if url is not None and (not isinstance(url, str) or not url.startswith(("redis://", "rediss://"))):
+        raise ConfigError("remote_cache_url", f"got {url!r}; a URL redis://[:password@]host:port/db or rediss://...")
+    if url is not None and cfg.cpu_offload_bytes == 0:
+        raise ConfigError("remote_cache_url", "the shared tier loads through host memory: set cpu_offload_bytes > 0")
+    int_range(cfg, "remote_cache_ttl_s", 1)
     if cfg.cpu_offload_bytes and cfg.adaptive:  # its pool rule resizes L1 under the copies' block ids
         raise ConfigError("cpu_offload_bytes", "lower tiers and the adaptive controller (adaptive) together are "
                                                "not supported yet: turn one off")

@@ -80,7 +80,8 @@ class PlanReply:
     tables: list[TableDelta] = field(default_factory=list)  # for every sequence that runs this step
     used_blocks: int = 0  # blocks referenced by sequences after the plan (the adaptive controller's gauge)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # (COPY_*, L1 block, L2 slot), in order
-    loaded: list[tuple[int, int, int]] = field(default_factory=list)  # (seq_id, tokens from L2, from L3) of admitted
+    # (seq_id, prompt tokens from L2, from L3, from the shared tier) of each admission that loaded some
+    loaded: list[tuple[int, int, int, int]] = field(default_factory=list)
     copy_seq: int = 0  # this plan's number when it has copies (the gateway reports it back: copies_done)
     # hybrid sparsity: (pool block, demotion-store slot) copies INT8 -> INT4 the compute service makes
     # before the next forward pass (the block went back to the pool in this plan; StepRequest.demotions)

@@ -137,6 +137,9 @@ class CacheConfig(KVFormat, ServiceProcess, Adaptive, Sparsity):
     disk_cache_dir: str | None = None  # L3: a directory of block files, kept across restarts
     disk_cache_bytes: int = 0  # L3's byte budget
     disk_cache_policy: str = "lru"
+    # the shared tier below them: a Valkey/Redis server several replicas use (redis://, rediss:// for TLS)
+    remote_cache_url: str | None = None
+    remote_cache_ttl_s: int = 3600  # a block not read again for this long is forgotten by the server
 
     def __post_init__(self) -> None:
         ck.choice(self, "eviction_policy", ck.EVICTION_POLICIES)

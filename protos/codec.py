@@ -67,6 +67,11 @@ def unpack_triples(data: bytes, field: str) -> list[tuple[int, int, int]]:
     return list(zip(it, it, it))
 
 
+def unpack_quads(data: bytes, field: str) -> list[tuple[int, int, int, int]]:
+    it = iter(unpack(data, field, 4))
+    return list(zip(it, it, it, it))
+
+
 # ---- cache service ------------------------------------------------------------------------------
 def layout_to_pb(x: PoolLayout) -> pb.PoolLayout:
     return pb.PoolLayout(num_blocks=x.num_blocks, block_size=x.block_size, num_kv_heads=x.num_kv_heads,
@@ -188,7 +193,7 @@ def plan_reply_to_pb(r: PlanReply) -> pb.PlanReply:
 def plan_reply_from_pb(m: pb.PlanReply) -> PlanReply:
     return PlanReply(unpack(m.preempted, "preempted"), unpack_triples(m.admitted, "admitted"),
                      _deltas_from_pb(m.tables), m.used_blocks, unpack_triples(m.copies, "copies"),
-                     unpack_triples(m.loaded, "loaded"), m.copy_seq, demotions=unpack_pairs(m.demotions, "demotions"))
+                     unpack_quads(m.loaded, "loaded"), m.copy_seq, demotions=unpack_pairs(m.demotions, "demotions"))
 
 
 def cache_stats_to_pb(s: CacheServiceStats) -> pb.CacheStats:

@@ -97,7 +97,7 @@ class TieredCache:
         self.on_move: Callable[[int, int, bytes, int, int], None] | None = None
         # on_leave(level, hash): a lower tier's copy is gone for good (its victim dropped, or a
         # replica evicted): a tier that keeps bytes elsewhere (the disk's files) frees them
-        self.on_leave: Callable[[int, bytes], None] | None = None
+        self.on_leave: Callable[[int, bytes, int], None] | None = None  # (level, hash, its location there)
         for n in names:
             for table in (self.stats.hit_blocks, self.stats.hit_tokens, self.stats.evictions,
                           self.stats.replica_dropped, self.stats.dropped):
@@ -203,7 +203,7 @@ class TieredCache:
         if self._held_above(block_hash, level):
             st.add(st.replica_dropped, src)
             if level and self.on_leave is not None:
-                self.on_leave(level, block_hash)
+                self.on_leave(level, block_hash, loc)
             return
         for dst in range(level + 1, len(names)):
             t = self.tiers[dst - 1]
@@ -223,4 +223,4 @@ class TieredCache:
                 return
         st.add(st.dropped, src)
         if level and self.on_leave is not None:
-            self.on_leave(level, block_hash)
+            self.on_leave(level, block_hash, loc)

@@ -36,6 +36,7 @@ from nanokv.cache_service.tiers.disk_tier import DiskTier
 from nanokv.cache_service.tiers.formats import TierFormat
 from nanokv.cache_service.tiers.hierarchy import L1, LowerMatch, TieredCache
 from nanokv.cache_service.tiers.lower_tier import LowerTier
+from nanokv.cache_service.tiers.remote_tier import REMOTE, RemoteTier
 from nanokv.cache_service.types import PrefixMatch
 from nanokv.messages import COPY_LOAD, COPY_SAVE
 
@@ -64,14 +65,19 @@ class ServingTiers:
     """L1 (the manager's device pool) above a host tier of ``slots`` blocks, as the planner uses it."""
 
     def __init__(self, manager: KVCacheManager, slots: int, fmt: TierFormat, policy: str = "lru", *,
-                 disk: DiskTier | None = None, host: SlotBytes | None = None, staging: int = 0):
-        """disk: L3 below L2; host: byte access to the host segment (L2's `slots` slots, then
-        `staging` slots for disk hits), which the disk tier needs."""
+                 disk: DiskTier | None = None, host: SlotBytes | None = None, staging: int = 0,
+                 remote: RemoteTier | None = None):
+        """disk: L3 below L2; remote: the shared tier below them (remote_tier.py); host: byte access
+        to the host segment (L2's `slots` slots, then `staging` slots for disk and remote hits),
+        which those two need."""
         self.l2 = LowerTier(L2, slots, fmt, policy)
         self.disk = disk
+        self.remote = remote
         self.host = host
-        if disk is not None and (host is None or staging < 1):
-            raise ValueError("a disk tier needs the host segment's bytes and staging slots")
+        if (disk is not None or remote is not None) and (host is None or staging < 1):
+            raise ValueError("a disk or remote tier needs the host segment's bytes and staging slots")
+        self._remote_run: list[bytes] = []  # this admission's blocks from the shared tier, after lm's
+        self.remote_hit_tokens = 0
         self.cache = TieredCache(manager, [self.l2] + ([disk.tier] if disk is not None else []), l1_format=fmt)
         self.cache.on_move = self._on_move
         self.cache.on_leave = self._on_leave
@@ -107,11 +113,17 @@ class ServingTiers:
                 self.unsettled_drops += 1
                 self.disk.forget(block_hash)
             else:
-                self.disk.write(block_hash, self.host.read(loc))
+                data = self.host.read(loc)
+                self.disk.write(block_hash, data)
+                if self.remote is not None:
+                    self.remote.write(block_hash, data)
 
-    def _on_leave(self, level: int, block_hash: bytes) -> None:
+    def _on_leave(self, level: int, block_hash: bytes, loc: int) -> None:
         if level == 2 and self.disk is not None:
             self.disk.remove(block_hash)
+        elif level == 1 and self.remote is not None and self.host is not None and loc >= 0:
+            if self.settled(loc):  # an L2 victim no tier below takes: the shared tier may
+                self.remote.write(block_hash, self.host.read(loc))
 
     # ---- an admission's prefix below L1 ---------------------------------------------------------
     def begin(self, prefix: PrefixMatch) -> LowerMatch:
@@ -119,8 +131,37 @@ class ServingTiers:
         lm = self.cache.match_lower(prefix)
         if self.disk is not None:
             self._stage_disk_hits(lm)
+        self._remote_run = []
+        if self.remote is not None and len(lm.sources) == self._chain_room(lm, prefix):
+            pass  # the replica's own tiers reach the cap: nothing to ask the shared tier for
+        elif self.remote is not None:
+            self._stage_remote_hits(lm, prefix)
         self.cache.begin_load(lm)
         return lm
+
+    def _chain_room(self, lm: LowerMatch, prefix: PrefixMatch) -> int:
+        """Blocks past L1's hit a prefix may load at most (match_prefix's cap: one token to compute)."""
+        n_q = prefix.num_query_tokens
+        cap = min(len(lm.block_hashes), (n_q - 1) // self.block_size if n_q else 0)
+        return max(0, cap - lm.start)
+
+    def _stage_remote_hits(self, lm: LowerMatch, prefix: PrefixMatch) -> None:
+        """Where the replica's own chain ends, ask the shared tier for the next blocks (one round trip)
+        and stage the leading run it holds, as far as settled staging slots last."""
+        assert self.remote is not None and self.host is not None  # (the caller checked)
+        first = lm.start + len(lm.sources)
+        want = lm.block_hashes[first:lm.start + self._chain_room(lm, prefix)]
+        free = [s for s in self.staging if self.settled(s)]
+        for h, data in zip(want[:len(free)], self.remote.read_run(want[:len(free)])):
+            slot = free.pop(0)
+            self.staging.remove(slot)
+            self.host.write(slot, data)
+            self._staged[h] = slot
+            self._remote_run.append(h)
+
+    def hit_blocks(self, lm: LowerMatch) -> int:
+        """Blocks past L1's hit this admission loads: from the replica's tiers, then the shared one."""
+        return lm.num_blocks + len(self._remote_run)
 
     def _stage_disk_hits(self, lm: LowerMatch) -> None:
         """Read each disk hit into a settled staging slot; the chain ends at the first that cannot
@@ -152,7 +193,15 @@ class ServingTiers:
                 raise RuntimeError(f"{tiers[lvl - 1].name}: a block being loaded lost its slot")
             self.copies.append((COPY_LOAD, table[lm.start + i], slot))
             self._touch(slot)
-        return lm.num_blocks * self.block_size
+        for j, h in enumerate(self._remote_run):
+            slot = self._staged[h]
+            self.copies.append((COPY_LOAD, table[lm.start + lm.num_blocks + j], slot))
+            self._touch(slot)
+        return self.hit_blocks(lm) * self.block_size
+
+    def from_remote(self) -> int:
+        """Tokens of this admission the shared tier serves."""
+        return len(self._remote_run) * self.block_size
 
     def from_disk(self, lm: LowerMatch) -> int:
         """Tokens of `lm` the disk tier serves."""
@@ -160,10 +209,17 @@ class ServingTiers:
 
     def finish(self, lm: LowerMatch) -> None:
         self.cache.finish_load(lm)
+        if self._remote_run:
+            n = self.from_remote()
+            self.remote_hit_tokens += n
+            self.cache.stats.add(self.cache.stats.hit_tokens, REMOTE, n)
+            self.cache.stats.add(self.cache.stats.moved, f"{REMOTE}->L1", len(self._remote_run))
+        self._remote_run = []
         self._unstage()
 
     def cancel(self, lm: LowerMatch) -> None:
         self.cache.cancel_load(lm)
+        self._remote_run = []
         self._unstage()
 
     def _unstage(self) -> None:
@@ -190,6 +246,14 @@ class ServingTiers:
     def counters(self) -> TierCounters:
         st = self.cache.stats
         return TierCounters(dict(st.hit_tokens), dict(st.moved), self.cache.occupancy(), self.cache.capacity())
+
+    def remote_stats(self) -> dict[str, int]:
+        """The shared tier's store counters (remote_tier_*) and the serving path's own."""
+        if self.remote is None:
+            return {}
+        return {**{f"remote_tier_{k}_total": v for k, v in self.remote.store.counters().items()},
+                "remote_tier_queue_full_total": self.remote.queue_full,
+                "remote_tier_up": int(self.remote.store.available)}
 
     def disk_stats(self) -> dict[str, int]:
         """The disk store's counters and gauges (disk_tier_*), and the serving path's own."""

@@ -178,3 +178,38 @@ def test_disk_tier_drops_corrupt_and_foreign_files(hf_model, plain_ids, tmp_path
     other.generate([plain_ids[0]], GREEDY, use_tqdm=False)
     assert all(not f.exists() for f in survivors)
     other.engine.shutdown()
+
+
+def test_shared_tier_serves_another_replica(hf_model, plain_ids, tmp_path):
+    """Two replicas (two engines) on one real Valkey/Redis server: what the first pushed out of its
+    L2 the second loads instead of prefilling, with HF's greedy tokens; another tenant gets none of it;
+    a dead server costs a request nothing but the hit."""
+    from tests.helpers_valkey import Server, require_server
+
+    server = Server(require_server(), tmp_path / "valkey", password="s3cret").start()
+    try:
+        kw = dict(TIERED, num_gpu_blocks=8, cpu_offload_bytes=4 * BLOCK_BYTES + (1 << 16),
+                  remote_cache_url=server.url)
+        a = LLM(**kw)
+        for ids in plain_ids:  # one at a time: the first prompts' blocks leave L2 for the server
+            a.generate([ids], GREEDY, use_tqdm=False)
+        a.engine.shutdown()  # its writer offers every queued block first
+        want = hf_greedy(hf_model, plain_ids[0], GREEDY.max_tokens)
+        b = LLM(**kw)
+        other = b.generate([plain_ids[0]], GREEDY, use_tqdm=False, cache_salt="tenant-b")[0]
+        assert other.num_cached_tokens == 0  # another tenant's salt: no key in common
+        out = b.generate([plain_ids[0]], GREEDY, use_tqdm=False)[0]
+        assert out.token_ids == want == other.token_ids
+        assert out.cached_tokens_by_tier is not None and out.cached_tokens_by_tier["remote"] > 0, \
+            out.cached_tokens_by_tier
+        assert b.engine.cache.stats()["tier_hit_tokens"]["remote"] >= out.cached_tokens_by_tier["remote"]
+        b.engine.shutdown()
+    finally:
+        server.stop()
+    # the server is gone: a replica pointed at it serves, only without the shared hits
+    c = LLM(**kw)
+    t0 = __import__("time").monotonic()
+    out = c.generate([plain_ids[0]], GREEDY, use_tqdm=False)[0]
+    assert out.token_ids == want and (out.cached_tokens_by_tier or {}).get("remote", 0) == 0
+    assert __import__("time").monotonic() - t0 < 30
+    c.engine.shutdown()
