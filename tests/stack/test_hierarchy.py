@@ -213,3 +213,22 @@ def test_shared_tier_serves_another_replica(hf_model, plain_ids, tmp_path):
     assert out.token_ids == want and (out.cached_tokens_by_tier or {}).get("remote", 0) == 0
     assert __import__("time").monotonic() - t0 < 30
     c.engine.shutdown()
+
+
+def test_openai_usage_splits_cached_tokens_by_tier(chat_ids):
+    """The OpenAI response's prompt_tokens_details carries the per-tier split."""
+    import httpx
+
+    from nanokv.gateway.http import build_app
+    from nanokv.gateway.http.testing import serve_in_thread, shared_engine
+
+    engine = shared_engine(**dict(TIERED, num_gpu_blocks=8))
+    app = build_app(engine)
+    with serve_in_thread(app) as url:
+        body = {"model": engine.model_name, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        for ids in chat_ids[:6]:  # the first prompt's blocks go down to L2
+            assert httpx.post(url + "/v1/completions", json=dict(body, prompt=ids), timeout=120).status_code == 200
+        r = httpx.post(url + "/v1/completions", json=dict(body, prompt=chat_ids[0]), timeout=120).json()
+        details = r["usage"]["prompt_tokens_details"]
+        assert details["cached_tokens_by_tier"]["L2"] > 0, details
+        assert sum(details["cached_tokens_by_tier"].values()) == details["cached_tokens"]
