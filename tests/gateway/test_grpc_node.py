@@ -66,7 +66,8 @@ def test_node_client_streams_the_same_answer():
     assert ok["error"] is None and ok["token_ids"] == ids and ok["text"] == text
     assert ok["chunks"] == len(ids) and ok["finish_reason"] == last.finish_reason
     usage = {"prompt_tokens": last.usage.prompt_tokens, "completion_tokens": last.usage.completion_tokens,
-             "cached_prompt_tokens": last.usage.cached_prompt_tokens}
+             "cached_prompt_tokens": last.usage.cached_prompt_tokens,
+             "cached_prompt_tokens_by_tier": dict(last.usage.cached_prompt_tokens_by_tier)}  # {}: no lower tiers
     assert ok["usage"] == usage and usage["cached_prompt_tokens"] >= 16  # a warm prefix, counted for Node too
     bad = got["bad"]
     assert bad["error"]["code"] == got["invalid_argument"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
