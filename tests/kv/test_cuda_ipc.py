@@ -54,7 +54,7 @@ _EXPORTER = textwrap.dedent("""
     from nanokv.config import EngineConfig
     from nanokv.messages import PoolLayout
     from nanokv.protos import codec
-    svc = CacheService(EngineConfig(device="cuda"), shared=True)
+    svc = CacheService(EngineConfig(device="cuda").cache, shared=True)
     layout = PoolLayout(64, 16, 2, 64, [16, 8], "bfloat16", 0, "cuda")
     h = svc.attach(layout)
     buf = svc.storage.buffer
@@ -121,7 +121,7 @@ def test_rank_pools_are_exported_even_by_an_in_process_cache_service(device):
     from nanokv.config import EngineConfig
     from nanokv.kv.segment import pool_nbytes
 
-    svc = CacheService(EngineConfig(device=device))  # the in-process transport: rank 0's pool is "local"
+    svc = CacheService(EngineConfig(device=device).cache)  # the in-process transport: rank 0's pool is "local"
     layout = PoolLayout(64, 16, 2, 64, [16, 8], "bfloat16", 0, device, rank_kv_heads=[1], rank_devices=[device])
     h = svc.attach(layout)
     assert h.kind == "local" and len(h.ranks) == 1

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     layout = PoolLayout(BLOCKS, 16, 1, 8, [16], "float32", 0, "cpu")
     cfg = EngineConfig.from_kwargs(device="cpu", max_num_seqs=args.num_seqs, num_gpu_blocks=BLOCKS,
                                    eviction_policy="lru")
-    local = CacheService(cfg, shared=False)
+    local = CacheService(cfg.cache, shared=False)
     local.attach(layout)
     res = {"in_process": _drive(local, args.num_seqs, args.steps)}
     with tempfile.TemporaryDirectory() as d:
