@@ -16,7 +16,8 @@ from nanokv.gateway.clients import CacheClient, ComputeClient
 from nanokv.service_api import CacheAPI, ComputeAPI
 
 # the pool's attach protocol (the compute service calls it) and a server's lease reaper
-SERVICE_ONLY = {CacheService: {"attach", "detach", "free_storage"}, ComputeService: {"drop_sequences"}}
+# (close_disk: an in-process engine lets its disk tier's directory go when it shuts down)
+SERVICE_ONLY = {CacheService: {"attach", "detach", "free_storage", "close_disk"}, ComputeService: {"drop_sequences"}}
 
 
 def public_methods(cls: type) -> dict[str, inspect.Signature]:
