@@ -223,7 +223,7 @@ def test_compose_stack_scrapes_what_the_services_serve():
     for profile in ("cpu", "gpu"):
         names: dict[str, dict[str, Any]] = {}
         for name, spec in compose.items():
-            if spec.get("profiles") in (None, [profile]):
+            if profile in (spec.get("profiles") or [profile]):
                 aliases = (spec.get("networks") or {}).get("default", {}).get("aliases", [])
                 names.update({n: spec for n in [name, *aliases]})
         for job, (target,) in targets.items():
