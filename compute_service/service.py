@@ -107,6 +107,8 @@ class ComputeService:
         if stage is not None:  # int4 staging may reclaim slots of open blocks no sequence holds any more
             stage.block_free = self._block_free
         self._gc_freezes = 2 if self.device.type == "cuda" else 0
+        if self.device.type == "cuda":  # page-locking a large host tier takes seconds: now, not in a step
+            self._host_tier()
         warm_logits(self)
 
     # ---- what the gateway asks once ----------------------------------------------------------------
@@ -179,6 +181,8 @@ class ComputeService:
         self.compression_monitor = CompressionMonitor().attach(self.runner.layer_hooks)
         if self.error_probe is not None:  # the new layers are measured as the old ones were
             attach_error_probe(self.error_probe, self.runner.layer_hooks)
+        if self.device.type == "cuda":
+            self._host_tier()
         return self.info()
 
     def _block_free(self, block: int) -> bool:

@@ -6,7 +6,10 @@ maps the host segment once per pool (PoolHandle.host_tier, a layout of the pool'
 of one kind with distinct destinations are batched into one gather and one scatter per tensor
 (per layer: K and V, and their scales for int8/int4), since per-block copies are launch-bound.
 
-On a GPU nothing here waits for the device (async scheduling keeps the host a step ahead):
+On a GPU whose host segment is page-locked, a kernel moves the rows in place over the link
+(kernels/triton_tier_copy.py): one launch per tensor and direction, ordered on the step's stream
+before the forward pass, with no host work; a write-back's slots are settled once the step's event
+has completed (``flush`` waits for it). Where the segment could not be page-locked the host does it:
   * a load gathers its slots on the host into a pinned bounce buffer, then one non-blocking copy
     per tensor goes up and a scatter puts the blocks in place, all queued before the forward pass;
   * a write-back (save) gathers its blocks on the device into a buffer, copies it non-blocking into
@@ -46,6 +49,9 @@ class HostTier:
             if int(rc) == 0:  # page-locked: non-blocking copies from and to it
                 self._registered = buf
         self.buffer = buf
+        # the device reaches the segment in place (unified addressing) only if it is page-locked
+        self.device_access = device is not None and device.type == "cuda" and (
+            self._registered is not None or buf.is_pinned())
         l2 = dataclasses.replace(layout, num_blocks=self.num_slots, device="cpu", rank_kv_heads=[], rank_devices=[])
         self.caches = carve_layer_caches(l2, buf)
         self._pending: list[tuple[torch.cuda.Event, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = []
@@ -97,6 +103,9 @@ def run_copies(copies: Sequence[tuple[int, int, int]], l1: list[LayerKV], l2: Ho
                                         f"slot in [0, {l2.num_slots})")
     device = l1[0].k.device
     cuda = device.type == "cuda"
+    if cuda and l2.device_access:
+        _run_on_device(copies, l1, l2, device)
+        return
     for kind, blocks, slots in _runs(copies):
         b = torch.tensor(blocks, dtype=torch.long).to(device, non_blocking=True)
         s = torch.tensor(slots, dtype=torch.long)
@@ -123,4 +132,26 @@ def run_copies(copies: Sequence[tuple[int, int, int]], l1: list[LayerKV], l2: Ho
             event = torch.cuda.Event()
             event.record()
             l2._pending.append((event, scatters, s))
+            l2._pending_slots.update(slots)
+
+
+def _run_on_device(copies: Sequence[tuple[int, int, int]], l1: list[LayerKV], l2: HostTier,
+                   device: torch.device) -> None:
+    """The copies as kernels reading or writing the page-locked host rows in place, in order."""
+    from nanokv.kernels.triton_tier_copy import copy_rows
+
+    for kind, blocks, slots in _runs(copies):
+        b = torch.tensor(blocks, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+        s = torch.tensor(slots, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+        for dev, host in zip(l1, l2.caches):
+            for name in dev.block_fields:
+                d, h = getattr(dev, name), getattr(host, name)
+                if kind == COPY_SAVE:
+                    copy_rows(d, h, b, s)
+                else:
+                    copy_rows(h, d, s, b)
+        if kind == COPY_SAVE:  # the slots are settled when this event has completed (flush)
+            event = torch.cuda.Event()
+            event.record()
+            l2._pending.append((event, [], s))
             l2._pending_slots.update(slots)

@@ -31,7 +31,7 @@ def bandwidth(model: str, blocks: int, block_size: int = 16) -> dict[str, float]
     from nanokv.compute_service.model.config import ModelConfig
     from nanokv.compute_service.runner.tier_copies import HostTier, run_copies
     from nanokv.kv.segment import carve_layer_caches, pool_nbytes
-    from nanokv.messages import COPY_LOAD, PoolHandle, PoolLayout
+    from nanokv.messages import COPY_LOAD, COPY_SAVE, PoolHandle, PoolLayout
 
     mc = ModelConfig.preset(model.removeprefix("random:"))
     dev = torch.device("cuda")
@@ -39,20 +39,35 @@ def bandwidth(model: str, blocks: int, block_size: int = 16) -> dict[str, float]
                         "bfloat16", 0, "cuda")
     l1 = carve_layer_caches(layout, torch.zeros(pool_nbytes(layout), dtype=torch.uint8, device=dev))
     host = dict(layout.__dict__, device="cpu")
-    hbuf = torch.ones(pool_nbytes(PoolLayout(**host)), dtype=torch.uint8)
+    hbuf = torch.randint(0, 256, (pool_nbytes(PoolLayout(**host)),), dtype=torch.uint8)
     handle = PoolHandle("local", 0, 1, buffer=None, host_tier=PoolHandle("local", hbuf.numel(), 1, buffer=hbuf),
                         host_tier_blocks=blocks)
     l2 = HostTier(handle, layout, dev)
     copies = [(COPY_LOAD, b, (b * 7) % blocks) for b in range(blocks)]  # scattered slots, like a real hit
+    saves = [(COPY_SAVE, (b * 5) % blocks, b) for b in range(blocks)]
     nbytes = hbuf.numel()
-    run_copies(copies, l1, l2, blocks)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
     reps = 5
-    for _ in range(reps):
-        run_copies(copies, l1, l2, blocks)
-    torch.cuda.synchronize()
-    tier_s = (time.perf_counter() - t0) / reps
+
+    def timed(batch: list[tuple[int, int, int]]) -> float:
+        run_copies(batch, l1, l2, blocks)
+        l2.flush()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            run_copies(batch, l1, l2, blocks)
+        l2.flush()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps
+
+    tier_s = timed(copies)
+    # the loads put slot (b*7)%n into block b: check every tensor's bytes before timing the saves
+    src = torch.tensor([(b * 7) % blocks for b in range(blocks)])
+    exact = all(torch.equal(getattr(d, f).view(torch.uint8).cpu(), getattr(h, f)[src].view(torch.uint8))
+                for d, h in zip(l1, l2.caches) for f in d.block_fields)
+    save_s = timed(saves)
+    back = torch.tensor([(b * 5) % blocks for b in range(blocks)])
+    exact = exact and all(torch.equal(getattr(h, f).view(torch.uint8), getattr(d, f)[back].view(torch.uint8).cpu())
+                          for d, h in zip(l1, l2.caches) for f in d.block_fields)
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     dst.copy_(pinned, non_blocking=True)
@@ -62,9 +77,11 @@ def bandwidth(model: str, blocks: int, block_size: int = 16) -> dict[str, float]
         dst.copy_(pinned, non_blocking=True)
     torch.cuda.synchronize()
     pinned_s = (time.perf_counter() - t0) / reps
+    device_access = l2.device_access
     l2.close()
     out = {"blocks": blocks, "bytes": nbytes, "onload_GBps": nbytes / tier_s / 1e9,
-           "pinned_h2d_GBps": nbytes / pinned_s / 1e9}
+           "writeback_GBps": nbytes / save_s / 1e9, "pinned_h2d_GBps": nbytes / pinned_s / 1e9,
+           "bytes_exact": exact, "in_place_kernel": device_access}
     out["onload_vs_pinned"] = out["onload_GBps"] / out["pinned_h2d_GBps"]
     return out
 
