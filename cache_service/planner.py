@@ -117,6 +117,9 @@ class Planner:
                 tokens = st.token_ids[:num_tokens]
                 prefix = cm.match_prefix(tokens, st.cache_salt)
                 lower = self.tiers.begin(prefix) if self.tiers is not None else None
+                if lower is not None and self.tiers is not None and self.tiers.loading:
+                    self._cancel(lower)  # its disk hits are being read: it waits, the others go on
+                    continue
                 hit = prefix.num_tokens + (self.tiers.hit_blocks(lower) * cm.block_size
                                            if self.tiers is not None and lower is not None else 0)
                 n = num_tokens - hit

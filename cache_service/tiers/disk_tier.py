@@ -12,6 +12,12 @@ Writes and deletions run on a writer thread, never in a plan: a plan copies the 
 of its slot (a memcpy) and queues them; until the file is on disk a hit is served from that copy.
 A full queue (the disk slower than the evictions) drops the block instead of waiting; a write that
 fails is reported back and the tier forgets the block at the next plan (``drain``).
+
+Reads run on a reader thread too: a hit asks for its blocks (``prefetch``: the file read, its
+checksum checked, the payload written into a staging slot the caller reserved) and its sequence
+waits, out of the batch, while the others keep running; a later plan finds the blocks ``READY``
+(or ``FAILED``: the chain ends there and the rest is computed). Only the plan's thread changes the
+tier's index.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 
 from nanokv.cache_service.tiers.disk_store import DiskStore
 from nanokv.cache_service.tiers.formats import TierFormat
@@ -27,6 +34,7 @@ from nanokv.errors import ConfigError
 
 log = logging.getLogger("nanokv.cache_service.tiers")
 L3 = "L3"
+PENDING, READY, FAILED = 0, 1, 2  # a prefetch's state
 
 
 class DiskTier:
@@ -47,6 +55,10 @@ class DiskTier:
         self._q: queue.Queue[tuple[str, bytes, bytes] | None] = queue.Queue(maxsize=max_queue)
         self._writer = threading.Thread(target=self._write_loop, name="nanokv-disk-tier", daemon=True)
         self._writer.start()
+        self._reads: dict[bytes, int] = {}  # prefetched block -> PENDING / READY / FAILED
+        self._rq: queue.Queue[tuple[bytes, int, Callable[[int, bytes], None]] | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read_loop, name="nanokv-disk-tier-reader", daemon=True)
+        self._reader.start()
         kept = 0
         for e in store.entries():  # least recently used first
             if e.payload_bytes != payload_bytes:
@@ -97,6 +109,54 @@ class DiskTier:
             return None
         return data
 
+    def prefetch(self, block_hash: bytes, slot: int, sink: Callable[[int, bytes], None]) -> None:
+        """Read the block on the reader thread into `slot` (sink(slot, payload)); ``state`` says when."""
+        with self._lock:
+            self._reads[block_hash] = PENDING
+        self._rq.put((block_hash, slot, sink))
+
+    def state(self, block_hash: bytes) -> int | None:
+        with self._lock:
+            return self._reads.get(block_hash)
+
+    def settle(self, block_hash: bytes) -> bool:
+        """The plan takes a prefetch's outcome: True if its payload is in its slot; a failed read
+        drops the block from the tier (its file was gone, corrupt or cut short)."""
+        with self._lock:
+            st = self._reads.pop(block_hash, None)
+        if st == READY:
+            return True
+        self.read_failed += 1
+        self.tier.discard(block_hash)
+        self.remove(block_hash)
+        return False
+
+    def drop_read(self, block_hash: bytes) -> None:
+        """A prefetch nobody took (its sequence left, or the block left the tier): forget it."""
+        with self._lock:
+            self._reads.pop(block_hash, None)
+
+    def _read_loop(self) -> None:
+        while True:
+            job = self._rq.get()
+            if job is None:
+                return
+            h, slot, sink = job
+            with self._lock:
+                data = self._pending.get(h)
+            if data is None:
+                data = self.store.get(h)
+            ok = data is not None and len(data) == self.payload_bytes
+            if ok and data is not None:
+                try:
+                    sink(slot, data)
+                except Exception:  # noqa: BLE001 - reported as a failed read, never lost silently
+                    log.exception("disk tier (L3): staging a read of %s failed", h.hex()[:16])
+                    ok = False
+            with self._lock:
+                if h in self._reads:
+                    self._reads[h] = READY if ok else FAILED
+
     def remove(self, block_hash: bytes) -> None:
         """The tier evicted or dropped the block: its file goes (after any queued write of it)."""
         with self._lock:
@@ -127,4 +187,6 @@ class DiskTier:
     def close(self) -> None:
         """Finish the queued writes (a clean shutdown keeps every block it admitted), stop the writer."""
         self._q.put(None)
+        self._rq.put(None)
         self._writer.join(timeout=60)
+        self._reader.join(timeout=10)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from nanokv.cache_service.manager import KVCacheManager
-from nanokv.cache_service.tiers.disk_tier import DiskTier
+from nanokv.cache_service.tiers.disk_tier import PENDING, DiskTier
 from nanokv.cache_service.tiers.formats import TierFormat
 from nanokv.cache_service.tiers.hierarchy import L1, LowerMatch, TieredCache
 from nanokv.cache_service.tiers.lower_tier import LowerTier
@@ -85,6 +85,9 @@ class ServingTiers:
         self.copies: list[tuple[int, int, int]] = []
         self.staging = list(range(slots, slots + staging))  # free staging slots
         self._staged: dict[bytes, int] = {}  # this admission's disk hits -> their staging slot
+        self._prefetch: dict[bytes, tuple[int, int]] = {}  # disk hits being read -> (staging slot, plan)
+        self.loading = False  # the admission `begin` just matched waits for disk reads (not admitted yet)
+        self.prefetch_waits = 0  # admissions deferred while their disk hits were read
         self._touched: dict[int, int] = {}  # host slot -> the last plan whose copies touch it
         self.plan_no = 0  # this plan's number (begin_plan)
         self.copies_done = 0  # the last plan whose copies a finished step ran (the gateway says)
@@ -97,6 +100,18 @@ class ServingTiers:
         self.copies_done = max(self.copies_done, copies_done)
         if self.disk is not None:
             self.disk.drain()
+            self._expire_prefetches()
+
+    def _expire_prefetches(self, after: int = 64) -> None:
+        """Reads nobody took within `after` plans (the sequence left, or the block left L3): their
+        staging slots go back."""
+        assert self.disk is not None  # (the caller checked)
+        for h, (slot, plan) in list(self._prefetch.items()):
+            if self.plan_no - plan > after and self.disk.state(h) != PENDING:
+                self.disk.drop_read(h)
+                del self._prefetch[h]
+                self._touch(slot)
+                self.staging.append(slot)
 
     def settled(self, slot: int) -> bool:
         return self._touched.get(slot, 0) <= self.copies_done
@@ -129,9 +144,14 @@ class ServingTiers:
     def begin(self, prefix: PrefixMatch) -> LowerMatch:
         """The chain past L1's hit that L2 holds, pinned until `land` or `cancel`."""
         lm = self.cache.match_lower(prefix)
+        self.loading = False
         if self.disk is not None:
-            self._stage_disk_hits(lm)
+            self.loading = self._stage_disk_hits(lm)
         self._remote_run = []
+        if self.loading:  # the caller cancels this admission and tries again at a later plan
+            self.prefetch_waits += 1
+            self.cache.begin_load(lm)
+            return lm
         if self.remote is not None and len(lm.sources) == self._chain_room(lm, prefix):
             pass  # the replica's own tiers reach the cap: nothing to ask the shared tier for
         elif self.remote is not None:
@@ -163,25 +183,41 @@ class ServingTiers:
         """Blocks past L1's hit this admission loads: from the replica's tiers, then the shared one."""
         return lm.num_blocks + len(self._remote_run)
 
-    def _stage_disk_hits(self, lm: LowerMatch) -> None:
-        """Read each disk hit into a settled staging slot; the chain ends at the first that cannot
-        be had (no slot, a bad or missing file): the rest of the prompt is computed."""
+    def _stage_disk_hits(self, lm: LowerMatch) -> bool:
+        """The disk hits' payloads into settled staging slots, read on the disk tier's reader thread.
+        Returns True while some are still being read (the admission waits); once all are in, they
+        are this admission's staged blocks. The chain ends at the first block that cannot be had
+        (no staging slot, a bad or missing file): the rest of the prompt is computed."""
         assert self.disk is not None and self.host is not None  # (the caller checked)
-        for i, (h, lvl) in enumerate(zip(lm.block_hashes[lm.start:], lm.sources)):
-            if lvl != 2:
+        disk, host = self.disk, self.host
+        hits = [(i, h) for i, (h, lvl) in enumerate(zip(lm.block_hashes[lm.start:], lm.sources)) if lvl == 2]
+        waiting = False
+        for i, h in hits:
+            if h in self._prefetch:
+                waiting = waiting or disk.state(h) == PENDING
                 continue
             slot = next((s for s in self.staging if self.settled(s)), None)
             if slot is None:
                 self.staging_misses += 1
                 del lm.sources[i:]
-                return
-            data = self.disk.read(h)
-            if data is None:
-                del lm.sources[i:]
-                return
+                break
             self.staging.remove(slot)
-            self.host.write(slot, data)
+            self._prefetch[h] = (slot, self.plan_no)
+            disk.prefetch(h, slot, host.write)
+            waiting = True
+        if waiting:
+            return True
+        for i, h in hits:
+            if i >= len(lm.sources):
+                break
+            slot, _ = self._prefetch.pop(h)
+            if not disk.settle(h):  # gone, corrupt or cut short: the chain ends here
+                self._touch(slot)
+                self.staging.append(slot)
+                del lm.sources[i:]
+                break
             self._staged[h] = slot
+        return False
 
     def land(self, lm: LowerMatch, table: list[int]) -> int:
         """The sequence got its blocks (`table`, L1's hit first): log a load per block into its
@@ -263,6 +299,7 @@ class ServingTiers:
                 "disk_tier_read_failed_total": self.disk.read_failed,
                 "disk_tier_unsettled_drops_total": self.unsettled_drops,
                 "disk_tier_queue_full_total": self.disk.queue_full,
-                "disk_tier_staging_misses_total": self.staging_misses}
+                "disk_tier_staging_misses_total": self.staging_misses,
+                "disk_tier_prefetch_waits_total": self.prefetch_waits}
 
 __all__ = ["L1", "L2", "ServingTiers", "SlotBytes", "TierCounters"]
