@@ -2,7 +2,16 @@
 
 Names follow vLLM's KV-events schema where they fit: BlockStored (block hashes, the parent of the
 first, token count, medium), BlockRemoved (block hashes, medium), AllBlocksCleared. ``medium`` is
-the tier ("L1" the device pool; lower tiers publish under their own names).
+the tier, in vLLM's values: "GPU" for the engine's own pool (L1; vLLM says GPU for it whatever the
+device, and so do we, on a CPU build too), "CPU" for the host tier (L2, what vLLM's CPU offloading
+publishes), "DISK" for L3 and "REMOTE" for the shared tier on Valkey. A router written for vLLM's
+events (per-medium weights keyed "GPU"/"CPU") reads ours unchanged. A move between tiers is a
+BlockStored in the lower tier followed by a BlockRemoved in the upper one (vLLM has no move event);
+a block dropped from the lowest tier is a BlockRemoved there.
+
+The shared tier is written by every replica and evicts by TTL and memory on a server none of them
+watches, so its entries here say "this cache put it there" and are kept for the last
+``remote_capacity`` puts only (an older one is published as removed: the router forgets it too).
 
 The log is a bounded ring of events with sequence numbers 1, 2, 3, ... (per log: ``stream_id``
 names the incarnation, so a subscriber of a restarted cache never mixes two numberings). Beside it
@@ -20,8 +29,13 @@ from collections import deque
 from dataclasses import dataclass
 
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
-L1 = "L1"
+GPU, CPU, DISK, REMOTE = "GPU", "CPU", "DISK", "REMOTE"
+L1 = GPU  # the device pool's medium
+# the hierarchy's level names (tiers/hierarchy.py, /metrics) -> the medium their events carry
+MEDIUM_OF_LEVEL = {"L1": GPU, "L2": CPU, "L3": DISK, "remote": REMOTE}
+SHARED_MEDIA = (REMOTE,)  # reachable by every replica sharing the server: no affinity to this one
 DEFAULT_CAPACITY = 65536
+RECENT_PARENTS = 4096  # parents of just-removed blocks: a block moving down is removed above first
 
 
 @dataclass(frozen=True)
@@ -45,28 +59,56 @@ class Catchup:
 
 
 class KVEventLog:
-    def __init__(self, capacity: int = DEFAULT_CAPACITY, block_size: int = 0, hash_algo: str = "sha256"):
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, block_size: int = 0, hash_algo: str = "sha256",
+                 remote_capacity: int = DEFAULT_CAPACITY):
         if capacity < 1:
             raise ValueError(f"capacity: got {capacity}; must be >= 1")
+        if remote_capacity < 1:
+            raise ValueError(f"remote_capacity: got {remote_capacity}; must be >= 1")
+        self.remote_capacity = remote_capacity
         self.stream_id = uuid.uuid4().hex
         self.block_size = block_size
         self.hash_algo = hash_algo
         self._ring: deque[KVEvent] = deque(maxlen=capacity)
         self._cached: dict[str, dict[bytes, bytes]] = {}  # medium -> {hash: parent}
+        self._recent: dict[bytes, bytes] = {}  # hash -> parent of blocks just removed (oldest first)
         self._seq = 0
         self._cond = threading.Condition()
 
     # ---- publishing (the cache manager, under the cache service's lock) ----------------------------
-    def stored(self, block_hash: bytes, parent: bytes, token_count: int, medium: str = L1) -> None:
+    def stored(self, block_hash: bytes, parent: bytes | None, token_count: int, medium: str = L1) -> None:
+        """``parent`` None: the caller does not know it (a lower tier, which keys blocks by hash only);
+        the log takes it from the block's copy in another medium or its recent removal there."""
         with self._cond:
-            self._cached.setdefault(medium, {})[block_hash] = parent
+            if parent is None:
+                parent = self._parent_of(block_hash)
+            blocks = self._cached.setdefault(medium, {})
+            if medium == REMOTE:
+                blocks.pop(block_hash, None)  # a put again is the newest
+                if len(blocks) >= self.remote_capacity:
+                    old = next(iter(blocks))
+                    del blocks[old]
+                    self._append(REMOVED, (old,), b"", 0, medium)
+            blocks[block_hash] = parent
             self._append(STORED, (block_hash,), parent, token_count, medium)
 
     def removed(self, block_hash: bytes, medium: str = L1) -> None:
         with self._cond:
-            if self._cached.get(medium, {}).pop(block_hash, None) is None:
+            parent = self._cached.get(medium, {}).pop(block_hash, None)
+            if parent is None:
                 return  # never published (e.g. a block cached before the log was attached)
+            recent = self._recent
+            recent[block_hash] = parent
+            if len(recent) > RECENT_PARENTS:
+                del recent[next(iter(recent))]
             self._append(REMOVED, (block_hash,), b"", 0, medium)
+
+    def _parent_of(self, block_hash: bytes) -> bytes:
+        for blocks in self._cached.values():
+            p = blocks.get(block_hash)
+            if p is not None:
+                return p
+        return self._recent.get(block_hash, b"")  # b"": unknown (a disk block indexed at start-up)
 
     def cleared(self, medium: str = "") -> None:
         """Every block of ``medium`` is gone ("" = of every medium: a new pool, a reset)."""
@@ -75,6 +117,7 @@ class KVEventLog:
                 self._cached.pop(medium, None)
             else:
                 self._cached.clear()
+                self._recent.clear()
             self._append(CLEARED, (), b"", 0, medium)
 
     def _append(self, kind: str, hashes: tuple[bytes, ...], parent: bytes, tokens: int, medium: str) -> None:

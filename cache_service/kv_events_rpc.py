@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from nanokv.cache_service.kv_events import CLEARED, STORED, Catchup, KVEvent, KVEventLog
+from nanokv.cache_service.kv_events import CLEARED, SHARED_MEDIA, STORED, Catchup, KVEvent, KVEventLog
 from nanokv.protos import kv_events_pb2 as pb
 
 BATCH_EVENTS = 2048  # per message: a snapshot of many blocks stays well under gRPC's 4 MiB limit
@@ -28,7 +28,7 @@ def catchup_to_pb(log: KVEventLog, c: Catchup) -> Iterator[pb.KvEventBatch]:
         part = c.events[i:i + BATCH_EVENTS]
         last = part[-1].seq if part and not c.snapshot else c.last_seq
         yield pb.KvEventBatch(stream_id=c.stream_id, snapshot=c.snapshot and i == 0, last_seq=last, ts=time.time(),
-                              block_size=log.block_size, hash_algo=log.hash_algo,
+                              block_size=log.block_size, hash_algo=log.hash_algo, shared_media=SHARED_MEDIA,
                               events=[event_to_pb(e) for e in part])
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnanokv/protos/kv_events.proto\x12\x10nanokv.events.v1\"8\n\x10SubscribeRequest\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"c\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\x12\x13\n\x0btoken_count\x18\x03 \x01(\x05\x12\x0e\n\x06medium\x18\x04 \x01(\t\"4\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x0e\n\x06medium\x18\x02 \x01(\t\"\"\n\x10\x41llBlocksCleared\x12\x0e\n\x06medium\x18\x01 \x01(\t\"\xba\x01\n\x07KvEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12/\n\x06stored\x18\x02 \x01(\x0b\x32\x1d.nanokv.events.v1.BlockStoredH\x00\x12\x31\n\x07removed\x18\x03 \x01(\x0b\x32\x1e.nanokv.events.v1.BlockRemovedH\x00\x12\x35\n\x07\x63leared\x18\x04 \x01(\x0b\x32\".nanokv.events.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\xa3\x01\n\x0cKvEventBatch\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x10\n\x08last_seq\x18\x03 \x01(\x03\x12\n\n\x02ts\x18\x04 \x01(\x01\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12)\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x19.nanokv.events.v1.KvEvent\x12\x11\n\thash_algo\x18\x07 \x01(\t\"\x14\n\x12RoutingInfoRequest\"\xb3\x01\n\x0bRoutingInfo\x12\x12\n\nblock_size\x18\x01 \x01(\x05\x12J\n\x0ftokenizer_files\x18\x02 \x03(\x0b\x32\x31.nanokv.events.v1.RoutingInfo.TokenizerFilesEntry\x12\r\n\x05model\x18\x03 \x01(\t\x1a\x35\n\x13TokenizerFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\x32\xb4\x01\n\x08KvEvents\x12Q\n\tSubscribe\x12\".nanokv.events.v1.SubscribeRequest\x1a\x1e.nanokv.events.v1.KvEventBatch0\x01\x12U\n\x0eGetRoutingInfo\x12$.nanokv.events.v1.RoutingInfoRequest\x1a\x1d.nanokv.events.v1.RoutingInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnanokv/protos/kv_events.proto\x12\x10nanokv.events.v1\"8\n\x10SubscribeRequest\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"c\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x0c\x12\x13\n\x0btoken_count\x18\x03 \x01(\x05\x12\x0e\n\x06medium\x18\x04 \x01(\t\"4\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x0e\n\x06medium\x18\x02 \x01(\t\"\"\n\x10\x41llBlocksCleared\x12\x0e\n\x06medium\x18\x01 \x01(\t\"\xba\x01\n\x07KvEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12/\n\x06stored\x18\x02 \x01(\x0b\x32\x1d.nanokv.events.v1.BlockStoredH\x00\x12\x31\n\x07removed\x18\x03 \x01(\x0b\x32\x1e.nanokv.events.v1.BlockRemovedH\x00\x12\x35\n\x07\x63leared\x18\x04 \x01(\x0b\x32\".nanokv.events.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\xb9\x01\n\x0cKvEventBatch\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x10\n\x08last_seq\x18\x03 \x01(\x03\x12\n\n\x02ts\x18\x04 \x01(\x01\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12)\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x19.nanokv.events.v1.KvEvent\x12\x11\n\thash_algo\x18\x07 \x01(\t\x12\x14\n\x0cshared_media\x18\x14 \x03(\t\"\x14\n\x12RoutingInfoRequest\"\xb3\x01\n\x0bRoutingInfo\x12\x12\n\nblock_size\x18\x01 \x01(\x05\x12J\n\x0ftokenizer_files\x18\x02 \x03(\x0b\x32\x31.nanokv.events.v1.RoutingInfo.TokenizerFilesEntry\x12\r\n\x05model\x18\x03 \x01(\t\x1a\x35\n\x13TokenizerFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\x32\xb4\x01\n\x08KvEvents\x12Q\n\tSubscribe\x12\".nanokv.events.v1.SubscribeRequest\x1a\x1e.nanokv.events.v1.KvEventBatch0\x01\x12U\n\x0eGetRoutingInfo\x12$.nanokv.events.v1.RoutingInfoRequest\x1a\x1d.nanokv.events.v1.RoutingInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,13 +44,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVEVENT']._serialized_start=301
   _globals['_KVEVENT']._serialized_end=487
   _globals['_KVEVENTBATCH']._serialized_start=490
-  _globals['_KVEVENTBATCH']._serialized_end=653
-  _globals['_ROUTINGINFOREQUEST']._serialized_start=655
-  _globals['_ROUTINGINFOREQUEST']._serialized_end=675
-  _globals['_ROUTINGINFO']._serialized_start=678
-  _globals['_ROUTINGINFO']._serialized_end=857
-  _globals['_ROUTINGINFO_TOKENIZERFILESENTRY']._serialized_start=804
-  _globals['_ROUTINGINFO_TOKENIZERFILESENTRY']._serialized_end=857
-  _globals['_KVEVENTS']._serialized_start=860
-  _globals['_KVEVENTS']._serialized_end=1040
+  _globals['_KVEVENTBATCH']._serialized_end=675
+  _globals['_ROUTINGINFOREQUEST']._serialized_start=677
+  _globals['_ROUTINGINFOREQUEST']._serialized_end=697
+  _globals['_ROUTINGINFO']._serialized_start=700
+  _globals['_ROUTINGINFO']._serialized_end=879
+  _globals['_ROUTINGINFO_TOKENIZERFILESENTRY']._serialized_start=826
+  _globals['_ROUTINGINFO_TOKENIZERFILESENTRY']._serialized_end=879
+  _globals['_KVEVENTS']._serialized_start=882
+  _globals['_KVEVENTS']._serialized_end=1062
 # @@protoc_insertion_point(module_scope)

@@ -53,7 +53,7 @@ class KvEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
-    __slots__ = ("stream_id", "snapshot", "last_seq", "ts", "block_size", "events", "hash_algo")
+    __slots__ = ("stream_id", "snapshot", "last_seq", "ts", "block_size", "events", "hash_algo", "shared_media")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class KvEventBatch(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEDIA_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     snapshot: bool
     last_seq: int
@@ -68,7 +69,8 @@ class KvEventBatch(_message.Message):
     block_size: int
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
     hash_algo: str
-    def __init__(self, stream_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., last_seq: _Optional[int] = ..., ts: _Optional[float] = ..., block_size: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., hash_algo: _Optional[str] = ...) -> None: ...
+    shared_media: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, stream_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., last_seq: _Optional[int] = ..., ts: _Optional[float] = ..., block_size: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., hash_algo: _Optional[str] = ..., shared_media: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RoutingInfoRequest(_message.Message):
     __slots__ = ()

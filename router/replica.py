@@ -13,8 +13,13 @@ import grpc
 from nanokv.errors import NanoKVError
 from nanokv.protos import kv_events_pb2 as pb
 
-# a block found only in a lower tier is worth less than one in the device pool: it must be loaded
-TIER_WEIGHT = {"L1": 1.0, "L2": 0.5, "L3": 0.25}
+# a block's worth by the medium that holds it (the events' vLLM values; cache_service/kv_events.py):
+# the share of its prefill a hit there saves. The device pool's costs nothing to use; a host block
+# must be copied up (tens of GB/s), a disk block read first, a shared-tier block fetched over the
+# network. L1/L2/L3: what replicas of an older build name the same tiers.
+TIER_WEIGHT = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "REMOTE": 0.3, "L1": 1.0, "L2": 0.8, "L3": 0.5}
+DEFAULT_MEDIUM = "GPU"  # an event without one (vLLM's None)
+UNKNOWN_WEIGHT = 0.1  # a medium this router does not know
 ROUTED_TTL_S = 2.0
 ROUTED_MAX = 50_000  # past it, expired entries are dropped on the next insert
 
@@ -82,6 +87,7 @@ class Replica:
     last_seq: int = 0
     hash_algo: str = "sha256"
     block_size: int = 0
+    shared_media: frozenset[str] = frozenset()  # media every replica can load from (the shared tier)
     events_seen: int = 0
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set while unhealthy: its streams end
     failures: int = 0  # checks failed in a row
@@ -115,13 +121,15 @@ class Replica:
             self.block_size = batch.block_size
         if batch.hash_algo:
             self.hash_algo = batch.hash_algo
+        if batch.shared_media:
+            self.shared_media = frozenset(batch.shared_media)
         blocks = self.blocks
         for e in batch.events:
             kind = e.WhichOneof("event")
             if kind == "stored":
-                blocks.setdefault(e.stored.medium or "L1", set()).update(e.stored.block_hashes)
+                blocks.setdefault(e.stored.medium or DEFAULT_MEDIUM, set()).update(e.stored.block_hashes)
             elif kind == "removed":
-                s = blocks.get(e.removed.medium or "L1")
+                s = blocks.get(e.removed.medium or DEFAULT_MEDIUM)
                 if s is not None:
                     s.difference_update(e.removed.block_hashes)
             elif kind == "cleared":
@@ -145,16 +153,27 @@ class Replica:
     def num_blocks_indexed(self) -> int:
         return sum(len(s) for s in self.blocks.values())
 
-    def cached_prefix(self, hashes: Sequence[bytes]) -> tuple[int, float]:
-        """(blocks of the longest cached prefix, their worth weighted by tier): a walk of set probes."""
-        tiers = [(TIER_WEIGHT.get(m, 0.1), s) for m, s in self.blocks.items() if s]
+    def shared_sets(self) -> list[set[bytes]]:
+        """The blocks this replica put in a shared tier: every replica sharing it can load them."""
+        return [s for m, s in self.blocks.items() if m in self.shared_media and s]
+
+    def cached_prefix(self, hashes: Sequence[bytes], shared: Sequence[set[bytes]] = ()) -> tuple[int, float]:
+        """(blocks of the longest cached prefix, their worth weighted by tier): a walk of set probes.
+        ``shared``: the shared tier's blocks as every replica published them; one found only there
+        counts the same on every replica (it continues the walk, and attracts nothing here)."""
+        own = self.shared_media
+        tiers = [(TIER_WEIGHT.get(m, UNKNOWN_WEIGHT), s) for m, s in self.blocks.items() if s and m not in own]
         tiers.sort(key=lambda t: -t[0])
+        shared_w = TIER_WEIGHT["REMOTE"]
         n, worth, now, routed = 0, 0.0, time.monotonic(), self.routed
         for h in hashes:
             w = next((w for w, s in tiers if h in s), None)
             if w is None:
-                if routed.get(h, 0.0) < now:
+                if routed.get(h, 0.0) >= now:
+                    w = 1.0
+                elif any(h in s for s in shared):
+                    w = shared_w
+                else:
                     break
-                w = 1.0
             n, worth = n + 1, worth + w
         return n, worth

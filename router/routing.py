@@ -1,11 +1,12 @@
 """Which replica a request goes to.
 
 kv: each healthy replica's cost is the prefill it would do, in blocks (the prompt's full blocks minus
-its longest cached prefix there, tier-weighted), plus ``load_weight`` blocks per sequence it is
-running or holding in its queue: what this router has in flight there (exact, at once) plus what the
-last GetServerInfo showed beyond that (other routers' and clients'). Lowest cost wins; ties go
-round-robin; when the winner's load exceeds the least loaded's by more than the mean load, the least
-loaded take the request. round_robin: the healthy replicas in turn.
+its longest cached prefix there, each block weighted by the tier holding it: replica.TIER_WEIGHT; a
+block only in the shared tier counts alike on every replica, since each can load it), plus
+``load_weight`` blocks per sequence it is running or holding in its queue: what this router has in
+flight there (exact, at once) plus what the last GetServerInfo showed beyond that (other routers' and
+clients'). Lowest cost wins; ties go round-robin; when the winner's load exceeds the least loaded's
+by more than the mean load, the least loaded take the request. round_robin: the healthy replicas in turn.
 The prompt's block hashes are the cache service's own (cache_service/hashing.py), salted with the
 tenant exactly as the gateway salts them, so a tenant's prefixes attract only that tenant's requests.
 """
@@ -57,6 +58,8 @@ class Router:
         if self.policy == "round_robin" or not token_ids:
             return Choice(rotated, 0, n_tokens)
         hashes: dict[tuple[int, str], list[bytes]] = {}
+        # the shared tier's blocks, whichever replica put them there: the same credit for every replica
+        shared = [s for rep in reps for s in rep.shared_sets()]
         scored = []
         for i, rep in enumerate(rotated):
             bs = rep.block_size
@@ -68,7 +71,7 @@ class Router:
                     # at most the blocks a cache can hit: one token is always left to compute
                     hashes[key] = hash_full_blocks(token_ids, bs, salt, rep.hash_algo,
                                                    max_blocks=(n_tokens - 1) // bs)
-                hit, worth = rep.cached_prefix(hashes[key])
+                hit, worth = rep.cached_prefix(hashes[key], shared)
                 hit, full = hit * bs, n_tokens // bs
             load = rep.inflight + rep.others
             cost = (full - worth) + self.load_weight * load

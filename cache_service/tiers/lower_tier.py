@@ -15,6 +15,7 @@ Every operation is O(1) plus the policy's cost.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from nanokv.cache_service.policies import make_policy
@@ -46,6 +47,9 @@ class LowerTier:
         self.admitted = 0  # blocks written in
         self.evictions = 0  # policy victims
         self.discarded = 0  # copies removed without eviction (a load made L1 the only owner)
+        # on_resident(hash, resident): a block became resident (True) or left (False) by any path;
+        # the KV-event log publishes it (tiers/serving.py)
+        self.on_resident: Callable[[bytes, bool], None] | None = None
 
     # ---- queries ------------------------------------------------------------------------------
     def __contains__(self, block_hash: object) -> bool:
@@ -89,6 +93,8 @@ class LowerTier:
             self.num_evictable -= 1
             self.evictions += 1
             victim = (old, self._depth[s])
+            if self.on_resident is not None:
+                self.on_resident(old, False)
         else:
             return False, None
         self._slot[block_hash] = s
@@ -97,6 +103,8 @@ class LowerTier:
         self.num_evictable += 1
         self.admitted += 1
         self.policy.on_evictable(s, block_hash, depth)
+        if self.on_resident is not None:
+            self.on_resident(block_hash, True)
         return True, victim
 
     def touch(self, block_hash: bytes) -> None:
@@ -134,4 +142,6 @@ class LowerTier:
         self.num_evictable -= 1
         self._free.append(s)
         self.discarded += 1
+        if self.on_resident is not None:
+            self.on_resident(block_hash, False)
         return True

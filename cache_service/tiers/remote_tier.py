@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ class RemoteTier:
         self.payload_bytes = payload_bytes
         self.queue_full = 0  # victims not offered to the server: the writer was too far behind
         self.short_reads = 0  # values of the wrong size (another layout under the same fingerprint)
+        self.on_put: Callable[[bytes], None] | None = None  # a block the server took (the writer's thread)
         self._q: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(maxsize=max_queue)
         self._writer = threading.Thread(target=self._write_loop, name="nanokv-remote-tier", daemon=True)
         self._writer.start()
@@ -57,7 +59,8 @@ class RemoteTier:
             job = self._q.get()
             if job is None:
                 return
-            self.store.put(*job)
+            if self.store.put(*job) and self.on_put is not None:
+                self.on_put(job[0])
 
     def close(self) -> None:
         """Offer the queued writes, stop the writer, close the connection."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from nanokv.cache_service.kv_events import MEDIUM_OF_LEVEL, KVEventLog
 from nanokv.cache_service.manager import KVCacheManager
 from nanokv.cache_service.tiers.disk_tier import PENDING, DiskTier
 from nanokv.cache_service.tiers.formats import TierFormat
@@ -93,6 +94,28 @@ class ServingTiers:
         self.copies_done = 0  # the last plan whose copies a finished step ran (the gateway says)
         self.unsettled_drops = 0  # L2 victims dropped, not written down: their slot's bytes in flight
         self.staging_misses = 0  # disk hits recomputed for want of a settled staging slot
+        if manager.events is not None:
+            self._publish_to(manager.events)
+
+    def _publish_to(self, log: KVEventLog) -> None:
+        """The lower tiers' block events for a router (cache_service/kv_events.py): every block that
+        becomes resident in L2 or L3 or leaves it, by whatever path (a move down, a load that drops
+        its copy, a failed disk write, a reset), and each block the shared tier's server took. The
+        disk's blocks indexed at start-up are published first, so a snapshot holds them."""
+        bs = self.block_size
+        for tier in self.cache.tiers:
+            medium = MEDIUM_OF_LEVEL.get(tier.name, tier.name)
+            for h in tier.keys():
+                log.stored(h, None, bs, medium)
+
+            def resident(h: bytes, present: bool, m: str = medium) -> None:
+                if present:
+                    log.stored(h, None, bs, m)
+                else:
+                    log.removed(h, m)
+            tier.on_resident = resident
+        if self.remote is not None:
+            self.remote.on_put = lambda h: log.stored(h, None, bs, MEDIUM_OF_LEVEL[REMOTE])
 
     # ---- a plan's frame ------------------------------------------------------------------------
     def begin_plan(self, copies_done: int) -> None:

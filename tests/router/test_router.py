@@ -123,7 +123,7 @@ def test_event_stream_resumes_by_sequence_number(stack):
         assert not nxt.snapshot and nxt.events[0].seq == snap.last_seq + 1
         seqs = [e.seq for e in nxt.events]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
-        assert any(e.HasField("stored") and e.stored.medium == "L1" and len(e.stored.block_hashes[0]) == 32
+        assert any(e.HasField("stored") and e.stored.medium == "GPU" and len(e.stored.block_hashes[0]) == 32
                    for e in nxt.events)
         # another stream's numbering (as after a cache restart): a snapshot again
         assert first_batches(ev.SubscribeRequest(stream_id="not-this-one", after_seq=nxt.last_seq))[0].snapshot
