@@ -44,8 +44,10 @@ class CA:
         path.write_bytes(_pem(cert))
         return cls(folder, name, path, key, cert)
 
-    def issue(self, name: str, *, server: bool = True, client: bool = False, host: str = "127.0.0.1",
+    def issue(self, name: str, *, server: bool = True, client: bool = False, host: str | None = "127.0.0.1",
               dns: tuple[str, ...] = ("localhost",)) -> Pair:
+        """host: the IP address the certificate is valid for (None: names only, as a Service's pods
+        reached by address, whose clients check the name they expect instead)."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes
         from cryptography.hazmat.primitives.asymmetric import ec
@@ -58,7 +60,8 @@ class CA:
              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
              .add_extension(x509.ExtendedKeyUsage(usages), critical=False))
         if server:
-            sans = [x509.IPAddress(ipaddress.ip_address(host)), *(x509.DNSName(d) for d in dns)]
+            ips = [x509.IPAddress(ipaddress.ip_address(host))] if host else []
+            sans = [*ips, *(x509.DNSName(d) for d in dns)]
             b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         cert = b.sign(self._key, hashes.SHA256())
         pair = Pair(self.folder / f"{name}.pem", self.folder / f"{name}.key")

@@ -30,6 +30,9 @@ from tests.helpers_tls import CA, Pair
 from tests.router.helpers_router import MODEL, REPLICA_FLAGS, chat
 
 ROUTER_ONLY_KEY = "router-only-key"  # the router accepts it, the replica does not
+# the replica's certificate names it, not its address: the router dials 127.0.0.1 and checks this name
+# (--replica-ssl-server-name), as one behind --replicas-dns dials each pod's address
+REPLICA_NAME = "nanokv-replicas.test"
 PROMPT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
@@ -59,9 +62,16 @@ class Certs:
         chain = client.cert.read_bytes() if client else None
         return grpc.ssl_channel_credentials(self.ca.cert.read_bytes(), key, chain)
 
+    def to_replica(self, replica: Proc, client: Pair | None = None) -> grpc.Channel:
+        return grpc.secure_channel(replica.grpc_address, self.creds(client),
+                                   options=[("grpc.ssl_target_name_override", REPLICA_NAME)])
+
     def https(self, client: Pair | None = None) -> httpx.Client:
         cfg = ClientTLS(str(self.ca.cert), str(client.cert) if client else None, str(client.key) if client else None)
         return httpx.Client(verify=cfg.ssl_context(), timeout=120)
+
+
+SNI = {"sni_hostname": REPLICA_NAME}  # httpx: the name an https request to the replica checks
 
 
 def spawn(args: list[str], name: str) -> tuple[subprocess.Popen, Path]:
@@ -97,7 +107,7 @@ def start_replica(c: Certs) -> Proc:
     p = Proc(proc, f"https://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", log)
 
     def serving() -> bool:
-        with grpc.secure_channel(p.grpc_address, c.creds(c.router)) as ch:
+        with c.to_replica(p, c.router) as ch:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
         return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
     return wait_for(p, serving, "the TLS replica")
@@ -125,18 +135,18 @@ def start_router(c: Certs, replica: Proc, *tls_flags: str, public_tls: bool, rou
 def stack(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tls")
     ca = CA.create(folder / "ca")
-    c = Certs(ca, ca.issue("replica"), ca.issue("router", client=True),
+    c = Certs(ca, ca.issue("replica", host=None, dns=(REPLICA_NAME,)), ca.issue("router", client=True),
               CA.create(folder / "other", "other").issue("stranger", server=False, client=True))
     procs: list[Proc] = []
     try:
         replica = start_replica(c)
         procs.append(replica)
         client_cert = ["--replica-ssl-certfile", str(c.router.cert), "--replica-ssl-keyfile", str(c.router.key)]
-        good = start_router(c, replica, "--replica-ssl-ca-certs", str(ca.cert), *client_cert, public_tls=True,
-                            routing="kv", healthy=1)
+        good = start_router(c, replica, "--replica-ssl-ca-certs", str(ca.cert), *client_cert,
+                            "--replica-ssl-server-name", REPLICA_NAME, public_tls=True, routing="kv", healthy=1)
         procs.append(good)
-        nocert = start_router(c, replica, "--replica-ssl-ca-certs", str(ca.cert), public_tls=False,
-                              routing="round_robin", healthy=0)
+        nocert = start_router(c, replica, "--replica-ssl-ca-certs", str(ca.cert), "--replica-ssl-server-name",
+                              REPLICA_NAME, public_tls=False, routing="round_robin", healthy=0)
         procs.append(nocert)
         yield c, replica, good, nocert
     finally:
@@ -153,10 +163,10 @@ def test_key_files_are_owner_only(stack):
 def test_the_gateway_refuses_clients_without_its_cas_certificate(stack):
     c, replica, _, _ = stack
     req = pb.GetServerInfoRequest()
-    with grpc.secure_channel(replica.grpc_address, c.creds(c.router)) as ch:  # the right certificate
+    with c.to_replica(replica, c.router) as ch:  # the right certificate
         assert pb_grpc.GenerationStub(ch).GetServerInfo(req, metadata=auth(), timeout=10).kv_blocks_total == 64
-    for name, creds in (("no client certificate", c.creds()), ("another CA's", c.creds(c.stranger))):
-        with grpc.secure_channel(replica.grpc_address, creds) as ch, pytest.raises(grpc.RpcError) as e:
+    for name, client in (("no client certificate", None), ("another CA's", c.stranger)):
+        with c.to_replica(replica, client) as ch, pytest.raises(grpc.RpcError) as e:
             pb_grpc.GenerationStub(ch).GetServerInfo(req, metadata=auth(), timeout=10)
         # (gRPC's own words: "Socket closed", the server having refused the certificate after the handshake)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (name, e.value.details())
@@ -165,10 +175,12 @@ def test_the_gateway_refuses_clients_without_its_cas_certificate(stack):
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     # HTTP: the same certificate check on the OpenAI port
     with c.https(c.router) as client:
-        assert client.get(f"{replica.http}/v1/models", headers=dict(auth())).status_code == 200
+        assert client.get(f"{replica.http}/v1/models", headers=dict(auth()), extensions=SNI).status_code == 200
+    with c.https(c.router) as client, pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        client.get(f"{replica.http}/v1/models", headers=dict(auth()))  # its certificate names no address
     for client_cert in (None, c.stranger):
         with c.https(client_cert) as client, pytest.raises(httpx.TransportError):
-            client.get(f"{replica.http}/v1/models", headers=dict(auth()), timeout=10)
+            client.get(f"{replica.http}/v1/models", headers=dict(auth()), timeout=10, extensions=SNI)
     with pytest.raises(httpx.TransportError):  # plaintext to the TLS port
         httpx.get(replica.http.replace("https://", "http://") + "/v1/models", timeout=10)
 
@@ -176,13 +188,15 @@ def test_the_gateway_refuses_clients_without_its_cas_certificate(stack):
 def test_the_router_answers_through_the_tls_replica(stack):
     c, replica, good, _ = stack
     with c.https(c.router) as direct_client, c.https() as client:
-        direct = chat(direct_client, replica.http, PROMPT, max_tokens=10)["choices"][0]["message"]["content"]
+        body = {"model": MODEL, "messages": PROMPT, "max_tokens": 10, "temperature": 0}
+        r = direct_client.post(f"{replica.http}/v1/chat/completions", json=body, headers=dict(auth()),
+                               extensions=SNI)
+        direct = r.json()["choices"][0]["message"]["content"]
         routed = chat(client, good.http, PROMPT, max_tokens=10)["choices"][0]["message"]["content"]
     assert routed == direct and direct
     req = pb.GenerateRequest(text="The capital of France is",
                              sampling_params=pb.SamplingParams(max_tokens=6, temperature=0))
-    with grpc.secure_channel(good.grpc_address, c.creds()) as ch, \
-            grpc.secure_channel(replica.grpc_address, c.creds(c.router)) as ch2:
+    with grpc.secure_channel(good.grpc_address, c.creds()) as ch, c.to_replica(replica, c.router) as ch2:
         a = list(pb_grpc.GenerationStub(ch).Generate(req, metadata=auth(), timeout=120))
         b = list(pb_grpc.GenerationStub(ch2).Generate(req, metadata=auth(), timeout=120))
     assert [t for x in a for t in x.token_ids] == [t for x in b for t in x.token_ids] and a[-1].finished
