@@ -132,7 +132,8 @@ def build_router_app(svc: RouterService) -> Starlette:
         n = len(svc.pool.healthy())
         if n:
             return JSONResponse({"status": "ready", "healthy_replicas": n})
-        return JSONResponse({"status": "not ready", "reason": svc.no_replica_reason()}, status_code=503)
+        # (an open path: the replicas' addresses and check errors go only to authenticated callers)
+        return JSONResponse({"status": "not ready", "reason": "no healthy replica"}, status_code=503)
 
     async def metrics(request: Request) -> Response:
         return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
