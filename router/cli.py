@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from nanokv.errors import NanoKVError
 from nanokv.router.replica import parse_replica, parse_replicas
 from nanokv.router.routing import POLICIES
+from nanokv.tls import ClientTLS, add_server_tls_args, server_tls
 
 API_KEY_ENV = "NANOKV_API_KEY"  # (the gateway's: the router and its replicas share keys)
 
@@ -34,6 +35,18 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-weight", type=float, default=0.25,
                    help="kv routing: blocks of prefill one running or waiting sequence is worth")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_server_tls_args(p.add_argument_group("TLS of the router's own ports"), "the router")
+    rt = p.add_argument_group("TLS to the replicas (nanokv.tls)")
+    rt.add_argument("--replica-tls", action="store_true",
+                    help="reach the replicas over TLS (implied by any --replica-ssl-* flag)")
+    rt.add_argument("--replica-ssl-ca-certs", default=None, metavar="PEM",
+                    help="CA bundle that signed the replicas' certificates (default: the system's roots)")
+    rt.add_argument("--replica-ssl-certfile", default=None, metavar="PEM",
+                    help="the router's client certificate, for replicas that require one (mutual TLS)")
+    rt.add_argument("--replica-ssl-keyfile", default=None, metavar="PEM", help="its private key")
+    rt.add_argument("--replica-ssl-server-name", default=None, metavar="NAME",
+                    help="the name the replicas' certificates carry (default: each replica's host as given; set it "
+                         "with --replicas-dns, whose replicas are reached by address)")
 
 
 def _keys(args: argparse.Namespace) -> list[str]:
@@ -64,8 +77,11 @@ def router_main(args: argparse.Namespace) -> int:
         address = grpc_address(args.host, args.grpc_port)
     except ValueError as e:
         raise NanoKVError("grpc_port", str(e)) from None
+    tls = server_tls(args)
+    replica_tls = ClientTLS.build(args.replica_tls, args.replica_ssl_ca_certs, args.replica_ssl_certfile,
+                                  args.replica_ssl_keyfile, args.replica_ssl_server_name)
     svc = RouterService(static, dns, policy=args.routing, api_keys=_keys(args),
-                        health_interval_s=args.health_interval_s, load_weight=args.load_weight)
+                        health_interval_s=args.health_interval_s, load_weight=args.load_weight, tls=replica_tls)
     app = build_router_app(svc)
 
     @contextlib.asynccontextmanager
@@ -73,10 +89,10 @@ def router_main(args: argparse.Namespace) -> int:
         await svc.start()
         server = None
         if address is not None:
-            server, _port = await start_grpc(svc, address)
+            server, _port = await start_grpc(svc, address, tls.grpc_credentials() if tls else None)
         logging.getLogger("nanokv.router").info(
-            "routing (%s) over %d replicas: HTTP on %s:%d, gRPC on %s", args.routing, len(svc.pool.replicas),
-            args.host, args.port, address or "(off)")
+            "routing (%s) over %d replicas%s: HTTP%s on %s:%d, gRPC on %s", args.routing, len(svc.pool.replicas),
+            " (TLS)" if replica_tls else "", "S" if tls else "", args.host, args.port, address or "(off)")
         try:
             yield
         finally:
@@ -86,5 +102,6 @@ def router_main(args: argparse.Namespace) -> int:
             await app.state.client.aclose()
 
     app.router.lifespan_context = lifespan
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
+                **(tls.uvicorn_kwargs() if tls else {}))
     return 0

@@ -186,14 +186,19 @@ class GrpcProxy:
         return out
 
 
-async def start_grpc(svc: RouterService, address: str) -> tuple[grpc.aio.Server, int]:
+async def start_grpc(svc: RouterService, address: str, credentials: grpc.ServerCredentials | None = None
+                     ) -> tuple[grpc.aio.Server, int]:
+    """The front on `address`; over TLS with `credentials` (nanokv.tls.ServerTLS.grpc_credentials)."""
     server = grpc.aio.server(interceptors=[AuthInterceptor(KeyRing(svc.api_keys))],
                              options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
     server.add_generic_rpc_handlers(tuple(GrpcProxy(svc).handlers()))
     hs = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    port = server.add_insecure_port(address)
+    if credentials is not None:
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"router gRPC: cannot listen on {address}")
     await server.start()

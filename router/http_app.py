@@ -43,7 +43,12 @@ def _presented_key(request: Request) -> str | None:
 
 
 def build_router_app(svc: RouterService) -> Starlette:
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None))
+    tls = svc.pool.tls
+    # https to the replicas: their CA (or the system's), the router's client certificate if any; a set
+    # server name is what their certificates are checked against (SNI) instead of the address dialled
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None),
+                               verify=tls.ssl_context() if tls is not None else True)
+    ext = {"sni_hostname": tls.server_name} if tls is not None and tls.server_name else None
 
     async def generate(request: Request, api: str) -> Response:
         raw = await request.body()
@@ -63,8 +68,8 @@ def build_router_app(svc: RouterService) -> Starlette:
             return _error(503, str(e))
         headers = {k: v for k, v in request.headers.items() if k in FORWARD_HEADERS}
         for rep in choice.order[:MAX_TRIES]:
-            upstream = client.build_request("POST", rep.address.http_base + request.url.path, content=raw,
-                                            headers=headers)
+            upstream = client.build_request("POST", rep.http_base + request.url.path, content=raw,
+                                            headers=headers, extensions=ext)
             try:
                 with svc.holding(rep):  # counted from now: a non-streaming reply's headers come at its end
                     resp = await client.send(upstream, stream=True)
@@ -113,12 +118,12 @@ def build_router_app(svc: RouterService) -> Starlette:
         headers = {k: v for k, v in request.headers.items() if k in FORWARD_HEADERS}
         for rep in svc.pool.healthy()[:MAX_TRIES]:
             try:
-                r = await client.get(rep.address.http_base + "/v1/models", headers=headers, timeout=10)
+                r = await client.get(rep.http_base + "/v1/models", headers=headers, timeout=10, extensions=ext)
             except httpx.TransportError:
                 svc.failed(rep)
                 continue
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
-        return _error(503, "no healthy replica behind this router")
+        return _error(503, svc.no_replica_reason())
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "healthy_replicas": len(svc.pool.healthy())})
@@ -127,6 +132,7 @@ def build_router_app(svc: RouterService) -> Starlette:
         n = len(svc.pool.healthy())
         if n:
             return JSONResponse({"status": "ready", "healthy_replicas": n})
+        # (an open path: the replicas' addresses and check errors go only to authenticated callers)
         return JSONResponse({"status": "not ready", "reason": "no healthy replica"}, status_code=503)
 
     async def metrics(request: Request) -> Response:

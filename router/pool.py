@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -18,6 +19,7 @@ from nanokv.protos import kv_events_pb2_grpc as ev_grpc
 from nanokv.protos import nanokv_v1_pb2 as pb
 from nanokv.protos import nanokv_v1_pb2_grpc as pb_grpc
 from nanokv.router.replica import Replica, ReplicaAddress
+from nanokv.tls import ClientTLS
 
 log = logging.getLogger("nanokv.router")
 READY_SERVICE = "nanokv.v1.Generation"  # a gateway says SERVING here when it can take requests
@@ -40,8 +42,9 @@ def resolve(name: str, port: int) -> list[str]:
 class ReplicaPool:
     def __init__(self, static: Sequence[ReplicaAddress], dns: tuple[str, int, int] | None, *,
                  health_interval_s: float, metadata: Sequence[tuple[str, str]] = (),
-                 on_change: Callable[[], None] | None = None):
+                 on_change: Callable[[], None] | None = None, tls: ClientTLS | None = None):
         self.static = list(static)
+        self.tls = tls  # to the replicas' public ports (nanokv.tls); None: plaintext
         self.dns = dns
         self.interval = health_interval_s
         self.metadata = tuple(metadata)  # the router's own key, for its calls to the gateways
@@ -95,11 +98,17 @@ class ReplicaPool:
             log.info("replica %s left", name)
         for name, addr in wanted.items():
             if name not in self.replicas:
-                ch = grpc.aio.insecure_channel(addr.grpc_target, options=CHANNEL_OPTIONS)
-                self.replicas[name] = Replica(addr, ch)
+                base = addr.http_url(self.tls is not None)
+                self.replicas[name] = Replica(addr, self._channel(addr), http_base=base)
         await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
         if self.on_change is not None:
             self.on_change()
+
+    def _channel(self, addr: ReplicaAddress) -> grpc.aio.Channel:
+        if self.tls is None:
+            return grpc.aio.insecure_channel(addr.grpc_target, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(addr.grpc_target, self.tls.grpc_credentials(),
+                                       options=CHANNEL_OPTIONS + self.tls.grpc_options())
 
     async def _check(self, rep: Replica) -> None:
         timeout = max(2.0, min(5.0, 2 * self.interval))  # a busy replica answers late, not never
@@ -108,6 +117,7 @@ class ReplicaPool:
             reply = await health_pb2_grpc.HealthStub(rep.channel).Check(
                 health_pb2.HealthCheckRequest(service=READY_SERVICE), timeout=timeout)
             ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+            rep.last_error = "" if ok else "its health check says NOT_SERVING"
             if ok:
                 info = await pb_grpc.GenerationStub(rep.channel).GetServerInfo(
                     pb.GetServerInfoRequest(), timeout=timeout, metadata=self.metadata)
@@ -121,8 +131,14 @@ class ReplicaPool:
             # taking it out would send its conversations' next turns where their prefixes are not
             dead = e.code() == grpc.StatusCode.UNAVAILABLE or rep.failures + 1 >= DEAD_AFTER_CHECKS
             ok = rep.healthy and not dead
-            if rep.healthy:
-                log.warning("replica %s failed its check: %s %s", rep.name, e.code().name, e.details())
+            error = f"{e.code().name}: {e.details()}"
+            if not rep.last_error.startswith(error):  # a new reason (a replica refused from the start: once)
+                if self.tls is not None and e.code() == grpc.StatusCode.UNAVAILABLE:
+                    error += await self._tls_refusal(rep.address)
+                log.warning("replica %s failed its check: %s", rep.name, error)
+                rep.last_error = error
+            elif rep.healthy:
+                log.warning("replica %s failed its check: %s", rep.name, rep.last_error)
             if ok:
                 rep.failures += 1
                 return
@@ -131,6 +147,33 @@ class ReplicaPool:
         rep.mark(ok, dead)
         if ok and rep.name not in self._tasks:
             self._tasks[rep.name] = asyncio.create_task(self._follow(rep))
+
+    async def _tls_refusal(self, addr: ReplicaAddress) -> str:
+        """Why a TLS replica refuses: gRPC says only "Socket closed" when a replica turns down the router's
+        certificate (or its lack of one), so one handshake and read of the router's own names the cause.
+        An HTTP/2 server speaks first (its settings); one that closes instead, right after a handshake
+        that went through, refused the client certificate. A failed handshake says why itself."""
+        assert self.tls is not None
+        ctx = self.tls.ssl_context()
+        ctx.set_alpn_protocols(["h2"])
+        writer = None
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                addr.host, addr.grpc_port, ssl=ctx, server_hostname=self.tls.server_name or addr.host), 2.0)
+            if await asyncio.wait_for(reader.read(1), 1.0) == b"":
+                if self.tls.certfile is None:
+                    return ("; TLS: the replica closed the connection after the handshake: it requires a client "
+                            "certificate (--replica-ssl-certfile, --replica-ssl-keyfile)")
+                return ("; TLS: the replica closed the connection after the handshake: it does not accept the "
+                        "router's client certificate (signed by a CA it does not trust?)")
+        except ssl.SSLError as e:
+            return f"; TLS: {e.reason or e}"
+        except (OSError, asyncio.TimeoutError):
+            pass
+        finally:
+            if writer is not None:
+                writer.close()
+        return ""
 
     def report_failure(self, rep: Replica) -> None:
         """A request could not reach `rep`: its new requests go elsewhere now, not at the next check."""

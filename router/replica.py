@@ -43,7 +43,10 @@ class ReplicaAddress:
 
     @property
     def http_base(self) -> str:
-        return f"http://{self._host()}:{self.http_port}"
+        return self.http_url(False)
+
+    def http_url(self, tls: bool) -> str:
+        return f"{'https' if tls else 'http'}://{self._host()}:{self.http_port}"
 
 
 def _port(text: str, what: str, flag: str) -> int:
@@ -73,7 +76,9 @@ def parse_replicas(text: str | None) -> list[ReplicaAddress]:
 class Replica:
     address: ReplicaAddress
     channel: grpc.aio.Channel
+    http_base: str = ""  # http:// or https://HOST:PORT (the pool's TLS setting)
     healthy: bool = False
+    last_error: str = ""  # why its last check failed ("" once it passes): callers' 503s and the log say it
     # load from GetServerInfo, and what the router itself has sent there and not seen end
     num_running: int = 0
     num_waiting: int = 0
@@ -94,6 +99,10 @@ class Replica:
     # blocks of prompts just sent here, until their BlockStored events can have come: a conversation's
     # next turn, sent the moment its answer ends, finds its prefix here, not on the least loaded replica
     routed: dict[bytes, float] = field(default_factory=dict)  # hash -> monotonic expiry
+
+    def __post_init__(self) -> None:
+        if not self.http_base:
+            self.http_base = self.address.http_base
 
     @property
     def name(self) -> str:

@@ -20,6 +20,7 @@ from nanokv.router.pool import ReplicaPool
 from nanokv.router.prompts import PromptReader
 from nanokv.router.replica import Replica, ReplicaAddress
 from nanokv.router.routing import Choice, Router, salt_of
+from nanokv.tls import ClientTLS
 
 log = logging.getLogger("nanokv.router")
 T = TypeVar("T")
@@ -32,12 +33,12 @@ class NoReplica(Exception):
 class RouterService:
     def __init__(self, replicas: Sequence[ReplicaAddress], dns: tuple[str, int, int] | None, *,
                  policy: str = "kv", api_keys: Sequence[str] = (), health_interval_s: float = 2.0,
-                 load_weight: float = 0.25):
+                 load_weight: float = 0.25, tls: ClientTLS | None = None):
         self.api_keys = list(api_keys)
         # the router's calls of its own (events, load, the tokenizer) carry its first key
         metadata = [("authorization", f"Bearer {self.api_keys[0]}")] if self.api_keys else []
         self.pool = ReplicaPool(replicas, dns, health_interval_s=health_interval_s, metadata=metadata,
-                                on_change=self._changed)
+                                on_change=self._changed, tls=tls)
         self.router = Router(policy, load_weight)
         self.prompts = PromptReader()
         self.metrics = RouterMetrics(lambda: list(self.pool.replicas.values()))
@@ -81,11 +82,17 @@ class RouterService:
         healthy = self.pool.healthy()
         if not healthy:
             self.metrics.no_replica.inc()
-            raise NoReplica("no healthy replica behind this router")
+            raise NoReplica(self.no_replica_reason())
         choice = self.router.choose(healthy, token_ids, salt_of(tenant, client_salt))
         first = choice.order[0]
         self.metrics.routed_to(first.name, api, choice.prompt_tokens, choice.predicted_hit_tokens)
         return choice
+
+    def no_replica_reason(self) -> str:
+        """What a caller is told when nothing can take a request: the replicas' last check errors (a
+        refused TLS handshake reads as such, not as a bare 503)."""
+        why = "; ".join(f"{r.name}: {r.last_error}" for r in self.pool.replicas.values() if r.last_error)
+        return "no healthy replica behind this router" + (f" (last checks: {why})" if why else "")
 
     def failed(self, rep: Replica) -> None:
         self.metrics.failed.labels(rep.name).inc()

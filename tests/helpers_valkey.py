@@ -1,14 +1,12 @@
 """A real Valkey (or Redis) server as a child process for tests: Debian's valkey-server or
 redis-server (`make tools` installs whichever the distribution has), on a free loopback port, with
-its own temporary folder, no persistence (--save ''), optionally a password (requirepass) and TLS
-(certificates made here with the `cryptography` package). Without a server binary the tests skip,
-except under CI=true, where they fail.
+its own temporary folder, no persistence (--save ''), optionally a password (requirepass) and TLS,
+client certificates required or not (certificates from tests/helpers_tls.py). Without a server
+binary the tests skip, except under CI=true, where they fail.
 """
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import shutil
 import signal
@@ -19,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.helpers_tls import CA, Pair
 
 
 def server_binary() -> str | None:
@@ -46,37 +46,15 @@ class Certs:
     ca: Path
     cert: Path
     key: Path
+    client: Pair | None = None  # a client certificate the same CA signs (a server with client_auth)
 
 
 def make_certs(folder: Path, host: str = "127.0.0.1") -> Certs:
-    """A CA and a server certificate it signs, valid for `host` (IP SAN) and localhost."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(name("nanokv test CA")).issuer_name(name("nanokv test CA"))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host)), x509.DNSName("localhost")])
-    cert = (x509.CertificateBuilder().subject_name(name("valkey")).issuer_name(ca.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(san, critical=False).sign(ca_key, hashes.SHA256()))
-    out = Certs(folder / "ca.pem", folder / "server.pem", folder / "server.key")
-    out.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    out.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    out.key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    out.key.chmod(0o600)
-    return out
+    """A CA, a server certificate it signs, valid for `host` (IP SAN) and localhost, and a client
+    certificate; keys owner-only (tests/helpers_tls.py)."""
+    ca = CA.create(folder)
+    server = ca.issue("server", host=host)
+    return Certs(ca.cert, server.cert, server.key, ca.issue("client", server=False, client=True))
 
 
 @dataclass
@@ -87,6 +65,7 @@ class Server:
     dir: Path
     password: str | None = None
     certs: Certs | None = None
+    client_auth: bool = False  # TLS: refuse clients without a certificate the CA signed (--tls-auth-clients)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
 
@@ -95,7 +74,10 @@ class Server:
         auth = f":{self.password}@" if self.password else ""
         if self.certs is None:
             return f"redis://{auth}127.0.0.1:{self.port}/0"
-        return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.certs.ca}"
+        url = f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.certs.ca}"
+        if self.client_auth and self.certs.client is not None:
+            url += f"&ssl_certfile={self.certs.client.cert}&ssl_keyfile={self.certs.client.key}"
+        return url
 
     def argv(self) -> list[str]:
         args = [self.exe, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.dir),
@@ -105,7 +87,7 @@ class Server:
         else:
             args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.certs.cert),
                      "--tls-key-file", str(self.certs.key), "--tls-ca-cert-file", str(self.certs.ca),
-                     "--tls-auth-clients", "no"]
+                     "--tls-auth-clients", "yes" if self.client_auth else "no"]
         if self.password:
             args += ["--requirepass", self.password]
         return args
@@ -160,3 +142,14 @@ def tls_supported(exe: str) -> bool:
     r = subprocess.run([exe, "--port", "0", "--tls-port", "1", "--save", ""], capture_output=True, text=True,
                        timeout=10)
     return "Bad directive" not in r.stdout + r.stderr
+
+
+def require_tls() -> str:
+    """The server binary, built with TLS (Debian's are); skipped without, failed under CI=true."""
+    exe = require_server()
+    if not tls_supported(exe):
+        reason = f"{exe} was built without TLS (--tls-port is an unknown directive)"
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(reason + "; under CI the installed server must support TLS")
+        pytest.skip(reason)
+    return exe

@@ -110,8 +110,10 @@ class GrpcApi:
 
     def __init__(self, engine: Engine, aengine: AsyncEngine, *, address: str, model_name: str,
                  api_keys: Sequence[str] = (), max_message_bytes: int = 4 << 20,
-                 on_reject: Callable[[int], None] | None = None):
+                 on_reject: Callable[[int], None] | None = None,
+                 credentials: grpc.ServerCredentials | None = None):
         self.address = address
+        self.credentials = credentials  # TLS (nanokv.tls); None: plaintext
         self.keys = KeyRing(api_keys)
         self.max_message_bytes = max_message_bytes
         self.on_reject = on_reject
@@ -134,7 +136,10 @@ class GrpcApi:
         names = (GENERATION.full_name, KSERVE.full_name, KV_EVENTS.full_name,
                  health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
-        self.port = server.add_insecure_port(self.address)
+        if self.credentials is not None:
+            self.port = server.add_secure_port(self.address, self.credentials)
+        else:
+            self.port = server.add_insecure_port(self.address)
         if self.port == 0 and not self.address.startswith("unix:"):
             raise OSError(f"gRPC API: cannot listen on {self.address}")
         await server.start()
@@ -143,7 +148,7 @@ class GrpcApi:
         await readiness.publish(hs, self.aengine, served)
         self._health_task = asyncio.create_task(readiness.mirror(hs, self.aengine, served))
         self.server, self.health = server, hs
-        log.info("gRPC API (nanokv.v1, KServe v2) on %s", self.address)
+        log.info("gRPC API (nanokv.v1, KServe v2) on %s%s", self.address, " (TLS)" if self.credentials else "")
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self.server is not None:

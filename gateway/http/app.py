@@ -28,6 +28,8 @@ from nanokv.gateway.http.translate import ModelInfo
 from nanokv.gateway.metrics import CONTENT_TYPE, EngineMetrics
 
 if TYPE_CHECKING:
+    import grpc
+
     from nanokv.gateway.engine import Engine
 
 
@@ -40,12 +42,14 @@ def build_app(
     served_model_name: str | None = None,
     metrics: EngineMetrics | None = None,
     grpc_address: str | None = None,
+    grpc_credentials: grpc.ServerCredentials | None = None,
 ) -> FastAPI:
     """Build the app. `api_key`: one key or several (one per tenant; each gets its own prefix cache).
 
     The engine thread starts with the app (lifespan) and stops with it, aborting what is in flight.
     Several apps may be built over one engine over time, but only one may run at a time.
-    `grpc_address` ("HOST:PORT"): also serve the public gRPC API there, on this app's event loop.
+    `grpc_address` ("HOST:PORT"): also serve the public gRPC API there, on this app's event loop;
+    over TLS with `grpc_credentials` (nanokv.tls.ServerTLS.grpc_credentials).
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if any(not k for k in keys):
@@ -67,7 +71,8 @@ def build_app(
         from nanokv.gateway.grpc_api import GrpcApi
 
         grpc_api = GrpcApi(engine, aengine, address=grpc_address, model_name=info.name, api_keys=keys,
-                           max_message_bytes=max_body_bytes, on_reject=metrics.observe_rejection)
+                           max_message_bytes=max_body_bytes, on_reject=metrics.observe_rejection,
+                           credentials=grpc_credentials)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

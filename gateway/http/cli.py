@@ -18,12 +18,14 @@ from nanokv.config import EngineConfig
 from nanokv.errors import NanoKVError
 from nanokv.flags import add_config_args, engine_kwargs
 from nanokv.gateway.http.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING
+from nanokv.tls import ServerTLS, add_server_tls_args, server_tls
 
 API_KEY_ENV = "NANOKV_API_KEY"
 
 
 def add_serve_args(parser: argparse.ArgumentParser, config_cls: type = EngineConfig,
-                   exclude: tuple[str, ...] = (), helps: dict[str, str] | None = None) -> None:
+                   exclude: tuple[str, ...] = (), helps: dict[str, str] | None = None, tls: bool = True) -> None:
+    """tls: also the --ssl-* flags (nanokv.tls); `up`, whose gateway is probed over plain HTTP, has none."""
     srv = parser.add_argument_group("server")
     srv.add_argument("--host", default="127.0.0.1",
                      help="bind address (default loopback; exposing the server needs --api-key)")
@@ -39,6 +41,8 @@ def add_serve_args(parser: argparse.ArgumentParser, config_cls: type = EngineCon
     srv.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                      help="larger request bodies get 413")
     srv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    if tls:
+        add_server_tls_args(srv, "the API")
 
     add_config_args(parser, config_cls, exclude, helps)
 
@@ -80,6 +84,11 @@ def serve_main(args: argparse.Namespace) -> int:
     except NanoKVError as e:
         print(f"nanokv serve: error: --{e.field.replace('_', '-')}: {e.message}", file=sys.stderr)
         return 2
+    try:
+        tls: ServerTLS | None = server_tls(args) if hasattr(args, "ssl_certfile") else None
+    except NanoKVError as e:
+        print(f"nanokv serve: error: --{e.field.replace('_', '-')}: {e.message}", file=sys.stderr)
+        return 2
     keys = _api_keys(args)
     if not keys and not _is_loopback(args.host):
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it", args.host)
@@ -87,14 +96,18 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         app = build_app(engine, api_key=keys or None, max_waiting=args.max_waiting,
                         max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
-                        grpc_address=grpc_address(args.host, args.grpc_port))
+                        grpc_address=grpc_address(args.host, args.grpc_port),
+                        grpc_credentials=tls.grpc_credentials() if tls else None)
     except ValueError as e:
         print(f"nanokv serve: error: {e}", file=sys.stderr)
         return 2
-    log.info("serving %s on http://%s:%d/v1", app.state.model_info.name, args.host, args.port)
+    scheme = "https" if tls else "http"
+    log.info("serving %s on %s://%s:%d/v1%s", app.state.model_info.name, scheme, args.host, args.port,
+             f" ({tls.describe()})" if tls else "")
     if args.grpc_port:
-        log.info("gRPC API on %s:%d", args.host, args.grpc_port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
+        log.info("gRPC API on %s:%d%s", args.host, args.grpc_port, " (TLS)" if tls else "")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
+                **(tls.uvicorn_kwargs() if tls else {}))
     return 0
 
 
