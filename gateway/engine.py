@@ -28,7 +28,7 @@ from nanokv.gateway.scheduler import Scheduler, SchedulerOutput
 from nanokv.gateway.sequence import Sequence
 from nanokv.gateway.step_request import build_step_request
 from nanokv.gateway.warmup import warm_up
-from nanokv.messages import ModelInfo, StepRequest, StepResult
+from nanokv.messages import COPY_LOAD, ModelInfo, StepRequest, StepResult
 from nanokv.sampling import SamplingParams
 from nanokv.service_api import CacheAPI, ComputeAPI
 
@@ -106,6 +106,7 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._finished_ids: list[int] = []  # ended sequences the compute service has yet to forget
         self._copy_seqs: dict[int, int] = {}  # step id -> the last plan whose tier copies it runs
+        self._onloads: dict[int, float] = {}  # step id -> when its loads from lower tiers were sent
         self.stashed: list[RequestOutput] = []  # a step a repool landed mid-step: the next step returns them
         self._ids = itertools.count()
         self._step_ids = itertools.count()
@@ -336,6 +337,9 @@ class Engine:
         seq = self._copy_seqs.pop(step_id, 0)
         if seq:
             self.scheduler.copies_ran(seq)
+        t0 = self._onloads.pop(step_id, None)
+        if t0 is not None:  # the loads this step ran have landed (and its forward pass has read them)
+            self.counters.onload_s.append(time.perf_counter() - t0)
 
     def step_request(self, out: SchedulerOutput) -> StepRequest:
         """The compute service's view of a scheduled step (nanokv.gateway.step_request); the ended
@@ -344,6 +348,8 @@ class Engine:
         req.copies, seq = self.scheduler.take_copies()
         if seq:
             self._copy_seqs[req.step_id] = seq
+        if any(kind == COPY_LOAD for kind, _, _ in req.copies):
+            self._onloads[req.step_id] = time.perf_counter()
         req.demotions = self.scheduler.take_demotions()  # hybrid sparsity's copies, before this step writes
         self._finished_ids = []
         return req

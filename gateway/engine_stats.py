@@ -39,6 +39,9 @@ class EngineStats(TypedDict):
     tier_blocks: dict[str, int]
     tier_capacity_blocks: dict[str, int]
     tier_moved_blocks: dict[str, int]
+    tier_moved_bytes: dict[str, int]
+    tier_health: dict[str, int]  # the disk and shared tiers' disk_tier_* / remote_tier_* by name
+    onload_seconds: list[float]  # every load's issue-to-landed time since the last stats()
 
 
 class EngineCounters:
@@ -48,6 +51,7 @@ class EngineCounters:
         self.tokens = {"prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0}
         self.batch_sizes: list[int] = []  # drained by stats()
         self.last_batch_size = 0
+        self.onload_s: list[float] = []  # drained by stats(): steps that loaded blocks from lower tiers
 
     def count_step(self, out: SchedulerOutput) -> None:
         """A scheduled step's tokens and batch size."""
@@ -57,6 +61,10 @@ class EngineCounters:
         if len(self.batch_sizes) > _MAX_BATCH_SAMPLES:
             del self.batch_sizes[:_MAX_BATCH_SAMPLES // 2]
 
+    def drain_onloads(self) -> list[float]:
+        out, self.onload_s = self.onload_s[-_MAX_BATCH_SAMPLES:], []
+        return out
+
     def drain_batch_sizes(self) -> list[int]:
         sizes, self.batch_sizes = self.batch_sizes, []
         return sizes
@@ -64,6 +72,7 @@ class EngineCounters:
     def reset(self) -> None:
         self.tokens = dict.fromkeys(self.tokens, 0)
         self.batch_sizes.clear()
+        self.onload_s.clear()
         self.last_batch_size = 0
 
 
@@ -99,4 +108,6 @@ def stats(eng: Engine) -> EngineStats:
         tier_hit_tokens=dict(cs.get("tier_hit_tokens") or {}), tier_blocks=dict(cs.get("tier_blocks") or {}),
         tier_capacity_blocks=dict(cs.get("tier_capacity_blocks") or {}),
         tier_moved_blocks=dict(cs.get("tier_moved_blocks") or {}),
+        tier_moved_bytes=dict(cs.get("tier_moved_bytes") or {}), tier_health=dict(cs.get("tier_health") or {}),
+        onload_seconds=eng.counters.drain_onloads(),
     )

@@ -64,6 +64,10 @@ class EngineMetrics:
         self.e2e = Histogram(
             "nanokv_e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.onload = Histogram(
+            "nanokv_tier_onload_seconds", "Blocks loaded from the lower KV tiers: from the step that carries "
+            "the loads being sent to its result (the blocks landed and read).", buckets=_LATENCY_BUCKETS, registry=r,
+        )
         self.finished = Counter(
             "nanokv_requests_finished", "Requests finished, by reason (stop, length, abort).",
             ["finish_reason"], registry=r,
@@ -79,6 +83,8 @@ class EngineMetrics:
         """Take one `engine.stats()` snapshot (its `batch_sizes` were drained for us)."""
         for b in stats.get("batch_sizes", ()):
             self.batch_size.observe(b)
+        for s in stats.get("onload_seconds", ()):
+            self.onload.observe(s)
         now = time.monotonic()
         with self._lock:
             self._stats = stats
@@ -181,7 +187,18 @@ def _tier_metrics(stats: Mapping[str, Any]) -> Iterator[Metric]:
         blocks.add_metric([t], v)
     for t, v in sorted((stats.get("tier_capacity_blocks") or {}).items()):
         cap.add_metric([t], v)
+    moved_bytes = CounterMetricFamily("nanokv_tier_moved_bytes", "KV bytes copied between tiers, by direction "
+                                      "(blocks in the lower tier's format).", labels=["src", "dst"])
     for move, v in sorted((stats.get("tier_moved_blocks") or {}).items()):
         src, _, dst = move.partition("->")
         moved.add_metric([src, dst], v)
-    yield from (hits, blocks, cap, moved)
+    for move, v in sorted((stats.get("tier_moved_bytes") or {}).items()):
+        src, _, dst = move.partition("->")
+        moved_bytes.add_metric([src, dst], v)
+    yield from (hits, blocks, cap, moved, moved_bytes)
+    # the disk and shared tiers' health (admitting, errors, drops, queue overflows: docs/hierarchy.md)
+    for name, v in sorted((stats.get("tier_health") or {}).items()):
+        if name.endswith("_total"):
+            yield CounterMetricFamily(f"nanokv_{name.removesuffix('_total')}", f"The {name} counter.", value=v)
+        else:
+            yield GaugeMetricFamily(f"nanokv_{name}", f"The {name} gauge.", value=v)

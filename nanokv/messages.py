@@ -247,6 +247,8 @@ class CacheServiceStats(TypedDict):
     tier_blocks: NotRequired[dict[str, int]]
     tier_capacity_blocks: NotRequired[dict[str, int]]
     tier_moved_blocks: NotRequired[dict[str, int]]
+    tier_moved_bytes: NotRequired[dict[str, int]]
+    tier_health: NotRequired[dict[str, int]]  # disk_tier_* / remote_tier_* by name
     sparsity_blocks_dropped: int  # block sparsity: blocks dropped since start (0 with sparsity off)
     sparsity_blocks_demoted: int  # hybrid: blocks moved INT8 -> INT4 into the demotion store
 

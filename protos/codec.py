@@ -214,6 +214,8 @@ def cache_stats_from_pb(m: pb.CacheStats) -> CacheServiceStats:
         out["tier_blocks"] = dict(m.tier_blocks)
         out["tier_capacity_blocks"] = dict(m.tier_capacity_blocks)
         out["tier_moved_blocks"] = dict(m.tier_moved_blocks)
+        out["tier_moved_bytes"] = dict(m.tier_moved_bytes)
+        out["tier_health"] = dict(m.tier_health)
     return out
 
 

@@ -234,7 +234,7 @@ class PlanReply(_message.Message):
     def __init__(self, preempted: _Optional[bytes] = ..., admitted: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., used_blocks: _Optional[int] = ..., copies: _Optional[bytes] = ..., loaded: _Optional[bytes] = ..., copy_seq: _Optional[int] = ..., demotions: _Optional[bytes] = ...) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "prefix_queries_tokens", "prefix_hits_tokens", "evictions_by_policy", "eviction_policy", "recomputed_tokens", "cache_preemptions", "num_seqs", "epoch", "plan_calls", "attached_epoch", "tier_hit_tokens", "tier_blocks", "tier_capacity_blocks", "tier_moved_blocks", "sparsity_blocks_dropped", "sparsity_blocks_demoted")
+    __slots__ = ("kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "prefix_queries_tokens", "prefix_hits_tokens", "evictions_by_policy", "eviction_policy", "recomputed_tokens", "cache_preemptions", "num_seqs", "epoch", "plan_calls", "attached_epoch", "tier_hit_tokens", "tier_blocks", "tier_capacity_blocks", "tier_moved_blocks", "tier_moved_bytes", "tier_health", "sparsity_blocks_dropped", "sparsity_blocks_demoted")
     class EvictionsByPolicyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,20 @@ class CacheStats(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TierMovedBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TierHealthEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +302,8 @@ class CacheStats(_message.Message):
     TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIER_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIER_MOVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_MOVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_HEALTH_FIELD_NUMBER: _ClassVar[int]
     SPARSITY_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     SPARSITY_BLOCKS_DEMOTED_FIELD_NUMBER: _ClassVar[int]
     kv_cache_usage: float
@@ -308,9 +324,11 @@ class CacheStats(_message.Message):
     tier_blocks: _containers.ScalarMap[str, int]
     tier_capacity_blocks: _containers.ScalarMap[str, int]
     tier_moved_blocks: _containers.ScalarMap[str, int]
+    tier_moved_bytes: _containers.ScalarMap[str, int]
+    tier_health: _containers.ScalarMap[str, int]
     sparsity_blocks_dropped: int
     sparsity_blocks_demoted: int
-    def __init__(self, kv_cache_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_queries_tokens: _Optional[int] = ..., prefix_hits_tokens: _Optional[int] = ..., evictions_by_policy: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ..., recomputed_tokens: _Optional[int] = ..., cache_preemptions: _Optional[int] = ..., num_seqs: _Optional[int] = ..., epoch: _Optional[int] = ..., plan_calls: _Optional[int] = ..., attached_epoch: _Optional[int] = ..., tier_hit_tokens: _Optional[_Mapping[str, int]] = ..., tier_blocks: _Optional[_Mapping[str, int]] = ..., tier_capacity_blocks: _Optional[_Mapping[str, int]] = ..., tier_moved_blocks: _Optional[_Mapping[str, int]] = ..., sparsity_blocks_dropped: _Optional[int] = ..., sparsity_blocks_demoted: _Optional[int] = ...) -> None: ...
+    def __init__(self, kv_cache_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_queries_tokens: _Optional[int] = ..., prefix_hits_tokens: _Optional[int] = ..., evictions_by_policy: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ..., recomputed_tokens: _Optional[int] = ..., cache_preemptions: _Optional[int] = ..., num_seqs: _Optional[int] = ..., epoch: _Optional[int] = ..., plan_calls: _Optional[int] = ..., attached_epoch: _Optional[int] = ..., tier_hit_tokens: _Optional[_Mapping[str, int]] = ..., tier_blocks: _Optional[_Mapping[str, int]] = ..., tier_capacity_blocks: _Optional[_Mapping[str, int]] = ..., tier_moved_blocks: _Optional[_Mapping[str, int]] = ..., tier_moved_bytes: _Optional[_Mapping[str, int]] = ..., tier_health: _Optional[_Mapping[str, int]] = ..., sparsity_blocks_dropped: _Optional[int] = ..., sparsity_blocks_demoted: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("clear_stats",)

@@ -306,13 +306,22 @@ class ServingTiers:
         st = self.cache.stats
         return TierCounters(dict(st.hit_tokens), dict(st.moved), self.cache.occupancy(), self.cache.capacity())
 
+    def block_bytes(self) -> dict[str, int]:
+        """Bytes a block occupies in each lower tier (its format), by tier name."""
+        out = {self.l2.name: self.l2.format.bytes_per_block}
+        if self.disk is not None:
+            out[self.disk.tier.name] = self.disk.tier.format.bytes_per_block
+        if self.remote is not None:
+            out[REMOTE] = self.l2.format.bytes_per_block
+        return out
+
     def remote_stats(self) -> dict[str, int]:
         """The shared tier's store counters (remote_tier_*) and the serving path's own."""
         if self.remote is None:
             return {}
-        return {**{f"remote_tier_{k}_total": v for k, v in self.remote.store.counters().items()},
+        return {**self.remote.store.counters(),
                 "remote_tier_queue_full_total": self.remote.queue_full,
-                "remote_tier_up": int(self.remote.store.available)}
+                "remote_tier_available": int(self.remote.store.available)}
 
     def disk_stats(self) -> dict[str, int]:
         """The disk store's counters and gauges (disk_tier_*), and the serving path's own."""

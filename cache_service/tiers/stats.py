@@ -17,3 +17,8 @@ def add_tier_stats(out: CacheServiceStats, tiers: ServingTiers) -> None:
     out["tier_blocks"] = c.blocks
     out["tier_capacity_blocks"] = c.capacity_blocks
     out["tier_moved_blocks"] = c.moved_blocks
+    # a move's bytes: its blocks in the format of the lower of its two tiers (what crossed the link)
+    size = tiers.block_bytes()
+    out["tier_moved_bytes"] = {move: n * max((size.get(t, 0) for t in move.split("->")), default=0)
+                               for move, n in c.moved_blocks.items()}
+    out["tier_health"] = {**tiers.disk_stats(), **tiers.remote_stats()}

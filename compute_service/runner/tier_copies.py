@@ -24,6 +24,7 @@ pinned memory in process), which a non-blocking copy needs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -32,6 +33,8 @@ from nanokv.errors import NanoKVError
 from nanokv.kv.cache import LayerKV
 from nanokv.kv.segment import carve_layer_caches, map_handle
 from nanokv.messages import COPY_LOAD, COPY_SAVE, PoolHandle, PoolLayout
+
+log = logging.getLogger("nanokv.compute_service")
 
 
 class HostTier:
@@ -54,6 +57,8 @@ class HostTier:
             self._registered is not None or buf.is_pinned())
         l2 = dataclasses.replace(layout, num_blocks=self.num_slots, device="cpu", rank_kv_heads=[], rank_devices=[])
         self.caches = carve_layer_caches(l2, buf)
+        if self.device_access and device is not None:
+            self.device_access = _kernel_reaches(self.caches[0].k, device)
         self._pending: list[tuple[torch.cuda.Event, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = []
         self._pending_slots: set[int] = set()
 
@@ -72,6 +77,26 @@ class HostTier:
         if self._registered is not None:
             torch.cuda.cudart().cudaHostUnregister(self._registered.data_ptr())
             self._registered = None
+
+
+def _kernel_reaches(host: torch.Tensor, device: torch.device) -> bool:
+    """Whether the copy kernel reads this page-locked host tensor in place and gets its bytes (one
+    row, to a scratch row on the device and back); if not, the host-side copies serve instead."""
+    from nanokv.kernels.triton_tier_copy import copy_rows
+
+    try:
+        row = torch.zeros((1, *host.shape[1:]), dtype=host.dtype, device=device)
+        idx = torch.zeros(1, dtype=torch.long, device=device)
+        copy_rows(host, row, idx, idx)
+        torch.cuda.synchronize(device)
+        ok = torch.equal(row.cpu().view(torch.uint8), host[:1].view(torch.uint8))
+    except Exception as e:  # noqa: BLE001 - the host path is the fallback, with the reason logged
+        log.warning("host tier: the in-place copy kernel cannot reach the page-locked segment (%s); "
+                    "copies go through host-side gathers", e)
+        return False
+    if not ok:
+        log.warning("host tier: the in-place copy kernel read other bytes; copies go through host-side gathers")
+    return ok
 
 
 def _runs(copies: Sequence[tuple[int, int, int]]) -> list[tuple[int, list[int], list[int]]]:

@@ -92,6 +92,13 @@ def test_per_request_tier_split_of_cached_tokens(chat_ids):
     assert l2_hits is not None and float(l2_hits.group(1)) >= tiers["L2"], text[-2000:]
     assert re.search(r'^nanokv_tier_moved_blocks_total\{dst="L2",src="L1"\} [1-9]', text, re.M), text[-2000:]
     assert 'nanokv_tier_capacity_blocks{tier="L1"} 8.0' in text
+    moved = re.search(r'^nanokv_tier_moved_bytes_total\{dst="L1",src="L2"\} (\S+)$', text, re.M)
+    l2_loads = re.search(r'^nanokv_tier_moved_blocks_total\{dst="L1",src="L2"\} (\S+)$', text, re.M)
+    assert moved is not None and l2_loads is not None, text[-2000:]
+    # bytes: the blocks at the L2 format's size (fp32 here: L1's own)
+    assert float(moved.group(1)) == float(l2_loads.group(1)) * BLOCK_BYTES
+    onload = re.search(r'^nanokv_tier_onload_seconds_count (\S+)$', text, re.M)
+    assert onload is not None and float(onload.group(1)) >= 1, text[-2000:]
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -171,6 +178,9 @@ def test_disk_tier_drops_corrupt_and_foreign_files(hf_model, plain_ids, tmp_path
     assert not files[-1].exists()
     st = again.engine.cache.stats()
     assert st["tier_hit_tokens"].get("L3", 0) == 0
+    # each bad read is counted where Prometheus sees it (the log line is the store's warning)
+    assert _metric(again, "nanokv_disk_tier_read_failed_total") >= 1
+    assert _metric(again, "nanokv_disk_tier_admitting") == 1.0
     again.engine.shutdown()
     # a store of another KV format's fingerprint drops every file it finds at start-up
     survivors = list((tmp_path / "kv").glob("*.kvb"))
@@ -212,7 +222,22 @@ def test_shared_tier_serves_another_replica(hf_model, plain_ids, tmp_path):
     out = c.generate([plain_ids[0]], GREEDY, use_tqdm=False)[0]
     assert out.token_ids == want and (out.cached_tokens_by_tier or {}).get("remote", 0) == 0
     assert __import__("time").monotonic() - t0 < 30
+    assert _metric(c, "nanokv_remote_tier_available") == 0.0  # the metric says what the warning said
     c.engine.shutdown()
+
+
+def _metric(llm: LLM, name: str) -> float:
+    """One sample of the engine's Prometheus text, as /metrics renders it."""
+    import re
+
+    from nanokv.gateway.metrics import EngineMetrics
+
+    metrics = EngineMetrics()
+    metrics.update(llm.engine.stats())
+    text = metrics.render().decode()
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert m is not None, f"{name} not in\n{text[-3000:]}"
+    return float(m.group(1))
 
 
 def test_openai_usage_splits_cached_tokens_by_tier(chat_ids):
