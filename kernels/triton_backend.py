@@ -15,11 +15,12 @@ import os
 
 import torch
 
-from nanokv.kernels import triton_decode, triton_prefill, triton_store
+from nanokv.kernels import triton_decode, triton_hybrid, triton_prefill, triton_store
 from nanokv.kernels.fresh_prefill import int8_as_stored, runs, sdpa_fresh_prefill
 from nanokv.kernels.triton_config import TritonConfig, default_config
 from nanokv.kernels.triton_decode_swap import runs_transposed
 from nanokv.kv.cache import Int4KV, Int8KV, LayerKV
+from nanokv.kv.demote import HybridInt8KV
 from nanokv.kv.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,9 @@ class TritonBackend:
             else:
                 sdpa_fresh_prefill(q, k, v, md, out, scale, fresh, cudnn=self.config.fresh_prefill_cudnn)
         rest = [i for i in range(P) if i not in set(fresh)]
+        if isinstance(cache, HybridInt8KV):  # hybrid sparsity: tables mix pool blocks, INT4 slots and holes
+            self._hybrid(q, cache, md, scale, out, rest)
+            return out
         q4 = cache.bits == 4
         for a, b in runs(rest):  # usually one run: a chunk continuing, or prompts with a cached prefix
             triton_prefill.paged_prefill(
@@ -155,3 +159,21 @@ class TritonBackend:
                 q[s0:s0 + nd], cache, md.block_tables[P:], md.seq_lens[P:], out[s0:s0 + nd], scale,
                 num_splits=splits, fill_slots=fill, seq_order=order, **decode_options(cfg, cache))
         return out
+
+    def _hybrid(self, q: torch.Tensor, cache: HybridInt8KV, md: AttentionMetadata, scale: float, out: torch.Tensor,
+                rest: list[int]) -> None:
+        """The prefills in `rest` and every decode of the step on nanokv.kernels.triton_hybrid."""
+        cfg = self.config
+        for a, b in runs(rest):
+            triton_hybrid.hybrid_prefill(
+                q, cache, md.block_tables[a:b], md.seq_lens[a:b], md.query_start_loc[a:b + 1], md.max_query_len,
+                out, scale, block_m=cfg.prefill_block_m, block_n=cfg.prefill_block_n, num_warps=cfg.prefill_warps,
+                num_stages=cfg.prefill_stages)
+        nd = md.num_seqs - md.num_prefills
+        if nd > 0:
+            s0, H = md.num_prefill_tokens, cache.num_kv_heads
+            splits = choose_splits(cfg, nd, H, md.max_seq_len, sm_count(q.device), 16, cache.block_size)
+            triton_hybrid.hybrid_decode(q[s0:s0 + nd], cache, md.block_tables[md.num_prefills:],
+                                        md.seq_lens[md.num_prefills:], out[s0:s0 + nd], scale, num_splits=splits,
+                                        block_n=cfg.decode_block_n, num_warps=cfg.decode_warps,
+                                        num_stages=cfg.decode_stages)

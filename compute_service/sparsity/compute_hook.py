@@ -81,10 +81,19 @@ def attach(cfg: Any, runner: Any) -> ComputeSparsity | None:
     if params.needs_scores and cfg.tensor_parallel_size > 1:
         raise ConfigError("sparsity_policy", f"{params.policy!r} needs the attention probe, which is not wired "
                                              "for tensor parallelism yet; use streaming or interval")
-    if params.demotes and getattr(runner.backend, "name", "torch") != "torch":
-        raise ConfigError("sparsity_policy", "hybrid reads demoted blocks from the INT4 demotion store, which "
-                                             "only the torch reference does for now; use attention_backend='torch'")
-    if params.demotes and getattr(runner, "graphs", None) is not None:
-        # the store read selects the demoted entries of a step's tables (data-dependent shapes): not capturable
-        raise ConfigError("sparsity_policy", "hybrid needs eager decode steps; set enforce_eager=True")
-    return ComputeSparsity(params, runner)
+    backend = getattr(runner.backend, "name", "torch")
+    if params.demotes and backend not in ("torch", "triton"):
+        raise ConfigError("attention_backend", f"hybrid sparsity reads the INT4 demotion store on the 'torch' and "
+                                               f"'triton' backends; got {backend!r}")
+    if params.demotes and backend == "torch" and getattr(runner, "graphs", None) is not None:
+        # the torch reference selects a step's demoted entries (data-dependent shapes): not capturable
+        raise ConfigError("enforce_eager", "hybrid sparsity on attention_backend='torch' needs eager decode steps: "
+                                           "set enforce_eager=True, or use attention_backend='triton'")
+    sp = ComputeSparsity(params, runner)
+    if sp.store is not None and getattr(runner, "graphs", None) is not None:
+        # decode graphs captured before the store: their launches read the plain int8 layers. Captured
+        # again on the hybrid layers (nanokv.kernels.triton_hybrid: one launch per layer whatever the
+        # table holds, the store's tensors fixed from here on, so the graphs stay valid)
+        runner.graphs = None
+        runner.capture_cudagraphs(runner._graph_model_len)
+    return sp

@@ -24,8 +24,10 @@ int8 block (0.55 of it at D = 64). That is not bytes_per_block(4): the int4 pool
 keys per channel over a whole block (KIVI); a demoted block keeps the int8 layer's per-row ranges.
 
 Hybrid needs every KV layer in int8 (a block id is shared by all layers, so a block can only leave
-the pool when every layer has somewhere to put it). Only the torch reference reads the store
-(nanokv.kernels.reference.gather_kv); the engine allows hybrid on the torch backend, eagerly only.
+the pool when every layer has somewhere to put it). Two readers: the torch reference
+(nanokv.kernels.reference.gather_kv; eager steps only) and the Triton decode and prefill kernels
+(nanokv.kernels.triton_hybrid), which take the mixed table in one launch and run inside CUDA graphs:
+the store's tensors are allocated once, at attach, and never reallocated (a pool resize keeps them).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     # [B, max_blocks] int32: physical block ids, padded with -1. Entry i always covers positions
     # [i*block_size, (i+1)*block_size); a dropped block (sparsity) is a -1 hole, so positions stay true;
-    # -2 - j is slot j of hybrid sparsity's INT4 demotion store (torch reference only, nanokv.kv.demote)
+    # -2 - j is slot j of hybrid sparsity's INT4 demotion store (nanokv.kv.demote)
     block_tables: torch.Tensor
     num_prefills: int  # sequences [0, num_prefills) are prefills, the rest decode (1 token each)
     num_prefill_tokens: int
