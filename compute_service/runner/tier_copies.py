@@ -16,6 +16,13 @@ On a GPU nothing here waits for the device (async scheduling keeps the host a st
     whose save is still pending flushes first.
 The host segment is page-locked once when mapped (cudaHostRegister for a shared-memory segment,
 pinned memory in process), which a non-blocking copy needs.
+
+A host tier may store a narrower format than the pool (cpu_offload_kv_format int8 or int4;
+nanokv.kv.tier_transcode): a layer whose formats differ is quantized on the device before it goes
+down (fewer bytes cross the bus) and dequantized on the device after it comes up; on the CPU the
+same happens straight between the pool and the slots. Layers of one format copy bytes as before.
+The handle names no format: the segment's size does (`tier_layout`), the three candidate layouts
+of a pool differ in size.
 """
 
 from __future__ import annotations
@@ -26,9 +33,25 @@ from collections.abc import Sequence
 import torch
 
 from nanokv.errors import NanoKVError
+from nanokv.kv import tier_transcode as tt
 from nanokv.kv.cache import LayerKV
-from nanokv.kv.segment import carve_layer_caches, map_handle
+from nanokv.kv.segment import carve_layer_caches, map_handle, pool_nbytes
 from nanokv.messages import COPY_LOAD, COPY_SAVE, PoolHandle, PoolLayout
+
+
+def tier_layout(layout: PoolLayout, slots: int, nbytes: int) -> PoolLayout:
+    """The host tier's layout: the pool's on the host, `slots` blocks, in the tier format whose
+    segment is `nbytes` long (cache_service/storage.py host_layout made it)."""
+    base = dataclasses.replace(layout, num_blocks=slots, device="cpu", rank_kv_heads=[], rank_devices=[])
+    found: list[PoolLayout] = []
+    for fmt in tt.TIER_FORMAT_BITS:
+        cand = dataclasses.replace(base, layer_bits=tt.tier_layer_bits(layout.layer_bits, fmt))
+        if cand not in found and pool_nbytes(cand) == nbytes:
+            found.append(cand)
+    if len(found) != 1:
+        raise NanoKVError("host_tier", f"a host segment of {nbytes} bytes for {slots} slots is "
+                                       f"{'no' if not found else 'more than one'} tier format of this pool")
+    return found[0]
 
 
 class HostTier:
@@ -46,8 +69,8 @@ class HostTier:
             if int(rc) == 0:  # page-locked: non-blocking copies from and to it
                 self._registered = buf
         self.buffer = buf
-        l2 = dataclasses.replace(layout, num_blocks=self.num_slots, device="cpu", rank_kv_heads=[], rank_devices=[])
-        self.caches = carve_layer_caches(l2, buf)
+        self.layout = tier_layout(layout, self.num_slots, handle.host_tier.nbytes)
+        self.caches = carve_layer_caches(self.layout, buf)
         self._pending: list[tuple[torch.cuda.Event, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = []
         self._pending_slots: set[int] = set()
 
@@ -102,25 +125,41 @@ def run_copies(copies: Sequence[tuple[int, int, int]], l1: list[LayerKV], l2: Ho
         s = torch.tensor(slots, dtype=torch.long)
         if kind == COPY_LOAD and l2._pending_slots.intersection(slots):
             l2.flush()  # a slot written back moments ago is read again
-        scatters = []
+        scatters: list[tuple[torch.Tensor, torch.Tensor]] = []
         for dev, host in zip(l1, l2.caches):
-            for name in dev.block_fields:
-                d, h = getattr(dev, name), getattr(host, name)
-                if kind == COPY_SAVE:  # [n, ...] gathered on the device, one copy to the host
+            names = host.block_fields
+            if kind == COPY_SAVE:  # [n, ...] per field on the device, one copy each to the host
+                if tt.same_format(dev, host):
+                    rows = {n: getattr(dev, n).index_select(0, b) for n in names}
+                else:
+                    rows = tt.encode(*tt.read_blocks(dev, b), tt.basis(dev), host.bits)
+                for n in names:
+                    h = getattr(host, n)
                     if not cuda:
-                        h.index_copy_(0, s, d.index_select(0, b))
+                        h.index_copy_(0, s, rows[n])
                         continue
-                    bounce = torch.empty((len(blocks), *d.shape[1:]), dtype=d.dtype, pin_memory=True)
-                    bounce.copy_(d.index_select(0, b), non_blocking=True)
+                    bounce = torch.empty(rows[n].shape, dtype=h.dtype, pin_memory=True)
+                    bounce.copy_(rows[n], non_blocking=True)
                     scatters.append((h, bounce))
-                elif not cuda:
-                    d.index_copy_(0, b, h.index_select(0, s))
-                else:  # gathered on the host straight into pinned memory, one copy up, scattered on the device
-                    rows = torch.empty((len(slots), *h.shape[1:]), dtype=h.dtype, pin_memory=True)
-                    torch.index_select(h, 0, s, out=rows)
-                    d.index_copy_(0, b, rows.to(device, non_blocking=True))
+                continue
+            up = {n: _gather_up(getattr(host, n), s, device, cuda) for n in names}
+            if tt.same_format(dev, host):
+                for n in names:
+                    getattr(dev, n).index_copy_(0, b, up[n])
+            else:  # dequantized on the device, into L1's format
+                tt.write_blocks(dev, b, *tt.decode(up, host.bits, tt.basis(dev)))
         if scatters:
             event = torch.cuda.Event()
             event.record()
             l2._pending.append((event, scatters, s))
             l2._pending_slots.update(slots)
+
+
+def _gather_up(h: torch.Tensor, s: torch.Tensor, device: torch.device, cuda: bool) -> torch.Tensor:
+    """Host rows `s` of one field [n, ...] on `device`: on a GPU gathered straight into pinned memory
+    and sent up in one non-blocking copy."""
+    if not cuda:
+        return h.index_select(0, s)
+    rows = torch.empty((len(s), *h.shape[1:]), dtype=h.dtype, pin_memory=True)
+    torch.index_select(h, 0, s, out=rows)
+    return rows.to(device, non_blocking=True)
