@@ -145,7 +145,7 @@ class CacheService:
         if 4 in layout.layer_bits:  # an int4 layer keeps recent blocks in its staging, outside the codes
             raise PreconditionError("cpu_offload_bytes", "the host tier holds 16- and 8-bit layers only, "
                                                          "not int4 (quantization_bitwidth 4)")
-        l2, per_block = host_layout(layout, cfg.cpu_offload_bytes)
+        l2, per_block = host_layout(layout, cfg.cpu_offload_bytes, cfg.cpu_offload_kv_format)
         slots = l2.num_blocks
         # disk hits are read into staging slots past L2's: one batch of prefill blocks per plan
         staging = min(256, max(8, slots // 4)) if cfg.disk_cache_dir or cfg.remote_cache_url else 0
@@ -153,8 +153,8 @@ class CacheService:
             self.host_storage.close()
         self.host_storage = PoolStorage(dataclasses.replace(l2, num_blocks=slots + staging), self.shared, self.epoch)
         assert self.manager is not None  # made by attach, under the lock
-        bits = max(layout.layer_bits)
-        fmt = TierFormat("pool", bits, per_block)
+        bits = max(l2.layer_bits)
+        fmt = TierFormat(cfg.cpu_offload_kv_format, bits, per_block)
         disk = host = remote = None
         if staging:
             from nanokv.cache_service.storage import HostSlots
@@ -163,22 +163,24 @@ class CacheService:
         if cfg.disk_cache_dir and host is not None:
             from nanokv.cache_service.tiers.disk_tier import DiskTier
 
-            disk = DiskTier(self._disk_store(layout), host.slot_bytes, bits, cfg.disk_cache_policy)
+            disk = DiskTier(self._disk_store(l2), host.slot_bytes, bits, cfg.disk_cache_policy)
         if cfg.remote_cache_url and host is not None:
             from nanokv.cache_service.tiers.remote_store import RemoteStore, check_url
             from nanokv.cache_service.tiers.remote_tier import RemoteTier
 
             check_url(cfg.remote_cache_url)
-            store = RemoteStore(cfg.remote_cache_url, self._fingerprint(layout), ttl_s=cfg.remote_cache_ttl_s)
+            store = RemoteStore(cfg.remote_cache_url, self._fingerprint(l2), ttl_s=cfg.remote_cache_ttl_s)
             remote = RemoteTier(store, host.slot_bytes)
         self.tiers = ServingTiers(self.manager, slots, fmt, cfg.cpu_offload_policy, disk=disk, host=host,
                                   staging=staging, remote=remote)
-        log.info("host tier (L2): %d blocks, %d bytes, policy %s", slots, self.host_storage.nbytes,
-                 cfg.cpu_offload_policy)
+        log.info("host tier (L2): %d blocks, %d bytes, format %s, policy %s", slots, self.host_storage.nbytes,
+                 cfg.cpu_offload_kv_format, cfg.cpu_offload_policy)
         return dataclasses.replace(handle, host_tier=self.host_storage.handle(), host_tier_blocks=slots + staging)
 
     def _fingerprint(self, layout: PoolLayout) -> str:
-        """What a stored block's bytes depend on: the model and the KV layout (disk files, shared tier)."""
+        """What a stored block's bytes depend on: the model and the host tier's KV layout (disk files,
+        shared tier): its layer bits are the tier format's (cpu_offload_kv_format), so a change of
+        either format makes every stored block foreign."""
         return (f"model={self.attached_model or 'unnamed'};bits={layout.layer_bits};dtype={layout.dtype};"
                 f"block={layout.block_size};heads={layout.num_kv_heads};dim={layout.head_dim}")
 

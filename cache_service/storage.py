@@ -33,12 +33,16 @@ def rank_layouts(layout: PoolLayout) -> list[PoolLayout]:
             for heads, device in zip(layout.rank_kv_heads, layout.rank_devices)]
 
 
-def host_layout(layout: PoolLayout, budget_bytes: int) -> tuple[PoolLayout, int]:
-    """The host tier's layout: the pool's, on the host, with as many blocks as `budget_bytes` holds;
-    and the bytes one block takes there. A ConfigError when the budget holds no block."""
+def host_layout(layout: PoolLayout, budget_bytes: int, tier_format: str = "pool") -> tuple[PoolLayout, int]:
+    """The host tier's layout: the pool's, on the host, in the tier's format (cpu_offload_kv_format:
+    the pool's own, or int8 / int4 where that is narrower than a layer's), with as many blocks as
+    `budget_bytes` holds; and the bytes one block takes there. A ConfigError when the budget holds
+    no block."""
     from nanokv.errors import ConfigError
+    from nanokv.kv.tier_transcode import tier_layer_bits
 
-    one = dataclasses.replace(layout, device="cpu", rank_kv_heads=[], rank_devices=[], num_blocks=1024)
+    one = dataclasses.replace(layout, device="cpu", rank_kv_heads=[], rank_devices=[], num_blocks=1024,
+                              layer_bits=tier_layer_bits(layout.layer_bits, tier_format))
     fixed = pool_nbytes(dataclasses.replace(one, num_blocks=1))  # (alignment and int4 staging)
     per_block = max(1, (pool_nbytes(one) - fixed) // 1023)
     n = (budget_bytes - fixed) // per_block

@@ -55,6 +55,9 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_
     n = src_rows.numel()
     if n == 0:
         return
+    if src.stride()[1:] != dst.stride()[1:] or src.shape[1:] != dst.shape[1:]:
+        raise ValueError(f"rows laid out differently: {tuple(src.shape)} {src.stride()} and "
+                         f"{tuple(dst.shape)} {dst.stride()}")
     s, d = words(src), words(dst)
     if s.shape[1] != d.shape[1]:
         raise ValueError(f"row sizes differ: {s.shape[1]} and {d.shape[1]} words")

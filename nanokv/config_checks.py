@@ -159,6 +159,8 @@ def parse_bitwidth(value: Any) -> dict[str, Any]:
 
 
 TIER_POLICIES = tuple(p for p in EVICTION_POLICIES if p not in ("adaptive", "depth_lru"))
+# the lower tiers' storage format (nanokv.kv.tier_transcode.TIER_FORMAT_BITS): the pool's own, or narrower
+TIER_KV_FORMATS = ("pool", "int8", "int4")
 
 
 def tiers(cfg: Any) -> None:
@@ -166,6 +168,10 @@ def tiers(cfg: Any) -> None:
     int_range(cfg, "cpu_offload_bytes", 0)
     int_range(cfg, "disk_cache_bytes", 0)
     choice(cfg, "cpu_offload_policy", TIER_POLICIES)
+    choice(cfg, "cpu_offload_kv_format", TIER_KV_FORMATS)
+    if cfg.cpu_offload_kv_format != "pool" and cfg.cpu_offload_bytes == 0:
+        raise ConfigError("cpu_offload_kv_format", f"got {cfg.cpu_offload_kv_format!r} with no host tier: "
+                                                   "set cpu_offload_bytes > 0, or leave it 'pool'")
     choice(cfg, "disk_cache_policy", TIER_POLICIES)
     d = cfg.disk_cache_dir
     if d is not None and (not isinstance(d, str) or not d.strip()):

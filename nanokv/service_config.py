@@ -134,6 +134,10 @@ class CacheConfig(KVFormat, ServiceProcess, Adaptive, Sparsity):
     # the memory hierarchy below the device pool (docs/hierarchy.md); 0 / None = off
     cpu_offload_bytes: int = 0  # L2: host memory (shared with the compute service) for evicted blocks
     cpu_offload_policy: str = "lru"  # L2's own eviction policy
+    # the format L2 stores blocks in, and so L3 and the shared tier (they keep L2's bytes as they are):
+    # "pool" (the device pool's own), "int8" or "int4" (quantized on the way down: ~1.9x / ~3x the blocks
+    # of a 16-bit pool per byte, at the quality cost of docs/quality.md, "Lower tiers")
+    cpu_offload_kv_format: str = "pool"
     disk_cache_dir: str | None = None  # L3: a directory of block files, kept across restarts
     disk_cache_bytes: int = 0  # L3's byte budget
     disk_cache_policy: str = "lru"

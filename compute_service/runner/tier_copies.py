@@ -9,7 +9,8 @@ of one kind with distinct destinations are batched into one gather and one scatt
 On a GPU whose host segment is page-locked, a kernel moves the rows in place over the link
 (kernels/triton_tier_copy.py): one launch per tensor and direction, ordered on the step's stream
 before the forward pass, with no host work; a write-back's slots are settled once the step's event
-has completed (``flush`` waits for it). Where the segment could not be page-locked the host does it:
+has completed (``flush`` waits for it). Where the segment could not be page-locked (or the kernel
+cannot reach it: checked once when mapped) the host does it:
   * a load gathers its slots on the host into a pinned bounce buffer, then one non-blocking copy
     per tensor goes up and a scatter puts the blocks in place, all queued before the forward pass;
   * a write-back (save) gathers its blocks on the device into a buffer, copies it non-blocking into
@@ -19,6 +20,13 @@ has completed (``flush`` waits for it). Where the segment could not be page-lock
     whose save is still pending flushes first.
 The host segment is page-locked once when mapped (cudaHostRegister for a shared-memory segment,
 pinned memory in process), which a non-blocking copy needs.
+
+A host tier may store a narrower format than the pool (cpu_offload_kv_format int8 or int4;
+nanokv.kv.tier_transcode): a layer whose formats differ is quantized on the device before it goes
+down (fewer bytes cross the bus) and dequantized on the device after it comes up; on the CPU the
+same happens straight between the pool and the slots. Layers of one format copy bytes as before.
+The handle names no format: the segment's size does (`tier_layout`), the three candidate layouts
+of a pool differ in size.
 """
 
 from __future__ import annotations
@@ -30,11 +38,27 @@ from collections.abc import Sequence
 import torch
 
 from nanokv.errors import NanoKVError
+from nanokv.kv import tier_transcode as tt
 from nanokv.kv.cache import LayerKV
-from nanokv.kv.segment import carve_layer_caches, map_handle
+from nanokv.kv.segment import carve_layer_caches, map_handle, pool_nbytes
 from nanokv.messages import COPY_LOAD, COPY_SAVE, PoolHandle, PoolLayout
 
 log = logging.getLogger("nanokv.compute_service")
+
+
+def tier_layout(layout: PoolLayout, slots: int, nbytes: int) -> PoolLayout:
+    """The host tier's layout: the pool's on the host, `slots` blocks, in the tier format whose
+    segment is `nbytes` long (cache_service/storage.py host_layout made it)."""
+    base = dataclasses.replace(layout, num_blocks=slots, device="cpu", rank_kv_heads=[], rank_devices=[])
+    found: list[PoolLayout] = []
+    for fmt in tt.TIER_FORMAT_BITS:
+        cand = dataclasses.replace(base, layer_bits=tt.tier_layer_bits(layout.layer_bits, fmt))
+        if cand not in found and pool_nbytes(cand) == nbytes:
+            found.append(cand)
+    if len(found) != 1:
+        raise NanoKVError("host_tier", f"a host segment of {nbytes} bytes for {slots} slots is "
+                                       f"{'no' if not found else 'more than one'} tier format of this pool")
+    return found[0]
 
 
 class HostTier:
@@ -52,13 +76,11 @@ class HostTier:
             if int(rc) == 0:  # page-locked: non-blocking copies from and to it
                 self._registered = buf
         self.buffer = buf
+        self.layout = tier_layout(layout, self.num_slots, handle.host_tier.nbytes)
+        self.caches = carve_layer_caches(self.layout, buf)
         # the device reaches the segment in place (unified addressing) only if it is page-locked
         self.device_access = device is not None and device.type == "cuda" and (
-            self._registered is not None or buf.is_pinned())
-        l2 = dataclasses.replace(layout, num_blocks=self.num_slots, device="cpu", rank_kv_heads=[], rank_devices=[])
-        self.caches = carve_layer_caches(l2, buf)
-        if self.device_access and device is not None:
-            self.device_access = _kernel_reaches(self.caches[0].k, device)
+            self._registered is not None or buf.is_pinned()) and _kernel_reaches(self.caches[0].k, device)
         self._pending: list[tuple[torch.cuda.Event, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = []
         self._pending_slots: set[int] = set()
 
@@ -81,11 +103,11 @@ class HostTier:
 
 def _kernel_reaches(host: torch.Tensor, device: torch.device) -> bool:
     """Whether the copy kernel reads this page-locked host tensor in place and gets its bytes (one
-    row, to a scratch row on the device and back); if not, the host-side copies serve instead."""
+    row, to a scratch row on the device); if not, the host-side copies serve instead."""
     from nanokv.kernels.triton_tier_copy import copy_rows
 
     try:
-        row = torch.zeros((1, *host.shape[1:]), dtype=host.dtype, device=device)
+        row = torch.empty_like(host[:1], device=device)
         idx = torch.zeros(1, dtype=torch.long, device=device)
         copy_rows(host, row, idx, idx)
         torch.cuda.synchronize(device)
@@ -136,23 +158,29 @@ def run_copies(copies: Sequence[tuple[int, int, int]], l1: list[LayerKV], l2: Ho
         s = torch.tensor(slots, dtype=torch.long)
         if kind == COPY_LOAD and l2._pending_slots.intersection(slots):
             l2.flush()  # a slot written back moments ago is read again
-        scatters = []
+        scatters: list[tuple[torch.Tensor, torch.Tensor]] = []
         for dev, host in zip(l1, l2.caches):
-            for name in dev.block_fields:
-                d, h = getattr(dev, name), getattr(host, name)
-                if kind == COPY_SAVE:  # [n, ...] gathered on the device, one copy to the host
+            names = host.block_fields
+            if kind == COPY_SAVE:  # [n, ...] per field on the device, one copy each to the host
+                if tt.same_format(dev, host):
+                    rows = {n: getattr(dev, n).index_select(0, b) for n in names}
+                else:
+                    rows = tt.encode(*tt.read_blocks(dev, b), tt.basis(dev), host.bits)
+                for n in names:
+                    h = getattr(host, n)
                     if not cuda:
-                        h.index_copy_(0, s, d.index_select(0, b))
+                        h.index_copy_(0, s, rows[n])
                         continue
-                    bounce = torch.empty((len(blocks), *d.shape[1:]), dtype=d.dtype, pin_memory=True)
-                    bounce.copy_(d.index_select(0, b), non_blocking=True)
+                    bounce = torch.empty(rows[n].shape, dtype=h.dtype, pin_memory=True)
+                    bounce.copy_(rows[n], non_blocking=True)
                     scatters.append((h, bounce))
-                elif not cuda:
-                    d.index_copy_(0, b, h.index_select(0, s))
-                else:  # gathered on the host straight into pinned memory, one copy up, scattered on the device
-                    rows = torch.empty((len(slots), *h.shape[1:]), dtype=h.dtype, pin_memory=True)
-                    torch.index_select(h, 0, s, out=rows)
-                    d.index_copy_(0, b, rows.to(device, non_blocking=True))
+                continue
+            up = {n: _gather_up(getattr(host, n), s, device, cuda) for n in names}
+            if tt.same_format(dev, host):
+                for n in names:
+                    getattr(dev, n).index_copy_(0, b, up[n])
+            else:  # dequantized on the device, into L1's format
+                tt.write_blocks(dev, b, *tt.decode(up, host.bits, tt.basis(dev)))
         if scatters:
             event = torch.cuda.Event()
             event.record()
@@ -160,21 +188,51 @@ def run_copies(copies: Sequence[tuple[int, int, int]], l1: list[LayerKV], l2: Ho
             l2._pending_slots.update(slots)
 
 
+def _gather_up(h: torch.Tensor, s: torch.Tensor, device: torch.device, cuda: bool) -> torch.Tensor:
+    """Host rows `s` of one field [n, ...] on `device`: on a GPU gathered straight into pinned memory
+    and sent up in one non-blocking copy."""
+    if not cuda:
+        return h.index_select(0, s)
+    rows = torch.empty((len(s), *h.shape[1:]), dtype=h.dtype, pin_memory=True)
+    torch.index_select(h, 0, s, out=rows)
+    return rows.to(device, non_blocking=True)
+
+
 def _run_on_device(copies: Sequence[tuple[int, int, int]], l1: list[LayerKV], l2: HostTier,
                    device: torch.device) -> None:
-    """The copies as kernels reading or writing the page-locked host rows in place, in order."""
+    """The copies as kernels reading or writing the page-locked host rows in place, in order. A layer
+    of another tier format is encoded into (or decoded from) device rows laid out like the host's."""
     from nanokv.kernels.triton_tier_copy import copy_rows
 
     for kind, blocks, slots in _runs(copies):
         b = torch.tensor(blocks, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
         s = torch.tensor(slots, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+        seq = torch.arange(len(slots), device=device)
         for dev, host in zip(l1, l2.caches):
-            for name in dev.block_fields:
-                d, h = getattr(dev, name), getattr(host, name)
-                if kind == COPY_SAVE:
-                    copy_rows(d, h, b, s)
-                else:
-                    copy_rows(h, d, s, b)
+            names = host.block_fields
+            same = tt.same_format(dev, host)
+            if kind == COPY_SAVE:
+                if same:
+                    for n in names:
+                        copy_rows(getattr(dev, n), getattr(host, n), b, s)
+                    continue
+                rows = tt.encode(*tt.read_blocks(dev, b), tt.basis(dev), host.bits)
+                for n in names:
+                    h = getattr(host, n)
+                    staged = torch.empty_like(h[:len(slots)], device=device)  # the host rows' strides
+                    staged.copy_(rows[n])
+                    copy_rows(staged, h, seq, s)
+                continue
+            if same:
+                for n in names:
+                    copy_rows(getattr(host, n), getattr(dev, n), s, b)
+                continue
+            up = {}
+            for n in names:
+                h = getattr(host, n)
+                up[n] = torch.empty_like(h[:len(slots)], device=device)
+                copy_rows(h, up[n], s, seq)
+            tt.write_blocks(dev, b, *tt.decode(up, host.bits, tt.basis(dev)))
         if kind == COPY_SAVE:  # the slots are settled when this event has completed (flush)
             event = torch.cuda.Event()
             event.record()

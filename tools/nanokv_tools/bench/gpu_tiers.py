@@ -89,13 +89,14 @@ def bandwidth(model: str, blocks: int, block_size: int = 16) -> dict[str, float]
 CONFIGS: dict[str, str] = {
     "L1": "",
     "L1+L2": "--cpu-offload-bytes {l2}",
+    "L1+L2(int8)": "--cpu-offload-bytes {l2} --cpu-offload-kv-format int8",
     "L1+L2+L3": "--cpu-offload-bytes {l3_l2} --disk-cache-dir {dir} --disk-cache-bytes {l3}",
 }
 
 
 def serve(args: argparse.Namespace, name: str, extra: str, out_dir: str, command: str) -> dict[str, Any]:
     label = name if command == "serve" else f"{name} ({command})"
-    path = os.path.join(out_dir, f"serve_{name.replace('+', '_')}_{command}.json")
+    path = os.path.join(out_dir, f"serve_{name.replace('+', '_').replace('(', '_').replace(')', '')}_{command}.json")
     server = f"--model {args.model} --num-gpu-blocks {args.l1_blocks} --max-num-seqs {args.max_num_seqs} {extra}"
     # nanokv.v1 gRPC: its chunks carry token ids (a model without a tokenizer streams no OpenAI text)
     cmd = [sys.executable, "-m", "nanokv_tools.bench.serve", "--launch", "--launch-command", command,

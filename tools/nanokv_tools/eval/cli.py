@@ -4,6 +4,8 @@
                 [--tokens 8192 --context 2048 --chunk 64] [--passkey-lengths 512,1024,2048]
                 [--corpus FILE] [--model PATH] [--json OUT]
     nanokv eval --setting int8 --setting int4 ...      (named presets, all in one lockstep run)
+    nanokv eval --lower-tier-format int8,int4   (a full-precision cache whose full blocks are served from
+                                               an int8 / int4 lower tier: each round-trips once it fills)
     nanokv eval --compression-sparsity 0.25,0.5,0.75 --sparsity-policy streaming,attention,hybrid
                 (block sparsity on top of each setting: every (policy, s) pair, plus the dense setting)
 
@@ -39,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rotation", default="auto", help="Hadamard key rotation: auto (format default), on, off")
     p.add_argument("--setting", action="append", default=[],
                    help=f"named preset, repeatable: {', '.join(settings.PRESETS)}")
+    p.add_argument("--lower-tier-format", default="",
+                   help="comma list of int8, int4: also score a full-precision cache whose full blocks come "
+                        "from a lower tier of that format (round-tripped once they fill; docs/quality.md)")
     p.add_argument("--compression-sparsity", default="0",
                    help="fraction of full blocks dropped (hybrid: dropped or demoted); a comma list runs each")
     p.add_argument("--sparsity-policy", default="streaming",
@@ -123,8 +128,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         raise NanoKVError("threads", f"got {args.threads}; must be >= 1")
     import torch
     torch.set_num_threads(args.threads)
-    chosen = [settings.preset(n) for n in args.setting] or [
-        settings.from_args(args.quantization_bitwidth, args.layer_bits, args.rotation)]
+    tiers = settings.lower_tiers(args.lower_tier_format)
+    chosen = [settings.preset(n) for n in args.setting] or ([] if tiers else [
+        settings.from_args(args.quantization_bitwidth, args.layer_bits, args.rotation)])
+    chosen += [t for t in tiers if t.name not in {c.name for c in chosen}]
     chosen += [s.with_sparsity(v) for s in list(chosen) for v in sparsity_variants(args)]
     path, text = corpus.read_corpus(args.corpus) if args.tokens else (None, "")
     longest = max([args.context if args.tokens else 0] + [L + MAX_NEW for L in lengths])

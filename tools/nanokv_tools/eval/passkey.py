@@ -102,7 +102,8 @@ def run_passkey(bench: Bench, lengths: list[int], trials: int, seed: int = 0,
                 for name, runner in runners.items():
                     s = bench.settings.get(name)
                     sp = s.sparsity if s is not None else None
-                    view = SparseView(sp, runner, table, bench.kv_bytes[name])
+                    view = SparseView(sp, runner, table, bench.kv_bytes[name],
+                                      s.tier_bits if s is not None else None)
                     text = tok.decode(greedy(runner, ids, view, MAX_NEW, eng.eos_token_ids,
                                              chunk if sp is not None else None))
                     bench.note_peak("passkey", name, view)

@@ -33,8 +33,8 @@ def run_perplexity(bench: Bench, windows: list[list[int]], chunk: int,
         if table is None:
             raise RuntimeError(f"cache too small for a {len(toks)}-token window")
         ref_view = SparseView(None, eng.runner, table, bench.kv_bytes["fp"])
-        views = {name: SparseView(bench.settings[name].sparsity, runner, table, bench.kv_bytes[name])
-                 for name, runner in bench.runners.items()}
+        views = {name: SparseView(bench.settings[name].sparsity, runner, table, bench.kv_bytes[name],
+                                  bench.settings[name].tier_bits) for name, runner in bench.runners.items()}
         try:
             for start in range(0, len(toks), chunk):
                 n = min(chunk, len(toks) - start)

@@ -28,6 +28,9 @@ class Setting:
     # simulation only: the 16-bit cache stores values rotated (v R) and rotates the output back, exactly
     # as the int4 format does (nanokv.compute_service.kv_hooks), so a FakeQuant sees the very values int4 quantizes
     rotate_v: bool = False
+    # a full-precision cache whose full blocks are served from a lower tier of this format (8, 4): each
+    # block round-trips through the tier format once it fills (nanokv_tools.eval.sparse, SparseView)
+    tier_bits: int | None = None
 
     def with_sparsity(self, params: SparsityParams) -> Setting:
         """The same format with block sparsity, named e.g. 'int8 attention@0.5'."""
@@ -40,7 +43,7 @@ class Setting:
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "quantization_bitwidth": self.bitwidth, "rotate": self.rotate,
-                "rotate_v": self.rotate_v,
+                "rotate_v": self.rotate_v, "lower_tier_bits": self.tier_bits,
                 "fake_quant": None if self.fake_quant is None else vars(self.fake_quant),
                 "sparsity": None if self.sparsity is None else vars(self.sparsity)}
 
@@ -55,7 +58,11 @@ def plan_bits(bitwidth: dict[str, Any] | None, num_layers: int) -> list[int]:
 
 
 def bytes_per_token(s: Setting, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int) -> float:
-    """KV bytes one token takes over all layers, scales and zero points included; 16-bit = bf16."""
+    """KV bytes one token takes over all layers, scales and zero points included; 16-bit = bf16.
+    A lower-tier setting: the bytes in its tier (L1 holds them at full precision)."""
+    if s.tier_bits is not None:
+        per_block = bytes_per_block(s.tier_bits, num_kv_heads, block_size, head_dim, torch.bfloat16)
+        return num_layers * per_block / block_size
     if s.fake_quant is not None:
         bits = s.fake_quant.bits_per_value(head_dim, block_size)
         return num_layers * 2 * num_kv_heads * head_dim * bits / 8
@@ -70,6 +77,9 @@ PRESETS: dict[str, Setting] = {
     "fp-self": Setting("fp-self", parse_bitwidth(16)),  # a second full-precision cache: must score 0
     "int8": Setting("int8", parse_bitwidth(8)),  # the format default: keys rotated
     "int8-plain": Setting("int8-plain", parse_bitwidth(8), rotate=False),
+    # a full-precision cache whose prefix blocks come from an int8 / int4 lower tier (--lower-tier-format)
+    "tier-int8": Setting("tier-int8", None, tier_bits=8),
+    "tier-int4": Setting("tier-int4", None, tier_bits=4),
     "int4": Setting("int4", parse_bitwidth(4)),  # the format default: keys rotated
     "int4-plain": Setting("int4-plain", parse_bitwidth(4), rotate=False),
     "int4-mixed": Setting("int4-mixed", parse_bitwidth(_MIXED)),
@@ -147,6 +157,15 @@ def from_args(bitwidth: Any, layer_bits: str | None, rotation: str) -> Setting:
 def json_compact(obj: Any) -> str:
     import json
     return json.dumps(obj, separators=(",", ":"), sort_keys=True)
+
+
+def lower_tiers(value: str) -> list[Setting]:
+    """--lower-tier-format: a comma list of int8, int4 -> the tier-int8 / tier-int4 settings."""
+    names = [x.strip() for x in value.split(",") if x.strip()]
+    for n in names:
+        if n not in ("int8", "int4"):
+            raise NanoKVError("lower_tier_format", f"got {n!r}; allowed: int8, int4 (a comma list)")
+    return [PRESETS[f"tier-{n}"] for n in names]
 
 
 def preset(name: str) -> Setting:

@@ -22,13 +22,18 @@ from typing import Any
 
 from nanokv.cache_service.sparsity.state import SequenceSparsity
 from nanokv.compute_service.sparsity.accounting import KVBytes
-from nanokv.kv import demote
+from nanokv.kv import demote, tier_transcode
 from nanokv.sparsity import SparsityParams
 
 
 class SparseView:
-    def __init__(self, params: SparsityParams | None, runner: Any, table: list[int], kv_bytes: KVBytes) -> None:
+    def __init__(self, params: SparsityParams | None, runner: Any, table: list[int], kv_bytes: KVBytes,
+                 tier_bits: int | None = None) -> None:
         self.params = params
+        # a lower-tier setting: every block that fills is round-tripped through that tier's format
+        # (as if it had been written down and loaded back: nanokv.kv.tier_transcode), once
+        self.tier_bits = tier_bits
+        self.tiered = 0  # leading blocks of the table already round-tripped
         self.runner = runner
         self.table = list(table)  # this setting's copy: -1 where it dropped a block, -2 - j where it demoted one
         self.kv_bytes = kv_bytes
@@ -42,6 +47,8 @@ class SparseView:
         self.store_full = 0  # demotions refused because the store had no free slot (sized not to happen)
 
     def after_step(self, num_computed_tokens: int) -> None:
+        if self.tier_bits is not None:
+            self._through_tier(num_computed_tokens // self.kv_bytes.block_size)
         st = self.state
         self.peak_bytes = max(self.peak_bytes, self.kv_bytes.live(self.table, num_computed_tokens))
         n = -(-num_computed_tokens // self.kv_bytes.block_size)
@@ -62,6 +69,19 @@ class SparseView:
         t["full"] += num_computed_tokens // self.kv_bytes.block_size
         t["dropped"] += len(st.dropped)
         t["demoted"] += len(st.demoted)
+
+    def _through_tier(self, full: int) -> None:
+        """Blocks [tiered, full) just filled: after this step's attention they read as tier blocks."""
+        import torch
+
+        ids = [b for b in self.table[self.tiered:full] if b >= 0]
+        self.tiered = max(self.tiered, full)
+        if not ids:
+            return
+        assert self.tier_bits is not None
+        idx = torch.tensor(ids, dtype=torch.long)
+        for cache in self.runner.kv_caches:
+            tier_transcode.round_trip(cache, idx, self.tier_bits)
 
     def _demote(self, logical: list[int]) -> list[int]:
         """Move these int8 blocks into the store; returns the logical indices really moved."""
