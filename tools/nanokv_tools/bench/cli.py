@@ -44,7 +44,7 @@ def run_bench(args: argparse.Namespace, engine_kw: dict[str, Any]) -> int:
     workload = args.workload or ("cpu" if engine_kw.get("device", "cpu") == "cpu" else "nanovllm")
     if workload == "cpu-stream":
         from nanokv_tools.bench.cpu_stream import run_cpu_stream_bench
-        result = run_cpu_stream_bench(engine_kw, compare=args.compare == "llama.cpp")
+        result = run_cpu_stream_bench(engine_kw, compare=args.compare == "llama.cpp", quick=args.quick)
     elif workload == "cpu":
         from nanokv_tools.bench.cpu import run_cpu_bench
         result = run_cpu_bench(engine_kw, compare=args.compare != "none", quick=args.quick,

@@ -4,7 +4,9 @@
 (raw text, no chat template), tokenized once by nanokv's tokenizer; both engines get the same token
 ids (same count, reported), greedy, exactly 128 new tokens (EOS ignored), prefix caches off (every
 run prefills the whole prompt). Three runs each, alternating nanokv / llama.cpp, after one warm-up
-each. Reported per run and as the median:
+each (--quick: 32 new tokens, two runs each). The 1-minute load average before and after is
+recorded: the box may be shared, so the ratio of the two engines is the figure to read.
+Reported per run and as the median:
   decode tok/s      = (new tokens - 1) / (last token time - first token time): the per-token loop;
   end-to-end tok/s  = new tokens / wall time of the whole generate call (prefill included).
 llama-cpp-python is a benchmark-only dependency (pip install -e 'tools[cpu-peer]').
@@ -21,6 +23,7 @@ import torch
 
 NEW_TOKENS = 128
 RUNS = 3
+QUICK = (32, 2)  # --quick: new tokens, runs (a smoke run, or a box too loaded for the full one)
 PROMPT = (
     "The old lighthouse stood at the edge of the northern cliffs for more than two hundred years. "
     "Its keepers kept careful logs of every storm, every ship that passed in the night, and every "
@@ -38,10 +41,10 @@ PROMPT = (
 )
 
 
-def _nanokv_run(llm: Any, ids: list[int]) -> dict[str, Any]:
+def _nanokv_run(llm: Any, ids: list[int], new_tokens: int) -> dict[str, Any]:
     from nanokv.sampling import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     out = llm.generate([ids], sp, use_tqdm=False)[0]
     wall = time.perf_counter() - t0
@@ -50,7 +53,7 @@ def _nanokv_run(llm: Any, ids: list[int]) -> dict[str, Any]:
             "e2e_tok_s": n / wall, "token_ids": list(out.token_ids)}
 
 
-def _llamacpp_run(llm: Any, ids: list[int]) -> dict[str, Any]:
+def _llamacpp_run(llm: Any, ids: list[int], new_tokens: int) -> dict[str, Any]:
     llm.reset()  # forget the previous run's tokens: no prefix reuse, the prompt is prefilled again
     n, first = 0, 0.0
     toks: list[int] = []
@@ -60,7 +63,7 @@ def _llamacpp_run(llm: Any, ids: list[int]) -> dict[str, Any]:
         toks.append(int(tok))
         if n == 1:
             first = time.perf_counter()
-        if n == NEW_TOKENS:  # EOS ignored: stop only at the count
+        if n == new_tokens:  # EOS ignored: stop only at the count
             break
     end = time.perf_counter()
     return {"tokens": n, "wall_s": end - t0, "decode_tok_s": (n - 1) / (end - first), "e2e_tok_s": n / (end - t0),
@@ -73,11 +76,12 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "e2e_tok_s_median": statistics.median(r["e2e_tok_s"] for r in runs)}
 
 
-def run_cpu_stream_bench(engine_kw: dict[str, Any], compare: bool) -> dict[str, Any]:
+def run_cpu_stream_bench(engine_kw: dict[str, Any], compare: bool, quick: bool = False) -> dict[str, Any]:
     from nanokv.compute_service.model.loader import embedded_model_path, resolve_model_path
     from nanokv.gateway.llm import LLM
 
     threads = torch.get_num_threads()
+    new_tokens, runs = QUICK if quick else (NEW_TOKENS, RUNS)
     kw = {"device": "cpu", "enable_prefix_caching": False, "max_num_seqs": 1, **engine_kw}
     llm = LLM(**kw)
     ids = llm.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
@@ -91,32 +95,32 @@ def run_cpu_stream_bench(engine_kw: dict[str, Any], compare: bool) -> dict[str, 
         peer = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512,
                      verbose=False)
     load_before = os.getloadavg()
-    _nanokv_run(llm, ids)  # warm-up (first-call allocations, kernel selection)
+    _nanokv_run(llm, ids, new_tokens)  # warm-up (first-call allocations, kernel selection)
     if peer is not None:
-        _llamacpp_run(peer, ids)
+        _llamacpp_run(peer, ids, new_tokens)
     nano_runs, peer_runs = [], []
-    for _ in range(RUNS):
-        nano_runs.append(_nanokv_run(llm, ids))
+    for _ in range(runs):
+        nano_runs.append(_nanokv_run(llm, ids, new_tokens))
         if peer is not None:
-            peer_runs.append(_llamacpp_run(peer, ids))
+            peer_runs.append(_llamacpp_run(peer, ids, new_tokens))
     from nanokv.compute_service.model.loader import resolve_weight_quantization
 
     wq = resolve_weight_quantization(kw.get("weight_quantization", "none"), resolve_model_path(kw.get("model"))[0],
                                      "cpu", 1)
     result: dict[str, Any] = {
         "workload": "cpu-stream", "model_path_name": path.rsplit("/", 1)[-1], "prompt_words": len(PROMPT.split()),
-        "prompt_tokens": len(ids), "new_tokens": NEW_TOKENS, "runs": RUNS, "torch_threads": threads,
+        "prompt_tokens": len(ids), "new_tokens": new_tokens, "runs": runs, "torch_threads": threads,
         "weight_quantization": wq, "nanokv": _summary(nano_runs),
         # the box is shared: other jobs' load (1-minute average) before and after the runs
         "load_average_1m": [load_before[0], os.getloadavg()[0]],
     }
     n = result["nanokv"]
-    print(f"prompt: {len(PROMPT.split())} words = {len(ids)} tokens (the same ids to both); {NEW_TOKENS} new "
+    print(f"prompt: {len(PROMPT.split())} words = {len(ids)} tokens (the same ids to both); {new_tokens} new "
           f"tokens, greedy, EOS ignored; {threads} threads; weight_quantization={wq}; load average "
           f"{result['load_average_1m'][0]:.1f} -> {result['load_average_1m'][1]:.1f}")
     print("decode tok/s = (new - 1) / (last - first token time); end-to-end tok/s = new / wall (prefill included)")
     print(f"nanokv:    decode {n['decode_tok_s_median']:.1f} tok/s, end-to-end {n['e2e_tok_s_median']:.1f} tok/s "
-          f"(median of {RUNS}: " + ", ".join(f"{r['decode_tok_s']:.1f}" for r in nano_runs) + ")")
+          f"(median of {runs}: " + ", ".join(f"{r['decode_tok_s']:.1f}" for r in nano_runs) + ")")
     if peer is not None:
         result["llama_cpp"] = p = _summary(peer_runs)
         import llama_cpp
@@ -127,9 +131,9 @@ def run_cpu_stream_bench(engine_kw: dict[str, Any], compare: bool) -> dict[str, 
         result["ratio_decode"] = n["decode_tok_s_median"] / p["decode_tok_s_median"]
         result["ratio_e2e"] = n["e2e_tok_s_median"] / p["e2e_tok_s_median"]
         print(f"llama.cpp: decode {p['decode_tok_s_median']:.1f} tok/s, end-to-end {p['e2e_tok_s_median']:.1f} "
-              f"tok/s (median of {RUNS}: " + ", ".join(f"{r['decode_tok_s']:.1f}" for r in peer_runs) + ")")
+              f"tok/s (median of {runs}: " + ", ".join(f"{r['decode_tok_s']:.1f}" for r in peer_runs) + ")")
         print(f"nanokv / llama.cpp: decode {result['ratio_decode']:.2f}x, end-to-end {result['ratio_e2e']:.2f}x; "
-              f"greedy tokens equal to llama.cpp's: {same}/{NEW_TOKENS} (different arithmetic: not expected "
+              f"greedy tokens equal to llama.cpp's: {same}/{new_tokens} (different arithmetic: not expected "
               "to match throughout)")
     llm.engine.shutdown()
     return result
