@@ -74,7 +74,8 @@ class ComputeService:
             self.model, self.model_config = random_model(cfg.model[len("random:"):], self.dtype, self.device,
                                                          seed=cfg.seed, tp_size=tp)
         else:
-            self.model, self.model_config = load_model(cfg.model, self.dtype, self.device, tp_size=tp)
+            self.model, self.model_config = load_model(cfg.model, self.dtype, self.device, tp_size=tp,
+                                                       weight_quantization=cfg.weight_quantization)
         self.model_name = cfg.model or "SmolLM2-135M-Instruct"
         mc = self.model_config
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

@@ -24,6 +24,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
     g.add_argument("--dtype", default=None)
     g.add_argument("--device", default=None)
+    g.add_argument("--weight-quantization", default=None, help="auto, none or gguf (docs/cpu-decode.md)")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--num-gpu-blocks", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
@@ -48,8 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kernel-options", default=None, help="Triton kernel overrides 'name=value,...' (A/B runs)")
 
 
-ENGINE_KEYS = ("model", "dtype", "device", "block_size", "num_gpu_blocks", "gpu_memory_utilization",
-               "max_num_seqs", "max_num_batched_tokens", "max_model_len", "eviction_policy",
+ENGINE_KEYS = ("model", "dtype", "device", "weight_quantization", "block_size", "num_gpu_blocks",
+               "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "eviction_policy",
                "enable_compression", "quantization_bitwidth", "compression_sparsity", "sparsity_policy",
                "sparsity_options", "enforce_eager", "batch_invariant", "tensor_parallel_size", "attention_backend",
                "enable_prefix_caching", "adaptive", "kernel_options")

@@ -24,6 +24,7 @@ SPARSITY_POLICIES = ("streaming", "interval", "attention", "hybrid")
 HASH_ALGOS = ("sha256", "blake2b")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+WEIGHT_QUANTIZATIONS = ("auto", "none", "gguf")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_BITS = (4, 8, 16)  # 16 = full precision (the model dtype) for that layer
 

@@ -167,6 +167,9 @@ class ComputeConfig(KVFormat, ServiceProcess, BatchLimits, Adaptive, Sparsity):
     weights' and activations' memory) and asks the cache service to allocate it."""
     model: str | None = None  # GGUF file, HF folder, or None for the embedded SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    # GGUF Q4_0/Q4_1 weights: "gguf" keeps them packed in 4 bits (CPU, one rank; docs/cpu-decode.md), "none"
+    # dequantizes to `dtype` (greedy == HF), "auto" = gguf where it applies, else none
+    weight_quantization: str = "none"
     seed: int = 0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     num_gpu_blocks: int | None = None  # overrides the memory-derived count (on any device)
@@ -191,6 +194,7 @@ class ComputeConfig(KVFormat, ServiceProcess, BatchLimits, Adaptive, Sparsity):
                                        "(the embedded SmolLM2-135M-Instruct)")
         ck.choice(self, "dtype", ck.DTYPES)
         ck.choice(self, "attention_backend", ck.ATTENTION_BACKENDS)
+        ck.choice(self, "weight_quantization", ck.WEIGHT_QUANTIZATIONS)
         ck.int_range(self, "num_gpu_blocks", 1, allow_none=True)
         ck.int_range(self, "kv_cache_memory_bytes", 1, allow_none=True)
         ck.int_range(self, "max_model_len", 1, allow_none=True)

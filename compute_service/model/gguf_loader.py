@@ -1,4 +1,5 @@
-"""GGUF checkpoints: ModelConfig from the metadata, weights dequantized to float32 with HF names.
+"""GGUF checkpoints: ModelConfig from the metadata, weights dequantized to float32 with HF names
+(or, with keep_q4, the decoder layers' Q4_0/Q4_1 matrices as qlinear.Q4Rows, kept 4-bit).
 
 llama.cpp stores the "llama" architecture's q/k projection rows permuted (each head's two rotary
 halves interleaved, for its GPT-J-style rope kernel). Our RoPE rotates halves like HF, so those
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from nanokv.compute_service.model.config import ModelConfig
+from nanokv.compute_service.model.layers.qlinear import QTYPES, Int4Linear, Q4Rows
 from nanokv.errors import NanoKVError
 
 # general.architecture -> our family
@@ -146,8 +148,16 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def iter_gguf_weights(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) one at a time, so at most one dequantized copy is alive."""
+def _q4_rows(t: Any) -> Q4Rows:
+    rows, cols = (int(n) for n in reversed(t.shape.tolist()))
+    return Q4Rows.from_blocks(t.data, t.tensor_type.name, rows, cols)
+
+
+def iter_gguf_weights(reader: Any, cfg: ModelConfig, keep_q4: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor | Q4Rows]]:
+    """Yield (HF name, float32 tensor) one at a time, so at most one dequantized copy is alive.
+    keep_q4: the decoder layers' Q4_0 / Q4_1 matrices come as Q4Rows instead (the embedding and an
+    untied LM head stay float: they are looked up / replaced by lm_head_int4)."""
     arch = _meta(reader, "general.architecture")
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
@@ -155,15 +165,47 @@ def iter_gguf_weights(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, torc
         name = hf_name(t.name)
         if name is None:
             raise NanoKVError("model", f"GGUF tensor {t.name!r} is not understood by the llama loader")
-        w = _dequantize(t)
+        q4 = keep_q4 and t.tensor_type.name in QTYPES and name.startswith("model.layers.") and len(t.shape) == 2
+        w: torch.Tensor | Q4Rows = _q4_rows(t) if q4 else _dequantize(t)
         if arch in _PERMUTED_QK and ".q_proj." in name:
-            w = _unpermute(w, cfg.num_attention_heads)
+            w = _unpermute_any(w, cfg.num_attention_heads)
         elif arch in _PERMUTED_QK and ".k_proj." in name:
-            w = _unpermute(w, cfg.num_key_value_heads)
+            w = _unpermute_any(w, cfg.num_key_value_heads)
         yield name, w
 
 
-def read_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+def _unpermute_any(w: torch.Tensor | Q4Rows, n_heads: int) -> torch.Tensor | Q4Rows:
+    return w.map_rows(lambda x: _unpermute(x, n_heads)) if isinstance(w, Q4Rows) else _unpermute(w, n_heads)
+
+
+def lm_head_int4(reader: Any) -> Int4Linear | None:
+    """The LM head's GGUF matrix (output.weight, else the tied token_embd.weight) packed for the CPU
+    int4 product: Q4_0/Q4_1 as they are, Q8_0 split into nibbles (qlinear); None for other types."""
+    names = {t.name: t for t in reader.tensors}
+    t = names.get("output.weight", names.get("token_embd.weight"))
+    if t is None:
+        return None
+    rows, cols = (int(n) for n in reversed(t.shape.tolist()))
+    if t.tensor_type.name in QTYPES:
+        return Int4Linear.from_q4(_q4_rows(t))
+    if t.tensor_type.name == "Q8_0":
+        return Int4Linear.from_q8_0(t.data, rows, cols)
+    return None
+
+
+def q4_share(reader: Any) -> float:
+    """Fraction of the decoder layers' matrix weights stored as Q4_0/Q4_1 (what weight_quantization
+    "gguf" keeps packed)."""
+    total = q4 = 0
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            n = int(np.prod(t.shape))
+            total += n
+            q4 += n if t.tensor_type.name in QTYPES else 0
+    return q4 / total if total else 0.0
+
+
+def read_gguf(path: str, keep_q4: bool = False) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor | Q4Rows]]]:
     reader = _reader(path)
     cfg = gguf_model_config(reader)
-    return cfg, iter_gguf_weights(reader, cfg)
+    return cfg, iter_gguf_weights(reader, cfg, keep_q4)

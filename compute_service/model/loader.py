@@ -64,20 +64,42 @@ _CACHE_SIZE = 2
 
 
 def load_model(path: str | None, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
-               tp_rank: int = 0, tp_size: int = 1) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Load a GGUF file, an HF folder (safetensors), or with `path=None` the embedded SmolLM2."""
+               tp_rank: int = 0, tp_size: int = 1, weight_quantization: str = "none"
+               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Load a GGUF file, an HF folder (safetensors), or with `path=None` the embedded SmolLM2.
+    weight_quantization (EngineConfig's): "gguf" keeps a GGUF file's 4-bit matrices packed (CPU,
+    one rank; packed_weights), "none" dequantizes everything to `dtype`, "auto" = gguf where it applies."""
     kind, resolved = resolve_model_path(path)
-    key = (_file_key(resolved), str(dtype), str(device), tp_rank, tp_size)
+    wq = resolve_weight_quantization(weight_quantization, kind, device, tp_size)
+    key = (_file_key(resolved), str(dtype), str(device), tp_rank, tp_size, wq)
     if key in _MODELS:
         return _MODELS[key]
-    cfg, weights = read_gguf(resolved) if kind == "gguf" else read_hf_folder(resolved)
+    cfg, weights = read_gguf(resolved, keep_q4=wq == "gguf") if kind == "gguf" else read_hf_folder(resolved)
     model = build_model(cfg, dtype, device, tp_rank, tp_size)
     with torch.no_grad():
-        model.load_weights(weights)
+        # (Q4Rows reach LinearBase's weight loaders in a tensor's place)
+        model.load_weights(weights)  # type: ignore[arg-type]
+        if wq == "gguf":
+            from nanokv.compute_service.model.packed_weights import pack_gguf_weights
+
+            pack_gguf_weights(model, resolved)
     if len(_MODELS) >= _CACHE_SIZE:
         _MODELS.pop(next(iter(_MODELS)))
     _MODELS[key] = (model, cfg)
     return model, cfg
+
+
+def resolve_weight_quantization(mode: str, kind: str, device: torch.device | str, tp_size: int) -> str:
+    """"none" or "gguf" for EngineConfig.weight_quantization's value on this model, device and TP size."""
+    if mode not in ("auto", "none", "gguf"):
+        raise NanoKVError("weight_quantization", f"got {mode!r}; allowed values: auto, none, gguf")
+    dev = torch.device(device).type
+    applies = kind == "gguf" and dev == "cpu" and tp_size == 1
+    if mode == "gguf" and not applies:
+        raise NanoKVError("weight_quantization", "gguf (4-bit GGUF matrices kept packed for torch's CPU int4 "
+                          f"product) needs a GGUF model, device cpu and tensor_parallel_size 1; got a {kind} "
+                          f"model on {dev} at tensor_parallel_size {tp_size}: use none or auto")
+    return "gguf" if mode == "gguf" or (mode == "auto" and applies) else "none"
 
 
 # ---- random weights (benchmarks, tests) ------------------------------------------------------

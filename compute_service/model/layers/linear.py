@@ -4,6 +4,10 @@ Every Parameter carries `weight_loader(param, full_tensor, shard_id=None)`: the 
 the *full* checkpoint tensor and the layer copies out this rank's slice, so the same loading code
 serves tp 1 and tp N. Column-parallel layers split the output dim (no communication); row-parallel
 layers split the input dim and all-reduce their partial sums.
+
+A full tensor may also be a GGUF 4-bit matrix (qlinear.Q4Rows, weight_quantization="gguf"): the same
+loader places it in the layer's Q4Rows and, dequantized, in its weight; pack_weights() then gives a
+layer whose every shard came in 4 bits torch's packed int4 product for small batches (int4_rows).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanokv.compute_service.distributed import all_reduce, get_tp_rank, get_tp_size, head_ranges
+from nanokv.compute_service.model.layers.qlinear import Int4Linear, Q4Rows
 from nanokv.errors import NanoKVError
 from nanokv.kv.metadata import current_context
 
@@ -105,6 +110,18 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, panel_rows
     return mm(x, w, b)
 
 
+INT4_MAX_ROWS = 16  # packed int4 products up to this many rows (see int4_rows)
+
+
+def int4_rows(x: torch.Tensor) -> bool:
+    """Whether x's rows go to a packed layer's int4 product (weight_quantization="gguf"). Decode batches
+    are bound by reading the weights, where int4 reads 1/6 of fp32's bytes (2.5x faster at 1 row);
+    from ~16 rows on the product is bound by arithmetic, and the bf16 int4 kernel is 2-4x slower
+    than MKL's fp32 sgemm at 128-512 rows, so prefill chunks and large batches use the float weight.
+    Under batch_invariant every row takes int4, whose row results never depend on the batch."""
+    return x.shape[0] <= INT4_MAX_ROWS or _invariant(x)
+
+
 def _divide(n: int, tp: int, what: str) -> int:
     if n % tp:
         raise NanoKVError("tensor_parallel_size", f"{tp} does not divide {what} ({n})")
@@ -123,17 +140,46 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.qrows: Q4Rows | None = None  # this rank's 4-bit rows while loading (weight_quantization="gguf")
+        self.shards_q4: set[object] = set()  # shard ids that came in 4 bits / as float tensors
+        self.shards_float: set[object] = set()
+        self.qlinear: Int4Linear | None = None  # set by pack_weights
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
         raise NotImplementedError
 
+    def _load_weight(self, param: nn.Parameter, full: torch.Tensor | Q4Rows, shard_id: object = None) -> None:
+        if isinstance(full, Q4Rows):
+            if self.qrows is None:
+                self.qrows = Q4Rows.empty(*param.shape)
+            self.weight_loader(self.qrows, full, shard_id)  # type: ignore[arg-type]
+            self.shards_q4.add(shard_id)
+            full = full.dequantize()
+        else:
+            self.shards_float.add(shard_id)
+        self.weight_loader(param, full, shard_id)
+
+    def pack_weights(self) -> bool:
+        """After loading: a layer whose shards all came as 4-bit GGUF rows (and one TP rank) gets them
+        packed for small batches (int4_rows); the float weight stays for large ones. Returns whether it did."""
+        rows, self.qrows = self.qrows, None
+        if rows is None or self.shards_float or self.tp_size > 1:
+            return False
+        self.qlinear = Int4Linear.from_q4(rows)
+        return True
+
+    def _matmul(self, x: torch.Tensor, b: torch.Tensor | None, panel_rows: int | None = None) -> torch.Tensor:
+        if self.qlinear is not None and int4_rows(x):
+            return self.qlinear(x, b)
+        return linear(x, self.weight, b, panel_rows)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -182,7 +228,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """x [T, in] -> [T, sum(output_sizes) / tp]. Decode-sized batches on the CPU: the fused
         gate_up sgemm (SmolLM2: 3072 x 576) runs ~20% faster as 768-row panels (measured, 1 thread,
         4 to 64 rows; no gain at 1-2 rows or at 512)."""
-        return linear(x, self.weight, self.bias, panel_rows=_CPU_PANEL_ROWS)
+        return self._matmul(x, self.bias, panel_rows=_CPU_PANEL_ROWS)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -252,7 +298,7 @@ class RowParallelLinear(LinearBase):
         _copy(param, full.narrow(1, self.input_start, n), "row-parallel linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = self._matmul(x, None)
         if self.tp_size > 1:
             y = all_reduce(y)
         return y if self.bias is None else y + self.bias

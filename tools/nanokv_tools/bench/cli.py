@@ -10,14 +10,16 @@ import subprocess
 import time
 from typing import Any
 
-WORKLOADS = ("cpu", "nanovllm", "longctx", "kernels")
+WORKLOADS = ("cpu", "cpu-stream", "nanovllm", "longctx", "kernels")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=WORKLOADS, default=None,
-                   help="cpu: seeded batch on the embedded model; nanovllm / longctx: GPU, random Qwen3-0.6B")
-    p.add_argument("--compare", choices=("hf", "none"), default=None,
-                   help="run the same workload through HF transformers in the same run")
+                   help="cpu: seeded batch on the embedded model; cpu-stream: one stream's decode on the CPU "
+                        "(docs/cpu-decode.md); nanovllm / longctx: GPU, random Qwen3-0.6B")
+    p.add_argument("--compare", choices=("hf", "llama.cpp", "none"), default=None,
+                   help="run the same workload through HF transformers (cpu, GPU workloads) or llama.cpp "
+                        "(cpu-stream: llama-cpp-python, the tools[cpu-peer] extra) in the same run")
     p.add_argument("--num-seqs", type=int, default=None)
     p.add_argument("--out", default=None, help="JSON output path")
     p.add_argument("--quick", action="store_true", help="smaller workload (smoke test)")
@@ -40,7 +42,10 @@ def run_bench(args: argparse.Namespace, engine_kw: dict[str, Any]) -> int:
         import torch
         torch.set_num_threads(args.threads)
     workload = args.workload or ("cpu" if engine_kw.get("device", "cpu") == "cpu" else "nanovllm")
-    if workload == "cpu":
+    if workload == "cpu-stream":
+        from nanokv_tools.bench.cpu_stream import run_cpu_stream_bench
+        result = run_cpu_stream_bench(engine_kw, compare=args.compare == "llama.cpp", quick=args.quick)
+    elif workload == "cpu":
         from nanokv_tools.bench.cpu import run_cpu_bench
         result = run_cpu_bench(engine_kw, compare=args.compare != "none", quick=args.quick,
                                num_seqs=args.num_seqs)

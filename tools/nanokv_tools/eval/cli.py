@@ -68,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-invariant", default="off", choices=("off", "on"),
                    help="every setting (the fp reference too) on the batch-invariant CPU path "
                         "(nanokv.kernels.cpu_invariant; int4 then reads blocks by its one rule)")
+    p.add_argument("--weight-quantization", default="none", choices=("none", "gguf"),
+                   help="the model's weights: none (dequantized to fp32) or gguf (4-bit GGUF matrices kept "
+                        "packed, docs/cpu-decode.md); every setting runs on them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1 is fastest on a shared box: more threads spin-wait)")
@@ -137,8 +140,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     longest = max([args.context if args.tokens else 0] + [L + MAX_NEW for L in lengths])
     bs = args.block_size
     t0 = time.monotonic()
-    bench = build(chosen, args.model, num_blocks=-(-longest // bs) + 2, block_size=bs,
-                  max_model_len=longest, extra={"seed": args.seed, "batch_invariant": args.batch_invariant == "on"})
+    extra = {"seed": args.seed, "batch_invariant": args.batch_invariant == "on",
+             "weight_quantization": args.weight_quantization}
+    bench = build(chosen, args.model, num_blocks=-(-longest // bs) + 2, block_size=bs, max_model_len=longest,
+                  extra=extra)
     mc = bench.engine.model_config
     if longest > mc.max_position_embeddings:
         raise NanoKVError("context", f"{longest} tokens exceed the model's {mc.max_position_embeddings}")
