@@ -3,6 +3,8 @@ index, the log resumes by sequence number and falls back to a snapshot when the 
 
 from __future__ import annotations
 
+import time
+
 from nanokv.cache_service.hashing import hash_full_blocks
 from nanokv.cache_service.kv_events import CLEARED, L1, REMOVED, STORED, KVEventLog
 from nanokv.cache_service.kv_events_rpc import catchup_to_pb
@@ -88,6 +90,14 @@ def _plan(st, cm: KVCacheManager, seq_id: str, ids: list[int]) -> int:
     st.begin_plan(10 ** 9)
     m = cm.match_prefix(ids, None)
     lm = st.begin(m)
+    deadline = time.monotonic() + 30
+    while st.loading:  # disk hits are read on the reader thread: the planner tries again at a later plan
+        st.cancel(lm)
+        assert time.monotonic() < deadline, "the disk tier's reads never finished"
+        time.sleep(0.005)
+        st.begin_plan(10 ** 9)
+        m = cm.match_prefix(ids, None)
+        lm = st.begin(m)
     assert cm.allocate(seq_id, len(ids), m) is not None
     loaded = st.land(lm, cm.block_table(seq_id))
     cm.cache_blocks(seq_id, ids, len(ids), None)
