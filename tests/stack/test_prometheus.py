@@ -131,7 +131,7 @@ def test_every_board_query_returns_data(stack):
     # (the adaptive controller it runs for nanokv_adaptations refuses them): test_hierarchy.py checks
     # those families on a tiered engine
     tiered = [(title, e) for title, e in exprs if "nanokv_tier_" in e]
-    assert len(tiered) == 3
+    assert len(tiered) == 6
     exprs = [x for x in exprs if x not in tiered]
     empty = [(title, e) for title, e in exprs if not _poll_quiet(lambda e=e: prom.query(e), 10)]
     assert not empty, f"board queries without data: {empty}\n{prom.log_tail()}"
