@@ -23,6 +23,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+from nanokv_tools.bench.gpu_tiers import chat_bench_args, read_summary
 from nanokv_tools.bench.serve_launch import _free_port, launch
 
 
@@ -66,20 +67,10 @@ def run_policy(args: argparse.Namespace, routing: str, out_dir: str) -> dict[str
         specs = [f"127.0.0.1:{r.base_url.rsplit(':', 1)[1]}:{r.grpc_address.rsplit(':', 1)[1]}" for r in reps]
         address = stack.enter_context(router(specs, routing, os.path.join(out_dir, f"router_{routing}.log")))
         cmd = [sys.executable, "-m", "nanokv_tools.bench.serve", "--backend", "grpc", "--grpc-address", address,
-               "--workload", "chat", "--chat-turns", str(args.turns), "--chat-systems", str(args.systems),
-               "--chat-system-len", str(args.system_len), "--chat-user-len", str(args.user_len),
-               "--random-output-len", str(args.output_len), "--max-output-tokens", str(args.output_len),
-               "--num-prompts", str(args.num_prompts), "--request-rates", str(args.rate),
-               "--token-range", args.token_range, "--out", path, "--no-plot"]
+               *chat_bench_args(args, path)]
         print("===", routing, " ".join(cmd), flush=True)
         rc = subprocess.call(cmd)
-    if not os.path.exists(path):
-        return {"routing": routing, "rc": rc}
-    with open(path) as f:
-        s = json.load(f)["runs"][0]["summary"]
-    keep = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "output_throughput",
-            "prefix_hit_ratio", "completed", "failed", "duration")
-    return {"routing": routing, "rc": rc, **{k: s[k] for k in keep if k in s}}
+    return {"routing": routing, "rc": rc, **read_summary(path)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,30 +94,40 @@ CONFIGS: dict[str, str] = {
 }
 
 
+SUMMARY_KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "output_throughput",
+                "prefix_hit_ratio", "completed", "failed", "duration")
+
+
+def chat_bench_args(args: argparse.Namespace, path: str) -> list[str]:
+    """`nanokv bench serve`'s flags for the multi-turn chat workload these GPU benches replay."""
+    return ["--workload", "chat", "--chat-turns", str(args.turns), "--chat-systems", str(args.systems),
+            "--chat-system-len", str(args.system_len), "--chat-user-len", str(args.user_len),
+            "--random-output-len", str(args.output_len), "--max-output-tokens", str(args.output_len),
+            "--num-prompts", str(args.num_prompts), "--request-rates", str(args.rate),
+            "--token-range", args.token_range, "--out", path, "--no-plot"]
+
+
+def read_summary(path: str) -> dict[str, Any]:
+    """The first rate's summary figures of a `nanokv bench serve` JSON ({} if the run wrote none)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        s = json.load(f)["runs"][0]["summary"]
+    return {k: s[k] for k in SUMMARY_KEYS if k in s}
+
+
 def serve(args: argparse.Namespace, name: str, extra: str, out_dir: str, command: str) -> dict[str, Any]:
     label = name if command == "serve" else f"{name} ({command})"
     path = os.path.join(out_dir, f"serve_{name.replace('+', '_').replace('(', '_').replace(')', '')}_{command}.json")
     server = f"--model {args.model} --num-gpu-blocks {args.l1_blocks} --max-num-seqs {args.max_num_seqs} {extra}"
     # nanokv.v1 gRPC: its chunks carry token ids (a model without a tokenizer streams no OpenAI text)
     cmd = [sys.executable, "-m", "nanokv_tools.bench.serve", "--launch", "--launch-command", command,
-           "--backend", "grpc",
-           "--launch-args", server, "--workload", "chat", "--chat-turns", str(args.turns),
-           "--chat-systems", str(args.systems), "--chat-system-len", str(args.system_len),
-           "--chat-user-len", str(args.user_len),
-           "--random-output-len", str(args.output_len), "--max-output-tokens", str(args.output_len),
-           "--num-prompts", str(args.num_prompts), "--request-rates", str(args.rate),
-           "--token-range", args.token_range, "--out", path, "--no-plot"]
+           "--backend", "grpc", "--launch-args", server, *chat_bench_args(args, path)]
     print("===", label, shlex.join(cmd), flush=True)
     t0 = time.monotonic()
     rc = subprocess.call(cmd)
     print(f"=== {label} rc={rc} {time.monotonic() - t0:.0f}s", flush=True)
-    if not os.path.exists(path):
-        return {"config": label, "rc": rc}
-    with open(path) as f:
-        s = json.load(f)["runs"][0]["summary"]
-    keep = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "output_throughput",
-            "prefix_hit_ratio", "completed", "failed", "duration")
-    return {"config": label, "rc": rc, **{k: s[k] for k in keep if k in s}}
+    return {"config": label, "rc": rc, **read_summary(path)}
 
 
 def main(argv: list[str] | None = None) -> int:
