@@ -163,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                 "dir": d}
         runs = [(n, "serve") for n in args.configs.split(",") if n]
         runs += [(n, "up") for n in args.up_configs.split(",") if n]
-        result["serve"] = [serve(args, name, CONFIGS[name].format(**fill), out_dir, command) for name, command in runs]
+        result["serve"] = []
+        for name, command in runs:
+            result["serve"].append(serve(args, name, CONFIGS[name].format(**fill), out_dir, command))
+            write(args.out, result)  # a run cut short by a time limit still leaves every finished row
     base = next((r for r in result["serve"] if r["config"] == "L1" and r.get("median_ttft_ms")), None)
     inproc = {r["config"]: r for r in result["serve"]}
     for r in result["serve"]:
@@ -175,9 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         if split and same is not None and same.get("median_ttft_ms") and r.get("median_ttft_ms"):
             r["ttft_p50_in_process_over_split"] = same["median_ttft_ms"] / r["median_ttft_ms"]
         print(json.dumps(r), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write(args.out, result)
     return 0
+
+
+def write(path: str, result: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":
