@@ -89,9 +89,10 @@ class ComputeService:
             self.runner = ModelRunner(cfg, self.model, mc, self.device, self.dtype, attach_pool=attach_pool,
                                       free_segment=free_segment)
             self.runner.fold_value_rotations()  # (this service owns the model; tensor parallel keeps the GEMMs)
-        self.runner.capture_cudagraphs(self.max_model_len)
-        # block sparsity: the attention probe, the INT4 demotion store (None when compression_sparsity is 0)
+        # block sparsity: the attention probe, the INT4 demotion store (None when compression_sparsity is 0);
+        # before the capture, so hybrid's decode graphs are captured once, on the layers that read the store
         self.sparsity = attach_sparsity(cfg, self.runner)
+        self.runner.capture_cudagraphs(self.max_model_len)
         # running K/V quantization error per layer (sampled on eager steps), read by stats()
         self.compression_monitor = CompressionMonitor().attach(self.runner.layer_hooks)
         self.error_probe = make_error_probe(cfg, self.runner) if error_probe else None

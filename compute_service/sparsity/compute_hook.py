@@ -85,15 +85,19 @@ def attach(cfg: Any, runner: Any) -> ComputeSparsity | None:
     if params.demotes and backend not in ("torch", "triton"):
         raise ConfigError("attention_backend", f"hybrid sparsity reads the INT4 demotion store on the 'torch' and "
                                                f"'triton' backends; got {backend!r}")
-    if params.demotes and backend == "torch" and getattr(runner, "graphs", None) is not None:
+    device = getattr(runner, "device", None)
+    captures = getattr(runner, "graphs", None) is not None or (
+        device is not None and device.type == "cuda" and not cfg.enforce_eager)
+    if params.demotes and backend == "torch" and captures:
         # the torch reference selects a step's demoted entries (data-dependent shapes): not capturable
         raise ConfigError("enforce_eager", "hybrid sparsity on attention_backend='torch' needs eager decode steps: "
                                            "set enforce_eager=True, or use attention_backend='triton'")
     sp = ComputeSparsity(params, runner)
     if sp.store is not None and getattr(runner, "graphs", None) is not None:
-        # decode graphs captured before the store: their launches read the plain int8 layers. Captured
-        # again on the hybrid layers (nanokv.kernels.triton_hybrid: one launch per layer whatever the
-        # table holds, the store's tensors fixed from here on, so the graphs stay valid)
+        # a runner that captured before this call (the compute service attaches first, so its graphs
+        # are captured once): those launches read the plain int8 layers. Captured again on the hybrid
+        # layers (nanokv.kernels.triton_hybrid: one launch per layer whatever the table holds, the
+        # store's tensors fixed from here on, so the graphs stay valid)
         runner.graphs = None
         runner.capture_cudagraphs(runner._graph_model_len)
     return sp
