@@ -164,6 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--service", default="", help="grpc.health.v1 service name (default: the server overall)")
     h.add_argument("--timeout", type=float, default=3.0, help="seconds")
     h.add_argument("-q", "--quiet", action="store_true")
+    h.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
+                   help="check a TLS server: the CA that signed its certificate (default: the system's roots)")
+    h.add_argument("--ssl-certfile", default=None, metavar="PEM", help="a client certificate (mutual TLS)")
+    h.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the client certificate's key")
+    h.add_argument("--ssl-server-name", default=None, help="the name the server's certificate carries "
+                   "(default: the host dialled)")
+    h.add_argument("--tls", action="store_true", help="TLS with the system's roots and no client certificate")
     up = sub.add_parser("up", help="start cache, compute and gateway locally (unix sockets) and serve HTTP")
     up.add_argument("--run-dir", default=None, help="where the sockets, service logs and pids.json go (default: a "
                     "temp dir, removed at the end); the services are restarted when they exit (docs/operating.md)")
@@ -192,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             return int(serve_main(args) or 0)
         if args.cmd == "health":
             from nanokv.health import main as health_main
-            return health_main(args.address, args.service, args.timeout, args.quiet)
+            from nanokv.tls import ClientTLS
+            tls = ClientTLS.build(args.tls, args.ssl_ca_certs, args.ssl_certfile, args.ssl_keyfile,
+                                  args.ssl_server_name, prefix="ssl")
+            return health_main(args.address, args.service, args.timeout, args.quiet, tls)
         if args.cmd == "up":  # supervises the three as child processes (nanokv.supervise)
             from nanokv.launch import up_main
             return up_main(args, argv[1:])

@@ -185,6 +185,29 @@ def test_the_gateway_refuses_clients_without_its_cas_certificate(stack):
         httpx.get(replica.http.replace("https://", "http://") + "/v1/models", timeout=10)
 
 
+def health(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nanokv.cli", "health", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+
+
+def test_the_health_probe_of_a_mutual_tls_gateway(stack):
+    """`nanokv health` with the pod's client certificate: the probe deploy/k8s/components/tls runs (a
+    kubelet's grpc probe speaks no TLS); without a certificate, or with another CA's, it reports 2."""
+    c, replica, _, _ = stack
+    ca = ["--ssl-ca-certs", str(c.ca.cert), "--ssl-server-name", REPLICA_NAME]
+    mine = ["--ssl-certfile", str(c.router.cert), "--ssl-keyfile", str(c.router.key)]
+    ok = health(replica.grpc_address, *ca, *mine)
+    assert ok.returncode == 0 and "SERVING" in ok.stdout, (ok.stdout, ok.stderr)
+    theirs = ["--ssl-certfile", str(c.stranger.cert), "--ssl-keyfile", str(c.stranger.key)]
+    for flags in ([], theirs):
+        r = health(replica.grpc_address, *ca, *flags)
+        assert r.returncode == 2 and "UNAVAILABLE" in r.stderr, (flags, r.stdout, r.stderr)
+    plain = health(replica.grpc_address)  # plaintext to the TLS port
+    assert plain.returncode == 2 and "UNAVAILABLE" in plain.stderr, plain.stderr
+    half = health(replica.grpc_address, *ca, "--ssl-certfile", str(c.router.cert))
+    assert half.returncode != 0 and "ssl_keyfile" in half.stderr, half.stderr  # the flag is named
+
+
 def test_the_router_answers_through_the_tls_replica(stack):
     c, replica, good, _ = stack
     with c.https(c.router) as direct_client, c.https() as client:

@@ -113,6 +113,33 @@ def test_manifests_as_written(target):
                           else {"cache": None, "compute": None})
 
 
+def test_the_tls_component_turns_on_mutual_tls_with_probes_that_present_a_certificate():
+    """overlays/cpu-tls = the cpu overlay + components/tls: it validates, the gateway requires client
+    certificates, the router presents one, both read them from owner-only Secret volumes, and the
+    gateway's probes are `nanokv health` over mutual TLS (a kubelet's grpc probe speaks no TLS;
+    tests/router/test_router_tls.py runs that command against a real mutual-TLS gateway)."""
+    docs = render("overlays/cpu-tls")
+    validate(docs)
+    plain = render("overlays/cpu")
+    replica, router_pod = _pod(docs, "StatefulSet", "nanokv-replica"), _pod(docs, "Deployment", "nanokv-router")
+    gw, router = _by_name(replica)["gateway"], _by_name(router_pod)["router"]
+    files = {"--ssl-certfile": "/tls/tls.crt", "--ssl-keyfile": "/tls/tls.key", "--ssl-ca-certs": "/tls/ca.crt"}
+    assert gw["args"] == _by_name(_pod(plain, "StatefulSet", "nanokv-replica"))["gateway"]["args"] + [
+        x for kv in files.items() for x in kv]
+    assert router["args"][-8:] == ["--replica-ssl-ca-certs", "/tls/ca.crt", "--replica-ssl-certfile", "/tls/tls.crt",
+                                   "--replica-ssl-keyfile", "/tls/tls.key", "--replica-ssl-server-name",
+                                   "nanokv-replicas"]
+    for pod, c, secret in ((replica, gw, "nanokv-replica-tls"), (router_pod, router, "nanokv-router-tls")):
+        assert {"name": "tls", "mountPath": "/tls", "readOnly": True} in c["volumeMounts"]
+        vol = next(v for v in pod["volumes"] if v["name"] == "tls")
+        assert vol["secret"] == {"secretName": secret, "defaultMode": 0o400}
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        cmd = gw[kind]["exec"]["command"]
+        assert cmd[:4] == ["nanokv", "health", "-q", "127.0.0.1:50051"] and "grpc" not in gw[kind]
+        assert {cmd[i]: cmd[i + 1] for i in range(4, len(cmd), 2)} == {**files, "--ssl-server-name": "nanokv-replicas"}
+    assert not [d for d in docs if d["kind"] == "Secret"]  # certificates by reference only
+
+
 def test_cpu_replica_pod_runs_as_local_processes(tmp_path, llm):
     from otlp_receiver import Receiver
 
