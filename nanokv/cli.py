@@ -16,6 +16,7 @@ from typing import Any
 
 from nanokv.cache_service.policies import policy_help
 from nanokv.errors import NanoKVError
+from nanokv.sparsity import budget_help
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -34,7 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eviction-policy", default=None, help=policy_help())
     g.add_argument("--enable-compression", action="store_true", default=None)
     g.add_argument("--quantization-bitwidth", default=None, help="8, 4, or a JSON per-layer plan")
-    g.add_argument("--compression-sparsity", type=float, default=None)
+    g.add_argument("--compression-sparsity", type=float, default=None,
+                   help="block sparsity s in [0, 1), 0 = off (the default). " + budget_help())
     g.add_argument("--sparsity-policy", default=None)
     g.add_argument("--sparsity-options", default=None,
                    help="block sparsity's knobs 'name=value,...' (sink_blocks, recent_blocks, min_ranked, score_mode, "
@@ -147,12 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     # each service's flags are its own config's (nanokv.service_config); `up` and `serve` take them all
     c = sub.add_parser("cache", help="the cache service (gRPC): blocks, prefix hashes, eviction, KV storage")
     c.add_argument("--listen", default="127.0.0.1:50061", help="unix:/path.sock or HOST:PORT (default loopback)")
-    helps = {"eviction_policy": policy_help()}  # each policy with its caveat
+    # each policy with its caveat; block sparsity's budget (s is not reached on short sequences)
+    helps = {"eviction_policy": policy_help(), "compression_sparsity": "block sparsity, 0 = off. " + budget_help()}
     add_config_args(c, CacheConfig, helps=helps)
     m = sub.add_parser("compute", help="the compute service (gRPC): the model, forward pass, sampling")
     m.add_argument("--listen", default="127.0.0.1:50062", help="unix:/path.sock or HOST:PORT (default loopback)")
     m.add_argument("--cache", required=True, help="the cache service's address")
-    add_config_args(m, ComputeConfig)
+    add_config_args(m, ComputeConfig, helps={"compression_sparsity": helps["compression_sparsity"]})
     gw = sub.add_parser("gateway", help="the gateway: HTTP API and scheduler, on running cache/compute services")
     gw.add_argument("--cache", required=True, help="the cache service's address")
     gw.add_argument("--compute", required=True, help="the compute service's address")

@@ -82,6 +82,25 @@ class SparsityParams:
         return f"{self.policy}@{float(self.sparsity):g} ({knobs})"
 
 
+def full_rate_blocks(params: SparsityParams) -> int:
+    """Full blocks from which a sequence drops exactly the fraction s: below it the budget's floor (sinks +
+    recent window + min_ranked blocks, always kept) keeps more (nanokv.cache_service.sparsity.policies)."""
+    floor = params.sink_blocks + params.recent_blocks + params.min_ranked
+    return math.ceil(floor / (1.0 - params.sparsity) - 1e-9)
+
+
+def budget_help(block_size: int = 16) -> str:
+    """The budget rule in one sentence for the flags that set s, its numbers from the defaults above."""
+    d = SparsityParams(0.5)
+    n = full_rate_blocks(d)
+    return (f"s is the fraction of a sequence's full KV blocks dropped (hybrid drops as many and demotes the "
+            f"lowest-ranked s of the kept unprotected ones to INT4); the first {d.sink_blocks} and last "
+            f"{d.recent_blocks} blocks and {d.min_ranked} ranked ones are always kept (defaults), so s is reached "
+            f"only from {d.sink_blocks + d.recent_blocks + d.min_ranked}/(1-s) full blocks on: at s=0.5 from {n} "
+            f"blocks = {n * block_size:,} tokens at block size {block_size}; shorter sequences drop less "
+            f"(docs/quality.md)")
+
+
 def demotion_slots(params: SparsityParams, num_blocks: int) -> int:
     """Slots of the INT4 demotion store for a pool of `num_blocks` (hybrid): both services size it
     by this rule from the same settings, the compute service its tensors, the cache service its free list."""

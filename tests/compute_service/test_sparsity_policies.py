@@ -20,6 +20,7 @@ from nanokv.compute_service.sparsity.accounting import KVBytes
 from nanokv.errors import NanoKVError
 from nanokv.kv.cache import bytes_per_block
 from nanokv.kv.demote import code, slot_bytes
+from nanokv.sparsity import budget_help, full_rate_blocks
 
 
 def P(s: float, policy: str, **kw) -> SparsityParams:
@@ -81,6 +82,20 @@ def test_nothing_happens_at_s0_or_while_protected_blocks_cover_the_budget():
         assert not plan(P(0.5, pol), 5, list(range(5)), [1.0] * 5)  # all 5 blocks protected
         assert len(plan(P(0.5, pol), 9, list(range(9)), [1.0] * 9).drop) == 4  # budget 5 = protected
     assert keep_budget(128, 0.5) == 64 and keep_budget(3, 0.5) == 2 and keep_budget(10, 0.7) == 3
+
+
+def test_the_flags_help_names_where_the_budget_reaches_s():
+    # the --compression-sparsity help (nanokv.sparsity.budget_help) says s is reached from full_rate_blocks on
+    for s in (0.25, 0.5, 0.75):
+        p = SparsityParams(s, "streaming")
+        n0 = full_rate_blocks(p)
+        for n in range(n0, n0 + 50):  # from there on exactly the budget: the fraction s, to rounding
+            assert len(plan(p, n, list(range(n)), [0.0] * n).drop) == n - keep_budget(n, s)
+        # shorter (the budget below the 44 always-kept blocks, not only by rounding): fewer go
+        short = math.floor((p.sink_blocks + p.recent_blocks + p.min_ranked - 1) / (1 - s))
+        assert len(plan(p, short, list(range(short)), [0.0] * short).drop) < short - keep_budget(short, s)
+    assert full_rate_blocks(SparsityParams(0.5)) == 88
+    assert "from 88 blocks = 1,408 tokens at block size 16" in budget_help(16)
 
 
 @settings(max_examples=60, deadline=None)

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from nanokv_tools.eval.cli import main, parser, sparsity_variants
+from nanokv_tools.eval.report import table
 from nanokv_tools.eval.sparse import SparseView
 
 import nanokv.config
@@ -53,9 +54,33 @@ def test_rows_and_measured_peaks(result):
     assert hybrid["peak_kv_bytes"]["perplexity"] < stream["peak_kv_bytes"]["perplexity"]
     assert 0.2 < stream["mean_fraction"]["perplexity"]["dropped"] < 0.5
     assert hybrid["mean_fraction"]["perplexity"]["demoted"] > 0
+    # at the window's end the budget is reached: ceil(n / 2) of its n full blocks kept (n = 23 or 24)
+    for r in (stream, hybrid):
+        assert r["end_fraction"]["perplexity"]["dropped"] in (11 / 23, 12 / 24)
+        assert r["end_fraction"]["perplexity"]["dropped"] > r["mean_fraction"]["perplexity"]["dropped"]
+    assert stream["end_fraction"]["perplexity"]["demoted"] == 0 < hybrid["end_fraction"]["perplexity"]["demoted"]
+    # every row's peak against the reference's dense cache counted as bf16, on the same window
+    fp = _row(result, "fp (reference)")
+    assert fp["peak_vs_bf16"]["perplexity"] == 1.0
+    assert dense["peak_vs_bf16"]["perplexity"] == pytest.approx(dense["bytes_per_token"] / fp["bytes_per_token"])
+    assert stream["peak_vs_bf16"]["perplexity"] == pytest.approx(
+        stream["peak_vs_dense"]["perplexity"] * dense["peak_vs_bf16"]["perplexity"])
     for r in (stream, hybrid):  # they really read the sparse cache
         assert r["perplexity"]["kl_mean"] > dense["perplexity"]["kl_mean"]
         assert r["passkey"] is not None and r["peak_kv_blocks"]["passkey"] <= dense["peak_kv_blocks"]["passkey"]
+
+
+def test_printed_table_carries_the_fractions_and_peaks(result):
+    lines = table(result).splitlines()
+    head = lines[0].split()
+    for col in ("vs", "bf16", "dense", "drop", "demote", "mean", "end"):
+        assert col in head
+    hybrid = _row(result, "int8 hybrid@0.5")
+    row = next(line for line in lines if line.startswith("int8 hybrid@0.5"))
+    for x in (hybrid["peak_vs_bf16"]["perplexity"], hybrid["peak_vs_dense"]["perplexity"],
+              hybrid["mean_fraction"]["perplexity"]["dropped"], hybrid["end_fraction"]["perplexity"]["demoted"]):
+        assert f"{x:.3f}" in row.split()
+    assert next(line for line in lines if line.startswith("int8 ")).split()[6:10] == ["-"] * 4  # dense: no drops
 
 
 def test_bad_sparsity_flags_are_rejected():

@@ -24,7 +24,7 @@ from typing import Any
 
 from nanokv.config import SPARSITY_POLICIES
 from nanokv.errors import NanoKVError
-from nanokv.sparsity import SparsityParams
+from nanokv.sparsity import SparsityParams, budget_help, full_rate_blocks
 from nanokv_tools.eval import corpus, settings
 from nanokv_tools.eval.passkey import MAX_NEW
 
@@ -45,7 +45,9 @@ def parser() -> argparse.ArgumentParser:
                    help="comma list of int8, int4: also score a full-precision cache whose full blocks come "
                         "from a lower tier of that format (round-tripped once they fill; docs/quality.md)")
     p.add_argument("--compression-sparsity", default="0",
-                   help="fraction of full blocks dropped (hybrid: dropped or demoted); a comma list runs each")
+                   help="a comma list of s in [0, 1) runs each. " + budget_help(16)
+                        + f"; {32 * full_rate_blocks(SparsityParams(0.5)):,} tokens at this tool's default "
+                          "--block-size 32")
     p.add_argument("--sparsity-policy", default="streaming",
                    help=f"comma list of: {', '.join(SPARSITY_POLICIES)}")
     p.add_argument("--sparsity-sinks", type=int, default=None, help="first blocks always kept (default 4)")
@@ -202,16 +204,24 @@ def _peaks(bench: Any, name: str, dense: str | None) -> dict[str, Any]:
         "peak_kv_bytes": {ph: d[name] for ph, d in bench.peak_bytes.items() if name in d} or None,
         "peak_kv_blocks": {ph: d[name] for ph, d in bench.peak_blocks.items() if name in d} or None,
     }
+    # every setting against the reference's dense cache counted as bf16, on the same sequences
+    out["peak_vs_bf16"] = {ph: d[name] / d["fp"] for ph, d in bench.peak_bytes.items()
+                           if name in d and d.get("fp")} or None
     if dense is not None:
         out["dense_setting"] = dense
         # the fraction of full blocks dropped / demoted, averaged over every step (the early steps of a
         # sequence drop less: sinks and the recent window are always kept)
-        out["mean_fraction"] = {ph: {"dropped": t["dropped"] / t["full"], "demoted": t["demoted"] / t["full"]}
-                                for ph in bench.peak_bytes if (t := bench.sparse_totals.get(f"{ph}:{name}"))
-                                and t["full"]} or None
+        out["mean_fraction"] = _fractions(bench.sparse_totals, bench.peak_bytes, name)
+        # the same at each sequence's last step (pooled over sequences): what the budget reaches
+        out["end_fraction"] = _fractions(bench.sparse_end, bench.peak_bytes, name)
         out["peak_vs_dense"] = {ph: d[name] / d[dense] for ph, d in bench.peak_bytes.items()
                                 if name in d and d.get(dense)} or None
     return out
+
+
+def _fractions(counts: dict[str, dict[str, int]], phases: Any, name: str) -> dict[str, Any] | None:
+    return {ph: {"dropped": t["dropped"] / t["full"], "demoted": t["demoted"] / t["full"]}
+            for ph in phases if (t := counts.get(f"{ph}:{name}")) and t["full"]} or None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,8 +16,8 @@ def _phase(row: dict[str, Any]) -> str:
 
 def table(result: dict[str, Any]) -> str:
     lengths = result.get("passkey_lengths") or []
-    head = ["setting", "bytes/tok", "% bf16", "peak MiB", "vs dense", "PPL", "dPPL %", "KL mean", "KL p99.9",
-            "top-1"]
+    head = ["setting", "bytes/tok", "% bf16", "peak MiB", "vs bf16", "vs dense", "drop mean", "drop end",
+            "demote mean", "demote end", "PPL", "dPPL %", "KL mean", "KL p99.9", "top-1"]
     head += [f"pk@{L}" for L in lengths]
     rows = [head]
     for r in result["settings"]:
@@ -25,9 +25,14 @@ def table(result: dict[str, Any]) -> str:
         pk = r.get("passkey") or {}
         phase = _phase(r)
         peak = (r.get("peak_kv_bytes") or {}).get(phase)
+        mean = (r.get("mean_fraction") or {}).get(phase) or {}
+        end = (r.get("end_fraction") or {}).get(phase) or {}
         rows.append([
             r["name"], _fmt(r["bytes_per_token"], ".0f"), _fmt(r["pct_of_bf16"], ".1f"),
-            _fmt(None if peak is None else peak / 2**20, ".2f"), _fmt((r.get("peak_vs_dense") or {}).get(phase), ".3f"),
+            _fmt(None if peak is None else peak / 2**20, ".2f"), _fmt((r.get("peak_vs_bf16") or {}).get(phase), ".3f"),
+            _fmt((r.get("peak_vs_dense") or {}).get(phase), ".3f"),
+            _fmt(mean.get("dropped"), ".3f"), _fmt(end.get("dropped"), ".3f"),
+            _fmt(mean.get("demoted"), ".3f"), _fmt(end.get("demoted"), ".3f"),
             _fmt(p.get("ppl"), ".4f"), _fmt(p.get("delta_ppl_pct"), "+.3f"), _fmt(p.get("kl_mean"), ".5f"),
             _fmt(p.get("kl_p999"), ".4f"), _fmt(p.get("top1_agreement"), ".4f"),
             *[_fmt(pk.get(str(L)), ".2f") for L in lengths],
@@ -39,5 +44,7 @@ def table(result: dict[str, Any]) -> str:
     note = (f"{result['tokens']} tokens scored from {result['corpus']} (context {result['context']}, "
             f"chunk {result['chunk']}); passkey: accuracy over {result.get('passkey_trials', 0)} prompts "
             f"per length (fp row = full-precision cache on the same prompts); peak MiB = most live KV one "
-            f"sequence held (perplexity windows, else passkey prompts), vs dense = over its dense setting's")
+            f"sequence held (perplexity windows, else passkey prompts), vs bf16 = over the reference's counted "
+            f"as bf16, vs dense = over its dense setting's; drop / demote = fraction of full blocks dropped / "
+            f"held as INT4, mean over every step and at each sequence's end (the budget's steady state)")
     return "\n".join(lines + [note])

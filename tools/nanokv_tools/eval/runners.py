@@ -47,16 +47,20 @@ class Bench:
     peak_bytes: dict[str, dict[str, int]] = field(default_factory=lambda: {"perplexity": {}, "passkey": {}})
     peak_blocks: dict[str, dict[str, int]] = field(default_factory=lambda: {"perplexity": {}, "passkey": {}})
 
-    # sparse settings: full blocks / dropped / demoted summed over every step of every sequence
+    # sparse settings: full blocks / dropped / demoted summed over every step of every sequence, and
+    # summed over the last step of every sequence (its end: the steady state of the budget)
     sparse_totals: dict[str, dict[str, int]] = field(default_factory=dict)
+    sparse_end: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def note_peak(self, phase: str, name: str, view: Any) -> None:
         for store, value in ((self.peak_bytes, view.peak_bytes), (self.peak_blocks, view.peak_blocks)):
             store[phase][name] = max(store[phase].get(name, 0), value)
         if view.state is not None:
             tot = self.sparse_totals.setdefault(f"{phase}:{name}", {"full": 0, "dropped": 0, "demoted": 0})
+            end = self.sparse_end.setdefault(f"{phase}:{name}", {"full": 0, "dropped": 0, "demoted": 0})
             for k, v in view.totals.items():
                 tot[k] += v
+                end[k] += view.last[k]
 
 
 def build(settings: list[Setting], model: str | None, num_blocks: int, block_size: int,

@@ -42,6 +42,8 @@ class SparseView:
         self.peak_blocks = 0  # entries held at once, pool blocks and store slots alike
         # summed over steps, after the step's plan: full blocks, and how many were dropped / demoted
         self.totals = {"full": 0, "dropped": 0, "demoted": 0}
+        # the same counts after the last step so far: at the sequence's end, the steady state the budget reaches
+        self.last = {"full": 0, "dropped": 0, "demoted": 0}
         self.store: demote.DemotionStore | None = runner.demotion_store \
             if params is not None and params.demotes else None
         self.store_full = 0  # demotions refused because the store had no free slot (sized not to happen)
@@ -65,10 +67,10 @@ class SparseView:
         for i in plan.drop:
             self._release(i)
         st.commit(plan.drop, self._demote(plan.demote) if plan.demote else ())
-        t = self.totals
-        t["full"] += num_computed_tokens // self.kv_bytes.block_size
-        t["dropped"] += len(st.dropped)
-        t["demoted"] += len(st.demoted)
+        self.last = {"full": num_computed_tokens // self.kv_bytes.block_size, "dropped": len(st.dropped),
+                     "demoted": len(st.demoted)}
+        for k, v in self.last.items():
+            self.totals[k] += v
 
     def _through_tier(self, full: int) -> None:
         """Blocks [tiered, full) just filled: after this step's attention they read as tier blocks."""
