@@ -18,7 +18,6 @@ import torch
 from nanokv.compute_service.model.config import ModelConfig
 from nanokv.compute_service.model.layers.qlinear import QTYPES, Int4Linear, Q4Rows
 from nanokv.errors import NanoKVError
-from nanokv.model_files import _file_key
 
 # general.architecture -> our family
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -39,26 +38,13 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-# Parsed files, by path and modification time: parsing the metadata (the tokenizer's vocabulary above
-# all) costs seconds of CPU, and a load with weight_quantization "gguf" reads the file twice (the
-# weights, then pack_gguf_weights' LM head). The reader is read-only (a memory map opened "r").
-_READERS: dict[tuple, Any] = {}
-
-
 def _reader(path: str) -> Any:
     import gguf
 
-    key = _file_key(path)
-    if key in _READERS:
-        return _READERS[key]
     try:
-        reader = gguf.GGUFReader(path)
+        return gguf.GGUFReader(path)
     except (ValueError, OSError) as e:
         raise NanoKVError("model", f"{path} is not a readable GGUF file: {e}") from None
-    if len(_READERS) >= 2:
-        _READERS.pop(next(iter(_READERS)))
-    _READERS[key] = reader
-    return reader
 
 
 def _meta(reader: Any, key: str, default: Any = None) -> Any:
