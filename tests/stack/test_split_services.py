@@ -34,23 +34,42 @@ def _split_llm(svc, **kw) -> LLM:
     return LLM(**kw, cache_address=svc.cache_address, compute_address=svc.compute_address)
 
 
-def _both(kw, prompts):
-    """The same prompts through the in-process services and through three processes."""
+@pytest.fixture(scope="module")
+def tiny_services():
+    """One cache + compute process pair for both schedulings of the tiny pool (the scheduling is the
+    gateway's: the services serve a sync and an async gateway alike)."""
+    with start_services(EngineConfig.from_kwargs(**TINY).to_dict()) as svc:
+        yield svc
+
+
+def _split_run(svc, kw, prompts):
+    split = _split_llm(svc, **kw)
+    # the services as a fresh pair would be (they may have served an earlier gateway): no cached
+    # block, a new eviction policy, the cache's and the compute's counters at zero
+    split.engine.cache.reset_prefix_cache(clear_stats=True)
+    split.engine.compute.reset_stats()
+    split_outs = split.generate(prompts, GREEDY, use_tqdm=False)
+    split_stats = split.engine.stats()
+    split.engine.shutdown()
+    return split_outs, split_stats
+
+
+def _both(kw, prompts, svc=None):
+    """The same prompts through the in-process services and through three processes (`svc`'s, else
+    a pair started for `kw`)."""
     local = LLM(**kw)
     local_outs = local.generate(prompts, GREEDY, use_tqdm=False)
     local_stats = local.engine.stats()
-    with start_services(EngineConfig.from_kwargs(**kw).to_dict()) as svc:
-        split = _split_llm(svc, **kw)
-        split_outs = split.generate(prompts, GREEDY, use_tqdm=False)
-        split_stats = split.engine.stats()
-        split.engine.shutdown()
-    return local_outs, local_stats, split_outs, split_stats
+    if svc is not None:
+        return local_outs, local_stats, *_split_run(svc, kw, prompts)
+    with start_services(EngineConfig.from_kwargs(**kw).to_dict()) as own:
+        return local_outs, local_stats, *_split_run(own, kw, prompts)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_split_equals_in_process_and_hf_under_a_tiny_pool(prompts, reference, async_scheduling):
+def test_split_equals_in_process_and_hf_under_a_tiny_pool(prompts, reference, tiny_services, async_scheduling):
     # async: the host a step ahead, the next step's plan sent before the step in flight's tokens are read
-    local_outs, ls, split_outs, ss = _both(dict(TINY, async_scheduling=async_scheduling), prompts)
+    local_outs, ls, split_outs, ss = _both(dict(TINY, async_scheduling=async_scheduling), prompts, tiny_services)
     expect = reference + reference[:2]
     assert [o.token_ids for o in split_outs] == expect
     assert [o.token_ids for o in local_outs] == expect
