@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from nanokv.compute_service.model.config import ModelConfig
+from nanokv.compute_service.model.gguf_file import GGUFFile
 from nanokv.compute_service.model.layers.qlinear import QTYPES, Int4Linear, Q4Rows
 from nanokv.errors import NanoKVError
 
@@ -38,18 +39,15 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def _reader(path: str) -> Any:
-    import gguf
-
+def _reader(path: str) -> GGUFFile:
     try:
-        return gguf.GGUFReader(path)
+        return GGUFFile(path)
     except (ValueError, OSError) as e:
         raise NanoKVError("model", f"{path} is not a readable GGUF file: {e}") from None
 
 
-def _meta(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _meta(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.get(key, default)
 
 
 def gguf_model_config(reader: Any) -> ModelConfig:
