@@ -87,8 +87,10 @@ def load_tokenizer(path: str | None, without_torch: bool = False, kind: str | No
         return _TOKENIZERS[key]
     try:
         if kind == "gguf":
+            from nanokv.tokenizer_cache import load_gguf_tokenizer
+
             folder, name = os.path.split(os.path.abspath(resolved))
-            tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            tok = load_gguf_tokenizer(resolved, lambda: AutoTokenizer.from_pretrained(folder, gguf_file=name))
         else:
             tok = AutoTokenizer.from_pretrained(resolved)
     except (OSError, ValueError, KeyError) as e:
