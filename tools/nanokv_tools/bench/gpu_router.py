@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from nanokv_tools.bench.gpu_tiers import chat_bench_args, read_summary
+from nanokv_tools.bench.gpu_tiers import chat_bench_args, read_summaries
 from nanokv_tools.bench.serve_launch import _free_port, launch
 
 
@@ -59,7 +59,7 @@ def router(replicas: list[str], routing: str, log_path: str) -> Iterator[str]:
             proc.kill()
 
 
-def run_policy(args: argparse.Namespace, routing: str, out_dir: str) -> dict[str, Any]:
+def run_policy(args: argparse.Namespace, routing: str, out_dir: str) -> list[dict[str, Any]]:
     server = f"--model {args.model} --num-gpu-blocks {args.blocks} --max-num-seqs {args.max_num_seqs}"
     path = os.path.join(out_dir, f"router_{routing}.json")
     with contextlib.ExitStack() as stack:
@@ -70,7 +70,7 @@ def run_policy(args: argparse.Namespace, routing: str, out_dir: str) -> dict[str
                *chat_bench_args(args, path)]
         print("===", routing, " ".join(cmd), flush=True)
         rc = subprocess.call(cmd)
-    return {"routing": routing, "rc": rc, **read_summary(path)}
+    return [{"routing": routing, "rc": rc, **row} for row in read_summaries(path) or [{}]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--user-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=128)
-    p.add_argument("--rate", type=float, default=4.0)
+    p.add_argument("--rate", default="4", help="request rates, comma-separated, each a run against the same replicas")
     p.add_argument("--routings", default="round_robin,kv")
     p.add_argument("--token-range", default="1000:120000", help="LO:HI token ids (within the vocabulary)")
     args = p.parse_args(argv)
@@ -93,14 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     result: dict[str, Any] = {"args": vars(args), "runs": []}
     for routing in args.routings.split(","):
-        r = run_policy(args, routing, out_dir)
-        result["runs"].append(r)
-        print(json.dumps(r), flush=True)
-    by = {r["routing"]: r for r in result["runs"]}
-    kv, rr = by.get("kv", {}), by.get("round_robin", {})
-    if kv.get("median_ttft_ms") and rr.get("median_ttft_ms"):
-        result["ttft_p50_rr_over_kv"] = rr["median_ttft_ms"] / kv["median_ttft_ms"]
-        print("TTFT p50 round_robin / kv:", round(result["ttft_p50_rr_over_kv"], 2), flush=True)
+        for r in run_policy(args, routing, out_dir):
+            result["runs"].append(r)
+            print(json.dumps(r), flush=True)
+    result["ttft_p50_rr_over_kv"] = {}
+    for kv in (r for r in result["runs"] if r["routing"] == "kv" and r.get("median_ttft_ms")):
+        rr = next((r for r in result["runs"] if r["routing"] == "round_robin" and r.get("rate") == kv.get("rate")
+                   and r.get("median_ttft_ms")), None)
+        if rr is not None:
+            result["ttft_p50_rr_over_kv"][kv["rate"]] = rr["median_ttft_ms"] / kv["median_ttft_ms"]
+            print(f"rate {kv['rate']}: TTFT p50 round_robin / kv:",
+                  round(result["ttft_p50_rr_over_kv"][kv["rate"]], 2), flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     return 0

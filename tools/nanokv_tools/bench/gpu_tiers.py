@@ -107,19 +107,38 @@ def chat_bench_args(args: argparse.Namespace, path: str) -> list[str]:
             "--token-range", args.token_range, "--out", path, "--no-plot"]
 
 
-def read_summary(path: str) -> dict[str, Any]:
-    """The first rate's summary figures of a `nanokv bench serve` JSON ({} if the run wrote none)."""
+def read_summaries(path: str) -> list[dict[str, Any]]:
+    """Each rate's summary figures of a `nanokv bench serve` JSON, in run order ([] if it wrote none),
+    with the TTFT p50 of the requests that found at least half their prompt cached and of the rest."""
     if not os.path.exists(path):
-        return {}
+        return []
     with open(path) as f:
-        s = json.load(f)["runs"][0]["summary"]
-    return {k: s[k] for k in SUMMARY_KEYS if k in s}
+        runs = json.load(f)["runs"]
+    rows = []
+    for r in runs:
+        row = {"rate": r.get("label"), **{k: r["summary"][k] for k in SUMMARY_KEYS if k in r["summary"]}}
+        reqs = [q for q in r.get("requests", []) if q.get("success")]
+        for name, keep in (("hits", lambda q: 2 * q["cached_tokens"] >= q["prompt_tokens"]),
+                           ("misses", lambda q: 2 * q["cached_tokens"] < q["prompt_tokens"])):
+            ttfts = sorted(q["ttft_s"] * 1e3 for q in reqs if keep(q))
+            row[f"{name}"] = len(ttfts)
+            if ttfts:
+                row[f"median_ttft_ms_{name}"] = ttfts[len(ttfts) // 2]
+        rows.append(row)
+    return rows
 
 
-def serve(args: argparse.Namespace, name: str, extra: str, out_dir: str, command: str) -> dict[str, Any]:
+def read_summary(path: str) -> dict[str, Any]:
+    """The first rate's summary figures ({} if the run wrote none)."""
+    rows = read_summaries(path)
+    return rows[0] if rows else {}
+
+
+def serve(args: argparse.Namespace, name: str, extra: str, out_dir: str, command: str) -> list[dict[str, Any]]:
     label = name if command == "serve" else f"{name} ({command})"
     path = os.path.join(out_dir, f"serve_{name.replace('+', '_').replace('(', '_').replace(')', '')}_{command}.json")
-    server = f"--model {args.model} --num-gpu-blocks {args.l1_blocks} --max-num-seqs {args.max_num_seqs} {extra}"
+    server = (f"--model {args.model} --num-gpu-blocks {args.l1_blocks} --max-num-seqs {args.max_num_seqs} "
+              f"{args.server_args} {extra}")
     # nanokv.v1 gRPC: its chunks carry token ids (a model without a tokenizer streams no OpenAI text)
     cmd = [sys.executable, "-m", "nanokv_tools.bench.serve", "--launch", "--launch-command", command,
            "--backend", "grpc", "--launch-args", server, *chat_bench_args(args, path)]
@@ -127,7 +146,8 @@ def serve(args: argparse.Namespace, name: str, extra: str, out_dir: str, command
     t0 = time.monotonic()
     rc = subprocess.call(cmd)
     print(f"=== {label} rc={rc} {time.monotonic() - t0:.0f}s", flush=True)
-    return {"config": label, "rc": rc, **read_summary(path)}
+    rows = read_summaries(path) or [{}]
+    return [{"config": label, "rc": rc, **row} for row in rows]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--user-len", type=int, default=384)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--rate", type=float, default=4.0)
+    p.add_argument("--rate", default="4", help="request rates, comma-separated: each is a run of its own "
+                   "(fresh prompt content) against the same server")
+    p.add_argument("--server-args", default="", help="more `nanokv serve` flags for every configuration")
     p.add_argument("--systems", type=int, default=4, help="system prompts the conversations share")
     p.add_argument("--configs", default=",".join(CONFIGS), help="served in one process (nanokv serve)")
     p.add_argument("--up-configs", default="", help="served by the three services (nanokv up)")
@@ -165,15 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         runs += [(n, "up") for n in args.up_configs.split(",") if n]
         result["serve"] = []
         for name, command in runs:
-            result["serve"].append(serve(args, name, CONFIGS[name].format(**fill), out_dir, command))
+            result["serve"] += serve(args, name, CONFIGS[name].format(**fill), out_dir, command)
             write(args.out, result)  # a run cut short by a time limit still leaves every finished row
-    base = next((r for r in result["serve"] if r["config"] == "L1" and r.get("median_ttft_ms")), None)
-    inproc = {r["config"]: r for r in result["serve"]}
     for r in result["serve"]:
+        base = next((b for b in result["serve"] if b["config"] == "L1" and b.get("rate") == r.get("rate")
+                     and b.get("median_ttft_ms")), None)
         if base is not None and r.get("median_ttft_ms"):
             r["ttft_p50_speedup_vs_L1"] = base["median_ttft_ms"] / r["median_ttft_ms"]
             r["output_tok_s_vs_L1"] = r["output_throughput"] / base["output_throughput"]
-        same = inproc.get(r["config"].removesuffix(" (up)"))
+        same = next((b for b in result["serve"] if b["config"] == r["config"].removesuffix(" (up)")
+                     and b.get("rate") == r.get("rate")), None)
         split = r["config"].endswith(" (up)")
         if split and same is not None and same.get("median_ttft_ms") and r.get("median_ttft_ms"):
             r["ttft_p50_in_process_over_split"] = same["median_ttft_ms"] / r["median_ttft_ms"]
