@@ -51,7 +51,8 @@ def _case(cache, g: torch.Generator, Hq: int, B: int, lens_range: tuple[int, int
     writes is a pool block): every hybrid kernel's max error against the reference, and its time. Decode
     also runs on the hybrid policy's own mix at s = 0.5 ("_mix50": of the ranked blocks (1-s)^2 = 25% stay
     INT8, s(1-s) = 25% INT4, s = 50% dropped; nanokv.cache_service.sparsity.policies), and the plain int8
-    kernel on the same lengths with no holes, every block in the pool (same tiles: paged_decode's defaults)."""
+    kernel on the same lengths with no holes, every block in the pool (same tiles: paged_decode's defaults).
+    hybrid_decode_s8_n{block_n}w{warps}: other tiles (the defaults are 64 tokens, 4 warps)."""
     from nanokv.kernels import reference, triton_decode, triton_hybrid
 
     lens = [random.Random(i).randint(*lens_range) for i in range(B)]
@@ -69,6 +70,9 @@ def _case(cache, g: torch.Generator, Hq: int, B: int, lens_range: tuple[int, int
         for s in (1, 8):
             runs[f"hybrid_decode_s{s}"] = (lambda s=s: triton_hybrid.hybrid_decode(
                 q, cache, m.block_tables, m.seq_lens, out, scale, num_splits=s), want)
+        for bn, warps in ((64, 8), (32, 4)):  # (64, 8): what TritonBackend passes; (32, 4): fewer registers
+            runs[f"hybrid_decode_s8_n{bn}w{warps}"] = (lambda bn=bn, warps=warps: triton_hybrid.hybrid_decode(
+                q, cache, m.block_tables, m.seq_lens, out, scale, num_splits=8, block_n=bn, num_warps=warps), want)
         m50, _ = _mixed(cache, g, lens, qlens, (0.5, 0.25), False, device)
         runs["hybrid_decode_s8_mix50"] = (lambda: triton_hybrid.hybrid_decode(
             q, cache, m50.block_tables, m50.seq_lens, out, scale, num_splits=8),
