@@ -20,9 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
-from nanokv.kernels.triton_decode import _buffer
-from nanokv.kernels.triton_hybrid_tile import check, hybrid_tile, online_step, tile_args, tile_entries
-from nanokv.kernels.triton_kvtile import compute_dtype, next_pow2
+from nanokv.kernels.triton_decode import _buffer, _reduce_kernel
+from nanokv.kernels.triton_dequant import use_asm, use_words
+from nanokv.kernels.triton_hybrid_tile import (
+    check,
+    key_scores,
+    tile_args,
+    tile_entries,
+    tile_rows,
+    value_accumulate,
+)
+from nanokv.kernels.triton_kvtile import compute_dtype, next_pow2, split_range
+from nanokv.kernels.triton_softmax import decode_softmax_step, store_decode
 from nanokv.kv.demote import HybridInt8KV
 
 LOG2E = 1.4426950408889634
@@ -32,88 +41,51 @@ LOG2E = 1.4426950408889634
 def _decode_kernel(
     q_ptr, out_ptr, part_o_ptr, part_ml_ptr, bt_ptr, lens_ptr, qk_scale, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    kc, kc_n, kc_h, kc_s, kc_d, ks, ks_n, ks_h, ks_s, kp, kp_n, kp_h, kp_s, ka, kz, ka_n, ka_h, ka_s,
-    vc, vc_n, vc_h, vc_s, vc_d, vs, vs_n, vs_h, vs_s, vp, vp_n, vp_h, vp_s, va, vz, va_n, va_h, va_s,
-    DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, CDT: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    kc, vc, c_n, c_h, c_s, ks, vs, s_n, s_h, s_s, kp, vp, p_n, p_h, p_s, ka, kz, va, vz, a_n, a_h, a_s,
+    D: tl.constexpr, DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, CDT: tl.constexpr, WORDS: tl.constexpr,
+    ASM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + seq)
-    per = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)  # tiles per split
-    lo = split * per * BLOCK_N
-    hi = tl.minimum(lo + per * BLOCK_N, seq_len)
+    _, lo, hi = split_range(lens_ptr, seq, split, num_splits, BLOCK_N)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_DH)
     offs_n = tl.arange(0, BLOCK_N)
-    g_mask = offs_g < G
     d_mask = offs_d < DH
-    heads = kvh * G + offs_g
-    qm = g_mask[:, None] & d_mask[None, :]
-    q_rows = q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    qm = (offs_g < G)[:, None] & d_mask[None, :]
+    q_rows = q_ptr + seq * stride_qt + (kvh * G + offs_g)[:, None] * stride_qh + offs_d[None, :]
     q_lo = tl.load(q_rows, mask=qm, other=0.0).to(CDT)  # [BLOCK_G, BLOCK_DH]
     q_hi = tl.load(q_rows + DH, mask=qm, other=0.0).to(CDT)
+    q_sum = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)  # [BLOCK_G]: the store's key zeros
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    z_i = tl.zeros([BLOCK_G], tl.float32)  # sum of p * (value zero) over the store's tokens, on every dim
     acc_lo = tl.zeros([BLOCK_G, BLOCK_DH], tl.float32)
     acc_hi = tl.zeros([BLOCK_G, BLOCK_DH], tl.float32)
     bt_row = bt_ptr + seq * stride_bt
     for start in range(lo, hi, BLOCK_N):
         tok = start + offs_n
         entry, valid = tile_entries(bt_row, tok, hi, BS)
-        k_lo, k_hi = hybrid_tile(entry, valid, tok, kvh, offs_d, d_mask, kc, kc_n, kc_h, kc_s, kc_d,
-                                 ks, ks_n, ks_h, ks_s, kp, kp_n, kp_h, kp_s, ka, kz, ka_n, ka_h, ka_s, BS, DH)
-        s = tl.dot(q_lo, tl.trans(k_lo.to(CDT))) + tl.dot(q_hi, tl.trans(k_hi.to(CDT)))  # [BLOCK_G, BLOCK_N]
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        v_lo, v_hi = hybrid_tile(entry, valid, tok, kvh, offs_d, d_mask, vc, vc_n, vc_h, vc_s, vc_d,
-                                 vs, vs_n, vs_h, vs_s, vp, vp_n, vp_h, vp_s, va, vz, va_n, va_h, va_s, BS, DH)
-        m_i, l_i, acc_lo, acc_hi = online_step(s, m_i, l_i, acc_lo, acc_hi, v_lo, v_hi, CDT)
-    inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)  # (no key seen: l = 0 and a zero accumulator)
-    o_lo = acc_lo * inv[:, None]
-    o_hi = acc_hi * inv[:, None]
-    if SPLIT:  # partial [B, Hq, S, D] normalized, (max, sum) [B, Hq, S, 2]
-        row = (seq * (tl.num_programs(1) * G) + heads) * num_splits + split
-        po = part_o_ptr + row[:, None] * (2 * DH) + offs_d[None, :]
-        tl.store(po, o_lo, mask=qm)
-        tl.store(po + DH, o_hi, mask=qm)
-        tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
-        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
-    else:
-        po = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(po, o_lo.to(out_ptr.dtype.element_ty), mask=qm)
-        tl.store(po + DH, o_hi.to(out_ptr.dtype.element_ty), mask=qm)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _reduce_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-                   D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (num_decodes, Hq): out = the splits' partials weighted by 2^(m - max) * l; zero if no split saw a key."""
-    seq = tl.program_id(0)
-    h = tl.program_id(1)
-    row = (seq * tl.num_programs(1) + h) * num_splits
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
-    m = tl.load(part_ml_ptr + (row + offs_s) * 2, mask=s_mask, other=float("-inf"))
-    l_s = tl.load(part_ml_ptr + (row + offs_s) * 2 + 1, mask=s_mask, other=0.0)
-    m_max = tl.max(m, 0)
-    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)) * l_s  # [BLOCK_S]; 0 for empty splits
-    total = tl.sum(w, 0)
-    o = tl.load(part_o_ptr + (row + offs_s)[:, None] * D + offs_d[None, :],
-                mask=s_mask[:, None] & (offs_d[None, :] < D), other=0.0)
-    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+        pool, slot, crow, srow, prow, arow = tile_rows(entry, valid, tok, kvh, c_n, c_h, c_s, s_n, s_h, s_s,
+                                                       p_n, p_h, p_s, a_n, a_h, a_s, BS)
+        s = key_scores(q_lo, q_hi, q_sum, valid, pool, slot, crow, srow, prow, arow, offs_d, d_mask, qk_scale,
+                       kc, ks, kp, ka, kz, DH, WORDS, ASM)
+        p, alpha, m_i, l_i, acc_lo, acc_hi = decode_softmax_step(s, m_i, l_i, acc_lo, acc_hi, 0)
+        acc_lo, acc_hi, z = value_accumulate(p, acc_lo, acc_hi, pool, slot, srow, prow, arow, start, hi, bt_row, kvh,
+                                             offs_d, d_mask, vc, c_n, c_h, vs, vp, va, vz, BS, DH, CDT, WORDS, ASM)
+        z_i = z_i * alpha + z
+    store_decode(acc_lo + z_i[:, None], acc_hi + z_i[:, None], m_i, l_i, offs_g, kvh, seq, split, num_splits,
+                 out_ptr, part_o_ptr, part_ml_ptr, stride_ot, stride_oh, D, DH, G, BLOCK_DH, SPLIT)
 
 
 @triton.jit(do_not_specialize=["bt_ptr", "lens_ptr", "qsl_ptr", "stride_bt"])
 def _prefill_kernel(
     q_ptr, out_ptr, bt_ptr, lens_ptr, qsl_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    kc, kc_n, kc_h, kc_s, kc_d, ks, ks_n, ks_h, ks_s, kp, kp_n, kp_h, kp_s, ka, kz, ka_n, ka_h, ka_s,
-    vc, vc_n, vc_h, vc_s, vc_d, vs, vs_n, vs_h, vs_s, vp, vp_n, vp_h, vp_s, va, vz, va_n, va_h, va_s,
-    DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, CDT: tl.constexpr, BLOCK_M: tl.constexpr,
-    TOKENS: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr,
+    kc, vc, c_n, c_h, c_s, ks, vs, s_n, s_h, s_s, kp, vp, p_n, p_h, p_s, ka, kz, va, vz, a_n, a_h, a_s,
+    DH: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, CDT: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     mt = tl.program_id(0)
     seq = tl.program_id(1)
@@ -133,8 +105,10 @@ def _prefill_kernel(
     q_rows = q_ptr + (q0 + t)[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q_lo = tl.load(q_rows, mask=qm, other=0.0).to(CDT)
     q_hi = tl.load(q_rows + DH, mask=qm, other=0.0).to(CDT)
+    q_sum = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    z_i = tl.zeros([BLOCK_M], tl.float32)
     acc_lo = tl.zeros([BLOCK_M, BLOCK_DH], tl.float32)
     acc_hi = tl.zeros([BLOCK_M, BLOCK_DH], tl.float32)
     # keys up to this tile's last query (causal); none for a tile past the sequence's queries
@@ -143,25 +117,27 @@ def _prefill_kernel(
     for start in range(0, hi, BLOCK_N):
         tok = start + offs_n
         entry, valid = tile_entries(bt_row, tok, hi, BS)
-        k_lo, k_hi = hybrid_tile(entry, valid, tok, kvh, offs_d, d_mask, kc, kc_n, kc_h, kc_s, kc_d,
-                                 ks, ks_n, ks_h, ks_s, kp, kp_n, kp_h, kp_s, ka, kz, ka_n, ka_h, ka_s, BS, DH)
-        s = tl.dot(q_lo, tl.trans(k_lo.to(CDT))) + tl.dot(q_hi, tl.trans(k_hi.to(CDT)))  # [BLOCK_M, BLOCK_N]
-        ok = valid[None, :] & (tok[None, :] <= qpos[:, None]) & r_mask[:, None]
-        s = tl.where(ok, s * qk_scale, float("-inf"))
-        v_lo, v_hi = hybrid_tile(entry, valid, tok, kvh, offs_d, d_mask, vc, vc_n, vc_h, vc_s, vc_d,
-                                 vs, vs_n, vs_h, vs_s, vp, vp_n, vp_h, vp_s, va, vz, va_n, va_h, va_s, BS, DH)
-        m_i, l_i, acc_lo, acc_hi = online_step(s, m_i, l_i, acc_lo, acc_hi, v_lo, v_hi, CDT)
+        pool, slot, crow, srow, prow, arow = tile_rows(entry, valid, tok, kvh, c_n, c_h, c_s, s_n, s_h, s_s,
+                                                       p_n, p_h, p_s, a_n, a_h, a_s, BS)
+        s = key_scores(q_lo, q_hi, q_sum, valid, pool, slot, crow, srow, prow, arow, offs_d, d_mask, qk_scale,
+                       kc, ks, kp, ka, kz, DH, WORDS, ASM)  # [BLOCK_M, BLOCK_N]
+        s = tl.where((tok[None, :] <= qpos[:, None]) & r_mask[:, None], s, float("-inf"))
+        p, alpha, m_i, l_i, acc_lo, acc_hi = decode_softmax_step(s, m_i, l_i, acc_lo, acc_hi, 0)
+        acc_lo, acc_hi, z = value_accumulate(p, acc_lo, acc_hi, pool, slot, srow, prow, arow, start, hi, bt_row, kvh,
+                                             offs_d, d_mask, vc, c_n, c_h, vs, vp, va, vz, BS, DH, CDT, WORDS, ASM)
+        z_i = z_i * alpha + z
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)  # (no key seen: l = 0 and a zero accumulator)
     po = out_ptr + (q0 + t)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(po, (acc_lo * inv[:, None]).to(out_ptr.dtype.element_ty), mask=qm)
-    tl.store(po + DH, (acc_hi * inv[:, None]).to(out_ptr.dtype.element_ty), mask=qm)
+    tl.store(po, ((acc_lo + z_i[:, None]) * inv[:, None]).to(out_ptr.dtype.element_ty), mask=qm)
+    tl.store(po + DH, ((acc_hi + z_i[:, None]) * inv[:, None]).to(out_ptr.dtype.element_ty), mask=qm)
 
 
 def hybrid_decode(q: torch.Tensor, cache: HybridInt8KV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64, num_warps: int = 4,
                   num_stages: int = 2) -> torch.Tensor:
     """q: [B, Hq, D] one token per sequence; block_tables: [B, max_blocks] int32 mixed (see the tile
-    module); seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place."""
+    module); seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
+    block_n: tokens per tile, a power of 2 >= 16 (tiles may span blocks or part of one)."""
     B = q.shape[0]
     if B == 0:
         return out
@@ -172,13 +148,13 @@ def hybrid_decode(q: torch.Tensor, cache: HybridInt8KV, block_tables: torch.Tens
         part_o, part_ml = buf[:B * Hq * num_splits * D], buf[B * Hq * num_splits * D:]
     else:
         part_o = part_ml = out  # unused
+    consts = _consts(q, cache, D)
     _decode_kernel[(B, cache.num_kv_heads, num_splits)](
         q, out, part_o, part_ml, block_tables, seq_lens, scale * LOG2E, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *tile_args(cache),
-        DH=D // 2, G=G, BS=cache.block_size, CDT=compute_dtype(q.dtype, 8), BLOCK_G=max(16, next_pow2(G)),
-        BLOCK_DH=max(16, next_pow2(D // 2)), BLOCK_N=block_n, SPLIT=split, num_warps=num_warps,
-        num_stages=num_stages)
-    if split:
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *tile_args(cache, consts["WORDS"]), D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=block_n, SPLIT=split,
+        num_warps=num_warps, num_stages=num_stages, **consts)
+    if split:  # (triton_decode's merge: store_decode wrote the partials in its layout)
         _reduce_kernel[(B, Hq)](part_o, part_ml, out, num_splits, out.stride(0), out.stride(1),
                                 D=D, BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(D), num_warps=4)
     return out
@@ -196,9 +172,18 @@ def hybrid_prefill(q: torch.Tensor, cache: HybridInt8KV, block_tables: torch.Ten
     Hq, D, G = check(q, cache, out)
     block_m = max(block_m, next_pow2(G), 16)
     tokens = block_m // G
+    consts = _consts(q, cache, D)
     _prefill_kernel[(triton.cdiv(max_query_len, tokens), P, cache.num_kv_heads)](
         q, out, block_tables, seq_lens, query_start_loc, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *tile_args(cache),
-        DH=D // 2, G=G, BS=cache.block_size, CDT=compute_dtype(q.dtype, 8), BLOCK_M=block_m, TOKENS=tokens,
-        BLOCK_DH=max(16, next_pow2(D // 2)), BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *tile_args(cache, consts["WORDS"]), BLOCK_M=block_m, TOKENS=tokens, BLOCK_N=block_n, num_warps=num_warps,
+        num_stages=num_stages, **consts)
     return out
+
+
+def _consts(q: torch.Tensor, cache: HybridInt8KV, D: int) -> dict:
+    """The constexprs both kernels share: fp16 compute for fp16 and bf16 queries (as the int8 kernels,
+    triton_kvtile.compute_dtype), token-major codes read as words where the head dim allows."""
+    cdt = compute_dtype(q.dtype, 8)
+    return dict(DH=D // 2, G=q.shape[1] // cache.num_kv_heads, BS=cache.block_size, CDT=cdt,
+                WORDS=use_words(True, cdt, D), ASM=use_asm(q.device), BLOCK_DH=max(16, next_pow2(D // 2)))

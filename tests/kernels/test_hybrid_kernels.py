@@ -75,12 +75,13 @@ DECODES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_reads_pool_slots_and_holes(dtype, splits):
+@pytest.mark.parametrize("G", [1, 3])
+def test_decode_reads_pool_slots_and_holes(dtype, splits, G):
+    """fp32: byte tiles; fp16 and bf16 queries: fp16 compute, codes read as words (triton_hybrid_tile)."""
     g = torch.Generator().manual_seed(1)
     cache = _cache(0)
-    G = 3
     tables = [_table(-(-L // BS), kinds, g) for L, kinds in DECODES]
     lens = [L for L, _ in DECODES]
     md = _metadata(tables, lens, [1] * len(lens), 0)
@@ -98,7 +99,29 @@ def test_decode_reads_pool_slots_and_holes(dtype, splits):
     assert (alt[2] - want[2]).abs().max() > 1e-2
 
 
-def test_prefill_chunks_after_a_mixed_context():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_tiles_of_several_blocks(dtype):
+    """32-token tiles over 8-token blocks: a tile mixes pool blocks, slots and holes (or is all one kind),
+    tails end mid-tile, and the split boundaries fall inside the mixed stretch."""
+    g = torch.Generator().manual_seed(6)
+    cache = _cache(7)
+    G = 2
+    specs = [(100, "pshpsshhsppphp"), (64, "sssshhhp"), (72, "hhhhssssp"), (9, "sp"), (120, "phsphsphsphsphp")]
+    tables = [_table(-(-L // BS), kinds, g) for L, kinds in specs]
+    lens = [L for L, _ in specs]
+    md = _metadata(tables, lens, [1] * len(lens), 0)
+    q = torch.randn(len(lens), H * G, D, generator=g).to(DEV, dtype)
+    want = reference.paged_attention(q.float(), cache, md, D ** -0.5)
+    tol = FP32_TOL if dtype == torch.float32 else 2e-2
+    for splits in (1, 2):
+        got = torch.full_like(q, float("nan"))
+        triton_hybrid.hybrid_decode(q, cache, md.block_tables, md.seq_lens, got, D ** -0.5, num_splits=splits,
+                                    block_n=32)
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_chunks_after_a_mixed_context(dtype):
     g = torch.Generator().manual_seed(2)
     cache = _cache(3)
     G = 2
@@ -106,12 +129,13 @@ def test_prefill_chunks_after_a_mixed_context():
     specs = [(45, 13, "pshsp p"), (17, 17, "ppp"), (64, 20, "sshhpppp"), (29, 1, "hspp")]
     tables = [_table(-(-L // BS), kinds.replace(" ", "p"), g) for L, _, kinds in specs]
     md = _metadata(tables, [L for L, _, _ in specs], [n for _, n, _ in specs], len(specs))
-    q = torch.randn(md.query_start_loc_cpu[-1], H * G, D, generator=g).to(DEV)
-    want = reference.paged_attention(q, cache, md, D ** -0.5)
+    q = torch.randn(md.query_start_loc_cpu[-1], H * G, D, generator=g).to(DEV, dtype)
+    want = reference.paged_attention(q.float(), cache, md, D ** -0.5)
     got = torch.full_like(q, float("nan"))
     triton_hybrid.hybrid_prefill(q, cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len, got,
                                  D ** -0.5, block_m=16, block_n=16)
-    torch.testing.assert_close(got, want, atol=FP32_TOL, rtol=FP32_TOL)
+    tol = FP32_TOL if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
 def test_backend_mixed_step_matches_the_reference():

@@ -5,7 +5,8 @@
 1. Kernels: nanokv.kernels.triton_hybrid (decode, split-K and not; prefill chunks) on tables that mix int8
    pool blocks, INT4 demotion-store slots and holes, at Llama-3-8B (32/8 heads) and Qwen3-0.6B (16/8)
    shapes, D = 128, fp16 and bf16 queries, against the torch reference (nanokv.kernels.reference), plus
-   each one's time next to the plain int8 decode kernel on the same lengths with no holes.
+   each one's time next to the plain int8 decode kernel on the same lengths with no holes
+   (nanokv_tools.bench.sparsity_kernels; decode also on the hybrid policy's own s = 0.5 mix).
 2. Serving on a random-weight Qwen3-0.6B (nanokv_tools.bench.gpu's model and greedy, EOS-ignored runs):
      longctx  inputs 2-4k, outputs 0.5-1k tokens (128 sequences in the issue; --num-seqs)
      long32k  inputs 16-32k, outputs 0.5-1k (--long-num-seqs): KV memory is the limit
@@ -28,116 +29,9 @@ from typing import Any
 
 import torch
 
-SHAPES = {"llama3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}  # (query heads, KV heads, head dim)
+from nanokv_tools.bench.sparsity_kernels import kernel_checks
+
 CONFIGS = ("int8", "streaming", "attention", "hybrid")
-
-
-def _timed(fn) -> float:
-    """Milliseconds per call (20 calls after one warm-up)."""
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(20):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / 20
-
-
-def _metadata(lens: list[int], qlens: list[int], table: torch.Tensor, prefill: bool, device: str):
-    from nanokv.kv.metadata import AttentionMetadata
-
-    qsl = [0]
-    for n in qlens:
-        qsl.append(qsl[-1] + n)
-    B = len(lens)
-    return AttentionMetadata(
-        slot_mapping=torch.full((qsl[-1],), -1, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), block_tables=table.to(device),
-        num_prefills=B if prefill else 0, num_prefill_tokens=qsl[-1] if prefill else 0,
-        num_decode_tokens=0 if prefill else B, max_query_len=max(qlens), max_seq_len=max(lens),
-        query_start_loc_cpu=qsl, seq_lens_cpu=lens)
-
-
-def _case(cache, g: torch.Generator, Hq: int, B: int, lens_range: tuple[int, int], prefill: bool,
-          dtype: torch.dtype, device: str) -> list[dict[str, Any]]:
-    """One batch on a mixed table (about 20% holes, 30% slots, the rest pool; the block each sequence
-    writes is a pool block): every hybrid kernel's max error against the reference, and its time."""
-    from nanokv.kernels import reference, triton_decode, triton_hybrid
-    from nanokv.kv.demote import code
-
-    bs, N, M, D = cache.block_size, cache.num_blocks, cache.demoted.k.shape[0], cache.head_dim
-    lens = [random.Random(i).randint(*lens_range) for i in range(B)]
-    width = -(-max(lens) // bs)
-    kinds = torch.randint(0, 10, (B, width), generator=g)
-    pool = torch.randint(M, N, (B, width), generator=g)
-    slots = torch.randint(0, M, (B, width), generator=g)
-    mixed = torch.where(kinds < 2, -1, torch.where(kinds < 5, code(0) - slots, pool)).int()
-    for i, L in enumerate(lens):
-        mixed[i, (L - 1) // bs] = pool[i, (L - 1) // bs]
-    qlens = [min(512, L) for L in lens] if prefill else [1] * B
-    m = _metadata(lens, qlens, mixed, prefill, device)
-    q = torch.randn(sum(qlens), Hq, D, generator=g).to(device, dtype)
-    want = reference.paged_attention(q.float(), cache, m, D ** -0.5)
-    out = torch.empty_like(q)
-    runs: dict[str, Any] = {}
-    if prefill:
-        runs["hybrid_prefill"] = lambda: triton_hybrid.hybrid_prefill(
-            q, cache, m.block_tables, m.seq_lens, m.query_start_loc, m.max_query_len, out, D ** -0.5)
-    else:
-        for s in (1, 8):
-            runs[f"hybrid_decode_s{s}"] = lambda s=s: triton_hybrid.hybrid_decode(
-                q, cache, m.block_tables, m.seq_lens, out, D ** -0.5, num_splits=s)
-        dense = _metadata(lens, qlens, pool.int(), False, device)
-        plain = allocate_plain(cache)
-        runs["int8_decode_dense_s8"] = lambda: triton_decode.paged_decode(
-            q, plain, dense.block_tables, dense.seq_lens, torch.empty_like(q), D ** -0.5, num_splits=8)
-    rows = []
-    for kname, fn in runs.items():
-        fn()
-        err = float((out.float() - want).abs().max()) if kname.startswith("hybrid") else None
-        rows.append({"kernel": kname, "dtype": str(dtype).removeprefix("torch."), "batch": B, "max_len": max(lens),
-                     "max_abs_err": err, "ok": err is None or err < 3e-2,
-                     "ms": _timed(fn) if device == "cuda" else None})
-    return rows
-
-
-def allocate_plain(cache):
-    """The int8 layer under a hybrid one (the same tensors, no store): what the plain kernels read."""
-    from dataclasses import fields
-
-    from nanokv.kv.cache import Int8KV
-
-    return Int8KV(**{f.name: getattr(cache, f.name) for f in fields(Int8KV)})
-
-
-def kernel_checks(device: str, block_size: int = 16) -> list[dict[str, Any]]:
-    from nanokv.kernels import reference
-    from nanokv.kv.cache import Int8KV, allocate_layer_cache
-    from nanokv.kv.demote import DemotedBlocks, HybridInt8KV
-
-    rows = []
-    for name, (Hq, H, D) in SHAPES.items():
-        g = torch.Generator().manual_seed(0)
-        N, M = 4096, 1024
-        c = allocate_layer_cache(8, N, H, block_size, D, torch.float16, device)
-        assert isinstance(c, Int8KV)
-        kv = torch.randn(2, N * block_size, H, D, generator=g).to(device)
-        reference.store_kvcache(kv[0], kv[1], c, torch.arange(N * block_size, device=device))
-        st = DemotedBlocks.zeros(M, c)
-        st.write(c, torch.arange(M, device=device), torch.arange(M, device=device))
-        cache = HybridInt8KV.of(c, st)
-        for B, lens_range, prefill in ((32, (512, 8192), False), (4, (1024, 4096), True)):
-            for dtype in (torch.float16, torch.bfloat16):
-                for row in _case(cache, g, Hq, B, lens_range, prefill, dtype, device):
-                    row["shape"] = name
-                    rows.append(row)
-                    err = row["max_abs_err"]
-                    print(f"[kernel] {name:10s} {row['kernel']:22s} {row['dtype']:8s} B={B} max_len={row['max_len']} "
-                          f"err={'-' if err is None else f'{err:.2e}'} ms={row['ms']} {'ok' if row['ok'] else 'FAIL'}")
-    return rows
 
 
 def workload(name: str, n: int, scale: float, vocab: int = 10000) -> tuple[list[list[int]], list[int]]:
