@@ -148,10 +148,14 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def allocate(
-        self, seq_id: Hashable, num_tokens: int, prefix: PrefixMatch | None = None
+        self, seq_id: Hashable, num_tokens: int, prefix: PrefixMatch | None = None,
+        resident: dict[int, int] | None = None,
     ) -> list[int] | None:
         """First allocation of a sequence: pin the (still valid part of the) prefix hit, then add fresh
-        blocks until ``num_tokens`` tokens are covered. None, with no state change, if short."""
+        blocks until ``num_tokens`` tokens are covered. None, with no state change, if short.
+        ``resident`` ({position: block}, past the hit; the hierarchy's match gives it) are cached
+        blocks of later positions of the prompt, reached again through blocks a lower tier loads:
+        they take their place in the table, pinned, instead of fresh blocks."""
         if seq_id in self._seqs:
             raise NanoKVError("seq_id", f"sequence {seq_id!r} already holds blocks; free it first")
         _check_int("num_tokens", num_tokens, 0)
@@ -168,8 +172,16 @@ class KVCacheManager:
                 if pool.hash[b] != hashes[i]:
                     break
                 hit.append(b)
-        need = self._blocks_for(num_tokens) - len(hit)
-        pinned_now = sum(1 for b in hit if pool.ref[b] == 0)  # these stop being allocatable
+        total = self._blocks_for(num_tokens)
+        later: dict[int, int] = {}
+        if resident and len(hit) == len(prefix.block_ids if prefix is not None else ()):
+            for i, b in resident.items():
+                if len(hit) <= i < min(total, len(hashes)) and pool.hash[b] == hashes[i]:
+                    later[i] = b
+            if len(later) != len(resident):  # the caller matched them moments ago: a bookkeeping error
+                raise RuntimeError(f"resident blocks {sorted(resident)} are no longer all cached")
+        need = total - len(hit) - len(later)
+        pinned_now = sum(1 for b in (*hit, *later.values()) if pool.ref[b] == 0)  # stop being allocatable
         if need > pool.num_allocatable() - pinned_now:
             return None
         st = self.stats
@@ -180,13 +192,14 @@ class KVCacheManager:
             if h not in recent:
                 break
             st.recomputed_tokens += self.block_size
-        for b in hit:
+        for b in (*hit, *later.values()):
             pool.pin(b)
-        table = hit + self._take(need)
+        fresh = iter(self._take(need))
+        table = hit + [later[i] if i in later else next(fresh) for i in range(len(hit), total)]
         self._seqs[seq_id] = _Seq(table, hashes, len(hit), _NO_HOLE)
         st.prefix_queries += 1
         st.prefix_queries_tokens += prefix.num_query_tokens if prefix is not None else num_tokens
-        st.prefix_hits_tokens += len(hit) * self.block_size
+        st.prefix_hits_tokens += (len(hit) + len(later)) * self.block_size
         return table
 
     def _take(self, n: int) -> list[int]:

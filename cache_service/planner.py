@@ -128,7 +128,7 @@ class Planner:
                         self._cancel(lower)
                         break
                     n = budget
-                if cm.allocate(seq_id, hit + n, prefix) is None:
+                if cm.allocate(seq_id, hit + n, prefix, lower.resident() if lower is not None else None) is None:
                     self._cancel(lower)
                     break
                 if lower is not None:

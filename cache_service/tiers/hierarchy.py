@@ -45,15 +45,25 @@ L1 = "L1"
 @dataclass
 class LowerMatch:
     """The chain past L1's hit: ``sources[i]`` is the level (1 = the first lower tier) that holds
-    block ``start + i``, the highest one holding it (the fastest to load from)."""
+    block ``start + i``, the highest one holding it (the fastest to load from), or 0 where L1 itself
+    still holds it: L1 evicted an earlier block of the chain and kept this one (a policy that is not
+    leaf-first does, clock for one), and the run from below reaches it again. Such a block is reused
+    in place (``resident``), not loaded."""
 
     block_hashes: list[bytes]
     start: int  # blocks L1 holds (the PrefixMatch's hit)
     sources: list[int]
+    l1_blocks: dict[int, int] = field(default_factory=dict)  # chain position -> L1 block, for sources 0
 
     @property
     def num_blocks(self) -> int:
         return len(self.sources)
+
+    def resident(self) -> dict[int, int]:
+        """{position: L1 block} of the chain's blocks L1 holds past its leading run (the chain may
+        have been cut short since the match: only those still in it)."""
+        end = self.start + len(self.sources)
+        return {i: b for i, b in self.l1_blocks.items() if i < end}
 
     def per_level(self, num_levels: int) -> list[int]:
         """Blocks per level: [L1 hits, from the first lower tier, ...]."""
@@ -114,15 +124,23 @@ class TieredCache:
         n_q = prefix.num_query_tokens
         cap = min(len(hashes), (n_q - 1) // self.manager.block_size if n_q else 0)
         sources: list[int] = []
+        l1: dict[int, int] = {}
         tiers = self.tiers
-        for h in hashes[start:cap]:
+        index = self.manager.pool.index
+        for i in range(start, cap):
+            h = hashes[i]
+            b = index.get(h)
+            if b is not None:  # past a block L1 lost: reused in place
+                sources.append(0)
+                l1[i] = b
+                continue
             for lvl, t in enumerate(tiers, 1):
                 if h in t:
                     sources.append(lvl)
                     break
             else:
                 break
-        return LowerMatch(list(hashes), start, sources)
+        return LowerMatch(list(hashes), start, sources, l1)
 
     def owner(self, block_hash: bytes) -> str | None:
         """The level that owns the block (the highest holding it), or None."""
@@ -153,7 +171,8 @@ class TieredCache:
         takes them before they land in L1."""
         tiers = self.tiers
         for h, lvl in zip(lm.block_hashes[lm.start:], lm.sources):
-            tiers[lvl - 1].pin(h)
+            if lvl:
+                tiers[lvl - 1].pin(h)
 
     def finish_load(self, lm: LowerMatch) -> int:
         """Unpin the copies; count L1's hits and each load that landed (its hash is now in L1: the
@@ -165,6 +184,11 @@ class TieredCache:
         index = self.manager.pool.index
         loaded = 0
         for h, lvl in zip(lm.block_hashes[lm.start:], lm.sources):
+            if not lvl:  # reused in place: an L1 hit
+                if h in index:
+                    st.add(st.hit_blocks, L1)
+                    st.add(st.hit_tokens, L1, bs)
+                continue
             t = self.tiers[lvl - 1]
             t.unpin(h)
             if h not in index:
@@ -181,7 +205,8 @@ class TieredCache:
     def cancel_load(self, lm: LowerMatch) -> None:
         """The request was not admitted: unpin, count nothing."""
         for h, lvl in zip(lm.block_hashes[lm.start:], lm.sources):
-            self.tiers[lvl - 1].unpin(h)
+            if lvl:
+                self.tiers[lvl - 1].unpin(h)
 
     # ---- movement down ------------------------------------------------------------------------
     def _on_l1_evict(self, block: int, block_hash: bytes, depth: int) -> None:

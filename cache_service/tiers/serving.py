@@ -244,9 +244,14 @@ class ServingTiers:
 
     def land(self, lm: LowerMatch, table: list[int]) -> int:
         """The sequence got its blocks (`table`, L1's hit first): log a load per block into its
-        fresh block. The caller publishes them in L1 (cache_blocks), then calls `finish`."""
+        fresh block. The caller publishes them in L1 (cache_blocks), then calls `finish`. Returns
+        the tokens the lower tiers serve (L1's blocks met again along the chain are not theirs)."""
         tiers = self.cache.tiers
         for i, (h, lvl) in enumerate(zip(lm.block_hashes[lm.start:], lm.sources)):
+            if not lvl:  # L1's own block, in place (allocate put it there)
+                if table[lm.start + i] != lm.l1_blocks[lm.start + i]:
+                    raise RuntimeError("an L1 block of the chain is not in its place in the table")
+                continue
             slot = self._staged.get(h) if lvl == 2 else tiers[lvl - 1].slot(h)
             if slot is None:  # pinned or staged: cannot have left
                 raise RuntimeError(f"{tiers[lvl - 1].name}: a block being loaded lost its slot")
@@ -256,7 +261,7 @@ class ServingTiers:
             slot = self._staged[h]
             self.copies.append((COPY_LOAD, table[lm.start + lm.num_blocks + j], slot))
             self._touch(slot)
-        return self.hit_blocks(lm) * self.block_size
+        return (self.hit_blocks(lm) - lm.sources.count(0)) * self.block_size
 
     def from_remote(self) -> int:
         """Tokens of this admission the shared tier serves."""

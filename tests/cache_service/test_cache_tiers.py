@@ -35,7 +35,7 @@ def _request(cm: KVCacheManager, tc: TieredCache, seq: object, tokens: list[int]
     m = cm.match_prefix(tokens, salt)
     lm = tc.match_lower(m)
     tc.begin_load(lm)
-    assert cm.allocate(seq, len(tokens), m) is not None
+    assert cm.allocate(seq, len(tokens), m, lm.resident()) is not None
     cm.cache_blocks(seq, tokens, len(tokens), salt)
     tc.finish_load(lm)
     cm.free(seq)
@@ -85,6 +85,33 @@ def test_a_chain_broken_in_l1_continues_in_l2() -> None:
     # a2 evicted b's 3 deepest blocks (LRU: a request's root is released last): L1 then L2
     assert _request(cm, tc, "b2", b) == [1, 3]
     check_invariants(tc)
+
+
+@pytest.mark.parametrize("policy", ["clock", "lru", "lru_k", "arc"])
+def test_l1_blocks_past_a_lost_head_are_reused_not_recomputed(policy: str) -> None:
+    """Two prompts that do not fit L1 together, taking turns. A policy that is not leaf-first (clock:
+    a block keeps its ring position while pinned) evicts a chain's head and keeps later blocks; the
+    head comes back from L2 and the chain goes on through the blocks L1 kept, in place, so every
+    turn after the first is a full hit, whatever the policy."""
+    cm = KVCacheManager(12, BS, eviction_policy=policy)
+    tc = TieredCache(cm, _tiers(32))
+    a, b = _prompt(1, 8), _prompt(2, 8)
+    seen = []
+    for i in range(8):
+        p = a if i % 2 == 0 else b
+        m = cm.match_prefix(p)
+        lm = tc.match_lower(m)
+        tc.begin_load(lm)
+        table = cm.allocate(i, len(p), m, lm.resident())
+        assert table is not None
+        assert all(table[pos] == blk for pos, blk in lm.resident().items())
+        cm.cache_blocks(i, p, len(p))
+        tc.finish_load(lm)
+        cm.free(i)
+        seen.append(sum(lm.per_level(2)))
+        check_invariants(tc)
+    assert seen[:2] == [0, 0] and seen[2:] == [8] * 6, seen
+    assert cm.pool.num_used == 0 and tc.tiers[0].num_evictable == len(tc.tiers[0])
 
 
 def test_chain_mixes_l1_l2_l3_and_counts_add_up() -> None:
