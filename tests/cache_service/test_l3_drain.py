@@ -59,7 +59,7 @@ class GatedIO(DiskIO):
 
 
 class Rig:
-    def __init__(self, tmp_path, spare: int):  # type: ignore[no-untyped-def]
+    def __init__(self, tmp_path, spare: int, remote=None):  # type: ignore[no-untyped-def]
         layout = PoolLayout(num_blocks=L2_SLOTS + STAGING + spare, block_size=BS, num_kv_heads=2, head_dim=8,
                             layer_bits=[16, 8], dtype="bfloat16")
         self.host = Host(PoolStorage(layout, False, 1))
@@ -68,7 +68,7 @@ class Rig:
         self.disk = DiskTier(self.store, self.host.slot_bytes, 16)
         self.cm = KVCacheManager(4, BS, eviction_policy="lru")
         self.st = ServingTiers(self.cm, L2_SLOTS, TierFormat("pool", 16, self.host.slot_bytes), disk=self.disk,
-                               host=self.host, staging=STAGING, spare=spare)
+                               host=self.host, staging=STAGING, spare=spare, remote=remote)
         self.all_slots = set(range(L2_SLOTS + STAGING + spare))
         self.dev: dict[int, bytes] = {}  # device block -> its bytes
         self.plans = 0
@@ -238,6 +238,35 @@ def test_without_a_spare_slot_the_victim_is_dropped_not_copied(tmp_path):  # typ
         assert rig.store.keys() == kept and rig.store.get(kept[0]) == rig.content(kept[0])
     finally:
         rig.close()
+
+
+def test_the_shared_tier_gets_the_victims_from_the_disk_writer_too(tmp_path):  # type: ignore[no-untyped-def]
+    from nanokv.cache_service.tiers.remote_store import RemoteStore
+    from nanokv.cache_service.tiers.remote_tier import RemoteTier
+    from tests.helpers_valkey import Server, require_server
+
+    server = Server(require_server(), tmp_path / "valkey").start()
+    rig = None
+    try:
+        store = RemoteStore(server.url, "test", timeout_s=5.0)
+        rig = Rig(tmp_path, spare=4, remote=RemoteTier(store, 0))
+        ha = hash_full_blocks(A, BS)
+        rig.run("a", A)
+        rig.run("b", B)
+        rig.io.open.clear()
+        rig.run("c", C)  # a's blocks go down: to the disk and to the shared tier, from their slots
+        assert rig.host.plan_thread_reads == [] and rig.disk.draining() == 2
+        rig.io.open.set()
+        rig.wait_written()
+        assert rig.st.remote is not None
+        rig.st.remote.close()  # offers every queued block first
+        check = RemoteStore(server.url, "test", timeout_s=5.0)
+        assert [check.get(h) for h in ha] == [rig.content(h) for h in ha]
+        check.close()
+    finally:
+        if rig is not None:
+            rig.close()
+        server.kill()
 
 
 def test_a_disk_tier_needs_spare_slots(tmp_path):  # type: ignore[no-untyped-def]
