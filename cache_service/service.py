@@ -149,9 +149,12 @@ class CacheService:
         slots = l2.num_blocks
         # disk hits are read into staging slots past L2's: one batch of prefill blocks per plan
         staging = min(256, max(8, slots // 4)) if cfg.disk_cache_dir or cfg.remote_cache_url else 0
+        # and the spare slots L2 blocks take while their victim's slot is written to disk (serving.py)
+        spare = staging if cfg.disk_cache_dir else 0
         if self.host_storage is not None:
             self.host_storage.close()
-        self.host_storage = PoolStorage(dataclasses.replace(l2, num_blocks=slots + staging), self.shared, self.epoch)
+        self.host_storage = PoolStorage(dataclasses.replace(l2, num_blocks=slots + staging + spare), self.shared,
+                                        self.epoch)
         assert self.manager is not None  # made by attach, under the lock
         bits = max(l2.layer_bits)
         fmt = TierFormat(cfg.cpu_offload_kv_format, bits, per_block)
@@ -172,10 +175,11 @@ class CacheService:
             store = RemoteStore(cfg.remote_cache_url, self._fingerprint(l2), ttl_s=cfg.remote_cache_ttl_s)
             remote = RemoteTier(store, host.slot_bytes)
         self.tiers = ServingTiers(self.manager, slots, fmt, cfg.cpu_offload_policy, disk=disk, host=host,
-                                  staging=staging, remote=remote)
+                                  staging=staging, remote=remote, spare=spare)
         log.info("host tier (L2): %d blocks, %d bytes, format %s, policy %s", slots, self.host_storage.nbytes,
                  cfg.cpu_offload_kv_format, cfg.cpu_offload_policy)
-        return dataclasses.replace(handle, host_tier=self.host_storage.handle(), host_tier_blocks=slots + staging)
+        return dataclasses.replace(handle, host_tier=self.host_storage.handle(),
+                                   host_tier_blocks=slots + staging + spare)
 
     def _fingerprint(self, layout: PoolLayout) -> str:
         """What a stored block's bytes depend on: the model and the host tier's KV layout (disk files,

@@ -17,6 +17,7 @@ import dataclasses
 import os
 import weakref
 
+import numpy as np
 import torch
 
 from nanokv.cache_service.segments import new_segment_path
@@ -116,20 +117,38 @@ class HostSlots:
 
         caches = carve_layer_caches(storage.layout, storage.buffer)
         self.tensors = [getattr(c, f) for c in caches for f in c.block_fields]
+        self.num_slots = int(self.tensors[0].shape[0])
         self.slot_bytes = sum(t[0].numel() * t.element_size() for t in self.tensors)
+        # per tensor, [slots, bytes of one slot] uint8 over the segment where a slot's entries are
+        # contiguous in logical order (a numpy row per slot: no torch call per access), else None
+        self._rows = [t.reshape(t.shape[0], -1).view(torch.uint8).numpy() if t[0].is_contiguous() else None
+                      for t in self.tensors]
+
+    def views(self, slot: int) -> list[memoryview]:
+        """The slot's bytes as one flat byte view per tensor, in file order: views of the segment
+        itself where a slot's entries are contiguous (no copy), a contiguous copy where they are
+        not (int8 values are dims-major in memory)."""
+        return [memoryview(rows[slot]) if rows is not None
+                else memoryview(t[slot].contiguous().view(-1).view(torch.uint8).numpy())
+                for t, rows in zip(self.tensors, self._rows)]
 
     def read(self, slot: int) -> bytes:
-        return b"".join(t[slot].contiguous().view(torch.uint8).numpy().tobytes() for t in self.tensors)
+        """A copy of the slot's bytes: one buffer, one copy per tensor (a strided tensor: two)."""
+        return b"".join(self.views(slot))
 
-    def write(self, slot: int, data: bytes) -> None:
-        if len(data) != self.slot_bytes:
-            raise ValueError(f"a slot holds {self.slot_bytes} bytes, got {len(data)}")
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    def write(self, slot: int, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        if view.nbytes != self.slot_bytes:
+            raise ValueError(f"a slot holds {self.slot_bytes} bytes, got {view.nbytes}")
+        src = np.frombuffer(view, dtype=np.uint8)  # read-only is fine: it is only copied out of
         off = 0
-        for t in self.tensors:
+        for t, rows in zip(self.tensors, self._rows):
             dst = t[slot]
             n = dst.numel() * dst.element_size()
-            dst.copy_(raw[off:off + n].view(t.dtype).view(dst.shape))
+            if rows is not None:
+                rows[slot] = src[off:off + n]
+            else:  # torch would warn about a read-only source: the strided path copies it first
+                dst.copy_(torch.from_numpy(src[off:off + n].copy()).view(dst.dtype).view(dst.shape))
             off += n
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import struct
+from collections.abc import Sequence
 
 MAGIC = b"NKVBLK\r\n"
 VERSION = 1
@@ -60,11 +61,17 @@ def fingerprint_digest(fingerprint: bytes | str) -> bytes:
     return _digest(raw, b"nkv-disk-fprint")
 
 
-def pack_header(fp_digest: bytes, block_hash: bytes, parent_hash: bytes | None, payload: memoryview) -> bytes:
-    """The header for ``payload`` (a 1-D byte memoryview); hashes the whole payload once."""
+def pack_header(fp_digest: bytes, block_hash: bytes, parent_hash: bytes | None,
+                payload: memoryview | Sequence[memoryview]) -> bytes:
+    """The header for ``payload`` (a 1-D byte memoryview, or the parts it is made of, in order);
+    hashes the whole payload once."""
     flags = _FLAG_PARENT if parent_hash is not None else 0
+    parts = [payload] if isinstance(payload, memoryview) else payload
+    h = hashlib.blake2b(digest_size=32, person=b"nkv-disk-payload")
+    for part in parts:
+        h.update(part)
     body = _BODY.pack(MAGIC, VERSION, HEADER_SIZE, flags, fp_digest, block_hash, parent_hash or _ZERO_HASH,
-                      payload.nbytes, _digest(payload, b"nkv-disk-payload"))
+                      sum(p.nbytes for p in parts), h.digest())
     return body + _digest(body, b"nkv-disk-header")
 
 

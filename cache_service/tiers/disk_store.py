@@ -61,6 +61,17 @@ def _check_hash(field: str, value: object) -> None:
         raise NanoKVError(field, f"must be a {HASH_BYTES}-byte block hash (cache_service/hashing.py), got {got}")
 
 
+def _byte_parts(payload: object) -> list[memoryview]:
+    """A payload (one buffer, or a list or tuple of them) as flat byte views, no copy."""
+    out = []
+    for part in payload if isinstance(payload, (list, tuple)) else (payload,):
+        view = memoryview(part)  # any buffer-protocol object
+        if view.ndim != 1 or view.format not in ("B", "b", "c"):
+            view = view.cast("B")
+        out.append(view)
+    return out
+
+
 class _PutJob:
     """A write's hand-off between the caller and its worker (both under the store's lock)."""
 
@@ -105,16 +116,17 @@ class DiskStore:
         self._runner = BoundedRunner(timeout_s, io_workers)
 
     def put(self, block_hash: bytes, payload: object, parent_hash: bytes | None = None) -> bool:
-        """Store a block; True once it is on disk under its name (or already was). False, never an
+        """Store a block: ``payload`` is any buffer, or a list or tuple of buffers written one after
+        the other (a host slot's tensors, read where they lie: no joined copy). True once it is on
+        disk under its name (or already was). False, never an
         exception, when it is not admitted: the budget is full (evict first), the disk is full or
         read-only, the write failed or outran ``timeout_s``."""
         _check_hash("block_hash", block_hash)
         if parent_hash is not None:
             _check_hash("parent_hash", parent_hash)
-        view = memoryview(payload)  # type: ignore[arg-type]  # any buffer-protocol object
-        if view.ndim != 1 or view.format not in ("B", "b", "c"):
-            view = view.cast("B")
-        charge = self.charge(view.nbytes)
+        parts = _byte_parts(payload)
+        nbytes = sum(p.nbytes for p in parts)
+        charge = self.charge(nbytes)
         self.health.add("puts")
         with self._lock:
             self._live()
@@ -132,7 +144,7 @@ class DiskStore:
             return False
         job = _PutJob()
         try:
-            return self._runner.run(self._put_job, job, block_hash, parent_hash, view, charge)
+            return self._runner.run(self._put_job, job, block_hash, parent_hash, parts, charge)
         except (IOTimeout, IOBusy) as exc:
             with self._lock:
                 if job.finished:
@@ -262,11 +274,11 @@ class DiskStore:
         self.close()
 
     # ---- workers: run on the runner's threads (inline without a timeout), do their own accounting
-    def _put_job(self, job: _PutJob, h: bytes, parent: bytes | None, view: memoryview, charge: int) -> bool:
+    def _put_job(self, job: _PutJob, h: bytes, parent: bytes | None, parts: list[memoryview], charge: int) -> bool:
         tmp = f"{TMP_PREFIX}{h.hex()}-{secrets.token_hex(4)}"
         try:
-            header = pack_header(self._fp, h, parent, view)
-            wrote = self._io.write_new(self._fd, tmp, (header, view), self.fsync)
+            header = pack_header(self._fp, h, parent, parts)
+            wrote = self._io.write_new(self._fd, tmp, [memoryview(header), *parts], self.fsync)
             self._io.replace(self._fd, tmp, file_name(h))
         except OSError as exc:
             self._unlink_quietly(tmp)
@@ -280,7 +292,7 @@ class DiskStore:
                 self._pending.discard(h)
             if job.admitted:
                 self._used += charge
-                self._index[h] = DiskEntry(h, parent, view.nbytes, charge)
+                self._index[h] = DiskEntry(h, parent, sum(p.nbytes for p in parts), charge)
         if job.admitted:
             self.health.add("puts_admitted")
             self.health.add("bytes_written", wrote)

@@ -8,8 +8,11 @@ compute service then copies into the device pool like an L2 hit (serving.py). At
 store's files (already checked by its re-index) are admitted least recently used first, so the
 tier's policy starts from the order the files were last used in.
 
-Writes and deletions run on a writer thread, never in a plan: a plan copies the victim's bytes out
-of its slot (a memcpy) and queues them; until the file is on disk a hit is served from that copy.
+Writes and deletions run on a writer thread, never in a plan, and so does every byte of them: a
+plan hands the writer the victim's host slot itself (``write_slot``: bookkeeping only, no copy), and
+the writer hashes and writes the slot's tensors where they lie. The slot is the writer's until the
+file is written: the serving path gives the victim's successor another slot meanwhile, and takes the
+slot back at a later plan (``take_drained``). Until the file is on disk a hit is read from that slot.
 A full queue (the disk slower than the evictions) drops the block instead of waiting; a write that
 fails is reported back and the tier forgets the block at the next plan (``drain``).
 
@@ -25,7 +28,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from nanokv.cache_service.tiers.disk_store import DiskStore
 from nanokv.cache_service.tiers.formats import TierFormat
@@ -35,6 +39,26 @@ from nanokv.errors import ConfigError
 log = logging.getLogger("nanokv.cache_service.tiers")
 L3 = "L3"
 PENDING, READY, FAILED = 0, 1, 2  # a prefetch's state
+
+
+class SlotSource(Protocol):
+    """The host slots a queued write's bytes sit in (cache_service/storage.py HostSlots)."""
+
+    def views(self, slot: int) -> Sequence[memoryview]: ...
+
+    def read(self, slot: int) -> bytes: ...
+
+
+class _Queued:
+    """A write waiting for the writer: its bytes (``data``), or the host slot they sit in (``slot``
+    >= 0), which the tier owns until the writer is done with it; ``then(hash, slot)`` runs on the
+    writer's thread once the slot's bytes are written (or were not wanted any more), before the slot
+    goes back."""
+
+    __slots__ = ("data", "slot", "then")
+
+    def __init__(self, data: bytes | None, slot: int = -1, then: Callable[[bytes, int], None] | None = None):
+        self.data, self.slot, self.then = data, slot, then
 
 
 class DiskTier:
@@ -50,9 +74,12 @@ class DiskTier:
         self.read_failed = 0  # hits whose file was gone, corrupt or slow: recomputed instead
         self.queue_full = 0  # victims dropped because the writer was too far behind
         self._lock = threading.Lock()
-        self._pending: dict[bytes, bytes] = {}  # queued writes: served from here until on disk
+        self.host: SlotSource | None = None  # where write_slot's bytes sit (the serving path sets it)
+        self._pending: dict[bytes, _Queued] = {}  # queued writes: served from here until on disk
         self._failed: list[bytes] = []  # writes the writer could not make (drain forgets them)
-        self._q: queue.Queue[tuple[str, bytes, bytes] | None] = queue.Queue(maxsize=max_queue)
+        self._slot_refs: dict[int, int] = {}  # host slot of a queued write -> its write + readers copying it
+        self._drained: list[int] = []  # host slots the writer is done with (take_drained hands them back)
+        self._q: queue.Queue[tuple[str, bytes, _Queued | None] | None] = queue.Queue(maxsize=max_queue)
         self._writer = threading.Thread(target=self._write_loop, name="nanokv-disk-tier", daemon=True)
         self._writer.start()
         self._reads: dict[bytes, int] = {}  # prefetched block -> PENDING / READY / FAILED
@@ -72,18 +99,75 @@ class DiskTier:
             log.info("disk tier (L3): %d blocks indexed from %s", kept, store.dir)
 
     def write(self, block_hash: bytes, payload: bytes) -> bool:
-        """Queue a block the tier admitted; when the writer is too far behind the tier forgets it (False)."""
+        """Queue a block the tier admitted, its bytes copied out already; when the writer is too far
+        behind the tier forgets it (False)."""
+        return self._queue(block_hash, _Queued(payload))
+
+    def write_slot(self, block_hash: bytes, slot: int, then: Callable[[bytes, int], None] | None = None) -> bool:
+        """Queue a block the tier admitted whose bytes sit in host ``slot``: the writer reads them
+        there. From now on the slot is the tier's: the caller must not let anything write into it
+        until ``take_drained`` hands it back. False (the tier forgets the block, the slot stays the
+        caller's) when the writer is too far behind."""
+        if self.host is None:
+            raise RuntimeError("disk tier: write_slot needs the host slots (DiskTier.host)")
         with self._lock:
-            self._pending[block_hash] = payload
+            self._slot_refs[slot] = 1
+        if self._queue(block_hash, _Queued(None, slot, then)):
+            return True
+        with self._lock:
+            del self._slot_refs[slot]
+        return False
+
+    def _queue(self, block_hash: bytes, job: _Queued) -> bool:
+        with self._lock:
+            self._pending[block_hash] = job
         try:
-            self._q.put_nowait(("put", block_hash, payload))
+            self._q.put_nowait(("put", block_hash, job))
         except queue.Full:
             with self._lock:
-                self._pending.pop(block_hash, None)
-            self.queue_full += 1
-            self.forget(block_hash)
+                if self._pending.get(block_hash) is job:
+                    del self._pending[block_hash]
+            self.shed(block_hash)
             return False
         return True
+
+    def shed(self, block_hash: bytes) -> None:
+        """The writer is too far behind to take the block: the tier forgets it."""
+        self.queue_full += 1
+        self.forget(block_hash)
+
+    def take_drained(self) -> list[int]:
+        """The host slots of ``write_slot``'s writes that are done with (written, failed or no longer
+        wanted, and no reader copying them): the caller's again."""
+        with self._lock:
+            out, self._drained = self._drained, []
+        return out
+
+    def draining(self) -> int:
+        """Host slots the tier holds (queued writes not done yet)."""
+        with self._lock:
+            return len(self._slot_refs)
+
+    def _release(self, slot: int) -> None:
+        """(Under the lock) one holder of a queued write's slot is done with it."""
+        self._slot_refs[slot] -= 1
+        if self._slot_refs[slot] == 0:
+            del self._slot_refs[slot]
+            self._drained.append(slot)
+
+    def _pending_bytes(self, block_hash: bytes) -> bytes | None:
+        """A copy of a queued write's bytes (from its slot, which is held meanwhile), or None."""
+        with self._lock:
+            job = self._pending.get(block_hash)
+            if job is None or job.slot < 0:
+                return None if job is None else job.data
+            self._slot_refs[job.slot] += 1
+        try:
+            assert self.host is not None  # (write_slot checked)
+            return self.host.read(job.slot)
+        finally:
+            with self._lock:
+                self._release(job.slot)
 
     def forget(self, block_hash: bytes) -> None:
         """The tier's copy cannot be had (not written, or unreadable): drop it from the index."""
@@ -98,8 +182,7 @@ class DiskTier:
             self.forget(h)
 
     def read(self, block_hash: bytes) -> bytes | None:
-        with self._lock:
-            data = self._pending.get(block_hash)
+        data = self._pending_bytes(block_hash)
         if data is None:
             data = self.store.get(block_hash)
         if data is None or len(data) != self.payload_bytes:
@@ -142,8 +225,11 @@ class DiskTier:
             if job is None:
                 return
             h, slot, sink = job
-            with self._lock:
-                data = self._pending.get(h)
+            try:
+                data = self._pending_bytes(h)
+            except Exception:  # noqa: BLE001 - reported as a failed read below
+                log.exception("disk tier (L3): copying a queued write of %s failed", h.hex()[:16])
+                data = None
             if data is None:
                 data = self.store.get(h)
             ok = data is not None and len(data) == self.payload_bytes
@@ -162,27 +248,41 @@ class DiskTier:
         with self._lock:
             self._pending.pop(block_hash, None)
         try:
-            self._q.put_nowait(("rm", block_hash, b""))
+            self._q.put_nowait(("rm", block_hash, None))
         except queue.Full:
             self.store.remove(block_hash)
 
     def _write_loop(self) -> None:
         while True:
-            job = self._q.get()
-            if job is None:
+            item = self._q.get()
+            if item is None:
                 return
-            op, h, data = job
-            if op == "rm":
+            op, h, job = item
+            if job is None:  # op "rm"
                 self.store.remove(h)
                 continue
             with self._lock:
-                wanted = self._pending.get(h) is data  # not removed (or re-queued) since
-            ok = self.store.put(h, data) if wanted else True
+                wanted = self._pending.get(h) is job  # not removed (or re-queued) since
+            try:
+                ok = self._put(h, job) if wanted else True
+                if job.then is not None:
+                    job.then(h, job.slot)
+            except Exception:  # noqa: BLE001 - a failed write, and its slot still goes back
+                log.exception("disk tier (L3): writing %s failed", h.hex()[:16])
+                ok = False
             with self._lock:
-                if self._pending.get(h) is data:
+                if self._pending.get(h) is job:
                     del self._pending[h]
                 if not ok:
                     self._failed.append(h)
+                if job.slot >= 0:
+                    self._release(job.slot)
+
+    def _put(self, h: bytes, job: _Queued) -> bool:
+        if job.slot < 0:
+            return self.store.put(h, job.data)
+        assert self.host is not None  # (write_slot checked)
+        return self.store.put(h, list(self.host.views(job.slot)))
 
     def close(self) -> None:
         """Finish the queued writes (a clean shutdown keeps every block it admitted), stop the writer."""

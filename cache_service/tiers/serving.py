@@ -22,12 +22,22 @@ touches only settled slots. An L2 victim whose slot is not settled yet is droppe
 down, and a disk hit finds no settled staging slot is left to be recomputed; in synchronous
 scheduling every slot is settled at every plan.
 
+An L2 victim's bytes are not copied in the plan (a plan may demote hundreds of blocks, a
+millisecond each): its host slot itself goes to the disk tier's writer (DiskTier.write_slot), which
+writes the file from it, and the block that displaced the victim takes a *spare* slot (host slots
+past the staging ones) instead. So L2's slots (LowerTier's, which its policy is keyed by) are
+logical: ``_host_slot`` maps each to the host slot its bytes sit in now, and every copy addresses
+the host slot. A slot the writer is done with becomes a spare at the next plan (``begin_plan``).
+With no spare slot left the writer is too far behind, and the victim is dropped (like a full write
+queue), never copied in the plan.
+
 A loaded block is published in L1 in the plan that loads it (its bytes land before any step reads
 it), and L2 drops its copy (LowerTier.keep_on_load False): L1 and L2 hold distinct blocks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,6 +58,8 @@ class SlotBytes(Protocol):
     """One host slot's bytes across every layer (cache_service/storage.py HostSlots)."""
     slot_bytes: int
 
+    def views(self, slot: int) -> Sequence[memoryview]: ...
+
     def read(self, slot: int) -> bytes: ...
 
     def write(self, slot: int, data: bytes) -> None: ...
@@ -67,16 +79,21 @@ class ServingTiers:
 
     def __init__(self, manager: KVCacheManager, slots: int, fmt: TierFormat, policy: str = "lru", *,
                  disk: DiskTier | None = None, host: SlotBytes | None = None, staging: int = 0,
-                 remote: RemoteTier | None = None):
+                 remote: RemoteTier | None = None, spare: int = 0):
         """disk: L3 below L2; remote: the shared tier below them (remote_tier.py); host: byte access
-        to the host segment (L2's `slots` slots, then `staging` slots for disk and remote hits),
-        which those two need."""
+        to the host segment (L2's `slots` slots, then `staging` slots for disk and remote hits, then
+        `spare` slots for L2 blocks whose victim's slot is being written to the disk), which those
+        two need."""
         self.l2 = LowerTier(L2, slots, fmt, policy)
         self.disk = disk
         self.remote = remote
         self.host = host
         if (disk is not None or remote is not None) and (host is None or staging < 1):
             raise ValueError("a disk or remote tier needs the host segment's bytes and staging slots")
+        if disk is not None and spare < 1:
+            raise ValueError("a disk tier needs spare host slots (for L2 blocks while their victim's slot is written)")
+        if disk is not None:
+            disk.host = host
         self._remote_run: list[bytes] = []  # this admission's blocks from the shared tier, after lm's
         self.remote_hit_tokens = 0
         self.cache = TieredCache(manager, [self.l2] + ([disk.tier] if disk is not None else []), l1_format=fmt)
@@ -85,6 +102,8 @@ class ServingTiers:
         self.block_size = manager.block_size
         self.copies: list[tuple[int, int, int]] = []
         self.staging = list(range(slots, slots + staging))  # free staging slots
+        self._host_slot = list(range(slots))  # L2's slot -> the host slot its bytes sit in
+        self.spare = list(range(slots + staging, slots + staging + spare))  # free spare slots (settled)
         self._staged: dict[bytes, int] = {}  # this admission's disk hits -> their staging slot
         self._prefetch: dict[bytes, tuple[int, int]] = {}  # disk hits being read -> (staging slot, plan)
         self.loading = False  # the admission `begin` just matched waits for disk reads (not admitted yet)
@@ -123,6 +142,7 @@ class ServingTiers:
         self.copies_done = max(self.copies_done, copies_done)
         if self.disk is not None:
             self.disk.drain()
+            self.spare.extend(self.disk.take_drained())  # settled: no copy touched them since they left L2
             self._expire_prefetches()
 
     def _expire_prefetches(self, after: int = 64) -> None:
@@ -142,26 +162,40 @@ class ServingTiers:
     def _touch(self, slot: int) -> None:
         self._touched[slot] = self.plan_no
 
+    def host_slot(self, block_hash: bytes) -> int | None:
+        """The host slot an L2 block's bytes sit in (None: not in L2)."""
+        s = self.l2.slot(block_hash)
+        return None if s is None else self._host_slot[s]
+
     def _on_move(self, src: int, dst: int, block_hash: bytes, loc: int, slot: int) -> None:
         if src == 0 and dst == 1:
-            self.copies.append((COPY_SAVE, loc, slot))
-            self._touch(slot)
+            host = self._host_slot[slot]
+            self.copies.append((COPY_SAVE, loc, host))
+            self._touch(host)
         elif src == 1 and dst == 2 and self.disk is not None and self.host is not None:
-            if not self.settled(loc):  # its bytes may still be on their way into the slot
+            # the victim's bytes are in L2's slot `loc`, which the block that displaced it has taken
+            # already (its COPY_SAVE is logged next, into whatever host slot `loc` maps to then)
+            old = self._host_slot[loc]
+            if not self.settled(old):  # its bytes may still be on their way into the slot
                 self.unsettled_drops += 1
                 self.disk.forget(block_hash)
-            else:
-                data = self.host.read(loc)
-                self.disk.write(block_hash, data)
-                if self.remote is not None:
-                    self.remote.write(block_hash, data)
+            elif not self.spare:
+                self.disk.shed(block_hash)
+            elif self.disk.write_slot(block_hash, old, self._to_remote if self.remote is not None else None):
+                self._host_slot[loc] = self.spare.pop()  # `old` is the writer's until it is drained
+
+    def _to_remote(self, block_hash: bytes, slot: int) -> None:
+        """(The disk writer's thread) an L2 victim's slot, written to the disk: the shared tier too."""
+        assert self.remote is not None and self.host is not None  # (the caller checked)
+        self.remote.write(block_hash, self.host.read(slot))
 
     def _on_leave(self, level: int, block_hash: bytes, loc: int) -> None:
         if level == 2 and self.disk is not None:
             self.disk.remove(block_hash)
         elif level == 1 and self.remote is not None and self.host is not None and loc >= 0:
-            if self.settled(loc):  # an L2 victim no tier below takes: the shared tier may
-                self.remote.write(block_hash, self.host.read(loc))
+            host = self._host_slot[loc]
+            if self.settled(host):  # an L2 victim no tier below takes: the shared tier may
+                self.remote.write(block_hash, self.host.read(host))
 
     # ---- an admission's prefix below L1 ---------------------------------------------------------
     def begin(self, prefix: PrefixMatch) -> LowerMatch:
@@ -252,7 +286,7 @@ class ServingTiers:
                 if table[lm.start + i] != lm.l1_blocks[lm.start + i]:
                     raise RuntimeError("an L1 block of the chain is not in its place in the table")
                 continue
-            slot = self._staged.get(h) if lvl == 2 else tiers[lvl - 1].slot(h)
+            slot = self._staged.get(h) if lvl == 2 else self.host_slot(h)
             if slot is None:  # pinned or staged: cannot have left
                 raise RuntimeError(f"{tiers[lvl - 1].name}: a block being loaded lost its slot")
             self.copies.append((COPY_LOAD, table[lm.start + i], slot))
@@ -336,6 +370,7 @@ class ServingTiers:
                 "disk_tier_read_failed_total": self.disk.read_failed,
                 "disk_tier_unsettled_drops_total": self.unsettled_drops,
                 "disk_tier_queue_full_total": self.disk.queue_full,
+                "disk_tier_draining_slots": self.disk.draining(),
                 "disk_tier_staging_misses_total": self.staging_misses,
                 "disk_tier_prefetch_waits_total": self.prefetch_waits}
 

@@ -78,6 +78,9 @@ class _HostBytes:
         self.slot_bytes = slot_bytes
         self._b = [bytes(slot_bytes)] * slots
 
+    def views(self, slot: int) -> list[memoryview]:
+        return [memoryview(self._b[slot])]
+
     def read(self, slot: int) -> bytes:
         return self._b[slot]
 
@@ -125,10 +128,10 @@ def test_every_tier_publishes_its_blocks_and_the_snapshot_names_their_tier(tmp_p
     cm = KVCacheManager(4, 4, eviction_policy="lru")
     log = KVEventLog(block_size=4)
     cm.set_event_log(log)
-    host = _HostBytes(2 + 4, 64)
+    host = _HostBytes(2 + 4 + 4, 64)
     store = DiskStore(str(tmp_path), 1 << 20, "test")
     disk = DiskTier(store, 64, 16)
-    st = ServingTiers(cm, 2, TierFormat("pool", 16, 64), disk=disk, host=host, staging=4)
+    st = ServingTiers(cm, 2, TierFormat("pool", 16, 64), disk=disk, host=host, staging=4, spare=4)
 
     def tiers_now() -> dict[str, set[bytes]]:
         return {GPU: set(cm.pool.index), CPU: set(st.l2.keys()), DISK: set(disk.tier.keys())}
@@ -162,7 +165,7 @@ def test_every_tier_publishes_its_blocks_and_the_snapshot_names_their_tier(tmp_p
     log2 = KVEventLog(block_size=4)
     cm2.set_event_log(log2)
     disk2 = DiskTier(store, 64, 16)
-    ServingTiers(cm2, 2, TierFormat("pool", 16, 64), disk=disk2, host=_HostBytes(6, 64), staging=4)
+    ServingTiers(cm2, 2, TierFormat("pool", 16, 64), disk=disk2, host=_HostBytes(10, 64), staging=4, spare=4)
     snap = log2.read(0, "")
     assert snap.snapshot and _index(log2) == {DISK: set(disk.tier.keys())} and set(ha) <= _index(log2)[DISK]
     assert all(e.token_count == 4 for e in snap.events[1:])

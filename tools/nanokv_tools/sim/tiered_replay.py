@@ -145,7 +145,8 @@ def replay_tiered(requests: Sequence[TraceRequest], l1_policy: str, l1_capacity:
         match = cm.match_prefix(range(num_tokens + 1), block_hashes=hashes)
         lm = tc.match_lower(match)
         tc.begin_load(lm)
-        if cm.allocate(i, num_tokens, match, lm.resident()) is None:  # cannot happen: nothing else is pinned between requests
+        # (None cannot happen: nothing else is pinned between requests)
+        if cm.allocate(i, num_tokens, match, lm.resident()) is None:
             raise RuntimeError(f"request {i}: {len(hashes)} blocks do not fit in {l1_capacity}")
         k = lm.start
         hit_tokens[L1] += sum(sizes[:k])
