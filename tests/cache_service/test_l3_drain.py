@@ -138,7 +138,8 @@ class Rig:
         st = self.st
         held = [st.host_slot(h) for h in st.l2.keys()]
         free_l2 = [st._host_slot[s] for s in st.l2._free]
-        draining = self.disk.draining()
+        with self.disk._lock:  # the writer's slots: being written, or written and not handed back yet
+            draining = len(self.disk._slot_refs) + len(self.disk._drained)
         places = held + free_l2 + st.staging + st.spare
         assert len(places) == len(set(places)) and len(places) + draining == len(self.all_slots)
 
