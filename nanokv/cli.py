@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="start cache, compute and gateway locally (unix sockets) and serve HTTP")
     up.add_argument("--run-dir", default=None, help="where the sockets, service logs and pids.json go (default: a "
                     "temp dir, removed at the end); the services are restarted when they exit (docs/operating.md)")
-    add_serve_args(up, helps=helps, tls=False)  # (its gateway is probed over plain HTTP: run `nanokv gateway` for TLS)
+    add_serve_args(up, helps=helps)
 
     from nanokv.router.cli import add_router_args
     r = sub.add_parser("router", help="route requests over replicas (gateways) by cached prefix and load")

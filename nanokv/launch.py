@@ -122,18 +122,21 @@ def up_main(args: argparse.Namespace, argv: list[str]) -> int:
     the gateway also gets up's server flags (host, ports, API keys, limits)."""
     from nanokv.config import EngineConfig
     from nanokv.flags import engine_kwargs
+    from nanokv.tls import server_tls
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = EngineConfig.from_kwargs(**engine_kwargs(args)).to_dict()
+    tls = server_tls(args)  # a bad certificate or key is refused here, before any service starts
     try:
         return up(config, server_argv(args) + ["--config-json", json.dumps(config)], args.host, args.port,
-                  args.run_dir)
+                  args.run_dir, tls=tls is not None)
     except StartFailed as e:
         print(f"nanokv up: error: {e}", file=sys.stderr)
         return 1
 
 
-SERVER_FLAGS = ("host", "port", "grpc_port", "served_model_name", "max_waiting", "max_body_bytes", "log_level")
+SERVER_FLAGS = ("host", "port", "grpc_port", "served_model_name", "max_waiting", "max_body_bytes", "log_level",
+                "ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs")
 
 
 def server_argv(args: argparse.Namespace) -> list[str]:
@@ -149,15 +152,18 @@ def server_argv(args: argparse.Namespace) -> list[str]:
 
 
 def up(config: dict[str, Any], gateway_argv: list[str], host: str, port: int, run_dir: str | None = None,
-       backoff: Backoff | None = None) -> int:
+       backoff: Backoff | None = None, tls: bool = False) -> int:
     """Start cache, compute and gateway in that order, restart whichever exits, stop all on SIGTERM or
-    SIGINT (nanokv.supervise); a temporary run dir (run_dir None) is removed at the end."""
+    SIGINT (nanokv.supervise); a temporary run dir (run_dir None) is removed at the end. With `tls` the
+    gateway serves HTTPS (its --ssl-* flags are in gateway_argv): it counts as started once its port
+    accepts connections (the server binds it after start-up; a probe may hold no client certificate)."""
     own = run_dir is None
     run_dir = run_dir or tempfile.mkdtemp(prefix="nanokv-")
     os.makedirs(run_dir, exist_ok=True)
     cache, compute = (f"unix:{os.path.join(run_dir, k)}.sock" for k in ("cache", "compute"))
     probe = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
     health = f"http://[{probe}]:{port}/health" if ":" in probe else f"http://{probe}:{port}/health"
+    gateway_up = (lambda: _listening(probe, port)) if tls else (lambda: _http_ok(health))
     gateway = [sys.executable, "-m", "nanokv.cli", "gateway", "--cache", cache, "--compute", compute,
                "--wait-s", str(START_TIMEOUT_S), *gateway_argv]
     sup = Supervisor([
@@ -165,15 +171,15 @@ def up(config: dict[str, Any], gateway_argv: list[str], host: str, port: int, ru
               started=lambda: _serving(cache)),
         Child("compute", service_command("compute", config, compute, cache), os.path.join(run_dir, "compute.log"),
               started=lambda: _serving(compute)),
-        Child("gateway", gateway, None, started=lambda: _http_ok(health)),  # its log: up's own output
+        Child("gateway", gateway, None, started=gateway_up),  # its log: up's own output
     ], run_dir, backoff, start_timeout_s=START_TIMEOUT_S)
     sup.install_signal_handlers()
     try:
         if not sup.start_all():
             return 0
         pids = ", ".join(f"{c.name} pid {c.proc.pid}" for c in sup.children if c.proc is not None)
-        log.info("up: %s; gateway on http://%s:%d; run dir %s (pids.json, cache.log, compute.log)",
-                 pids, host, port, run_dir)
+        log.info("up: %s; gateway on %s://%s:%d; run dir %s (pids.json, cache.log, compute.log)",
+                 pids, "https" if tls else "http", host, port, run_dir)
         return sup.run()
     finally:
         sup.stop_all()  # a no-op unless something above raised
@@ -204,6 +210,16 @@ def _serving(address: str) -> bool:
         wait_serving(address, 0.5)
         return True
     except TimeoutError:
+        return False
+
+
+def _listening(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=2.0).close()
+        return True
+    except OSError:
         return False
 
 

@@ -76,26 +76,28 @@ def assert_stopped_clean(up: Up, timeout_s: float = 10.0) -> None:
 
 @contextlib.contextmanager
 def up_process(run_dir: Path, *flags: str, env: dict[str, str] | None = None, stop: int = signal.SIGTERM,
-               stop_timeout_s: float = 60) -> Iterator[Up]:
+               stop_timeout_s: float = 60, client: httpx.Client | None = None) -> Iterator[Up]:
     """Starts `nanokv up --run-dir run_dir --num-gpu-blocks 256 *flags` on a free port (its output in
     run_dir/up.out) and yields once the gateway's /health answers 200 (300 s at most). On the way out:
     `stop` (a signal), then every process it started must be gone, with their KV segments.
 
-    `env` defaults to this process's; PYTHONUNBUFFERED is set so that the output is complete."""
+    `env` defaults to this process's; PYTHONUNBUFFERED is set so that the output is complete. With
+    `client` (an HTTPS client: `up` given --ssl-* flags) the base URL is https and /health is asked through it."""
     port = free_port()
     with open(run_dir / "up.out", "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "nanokv.cli", "up", "--port", str(port), "--run-dir",
                                  str(run_dir), "--num-gpu-blocks", "256", *flags],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"})
-    up = Up(f"http://127.0.0.1:{port}", run_dir, proc)
+    up = Up(f"{'https' if client is not None else 'http'}://127.0.0.1:{port}", run_dir, proc)
+    get = client.get if client is not None else httpx.get
     try:
         deadline = time.monotonic() + 300
         while True:
             assert proc.poll() is None, up.output()[-3000:]
             assert time.monotonic() < deadline, "gateway not healthy"
             try:
-                if httpx.get(f"{up.base}/health", timeout=2).status_code == 200:
+                if get(f"{up.base}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

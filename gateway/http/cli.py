@@ -25,7 +25,7 @@ API_KEY_ENV = "NANOKV_API_KEY"
 
 def add_serve_args(parser: argparse.ArgumentParser, config_cls: type = EngineConfig,
                    exclude: tuple[str, ...] = (), helps: dict[str, str] | None = None, tls: bool = True) -> None:
-    """tls: also the --ssl-* flags (nanokv.tls); `up`, whose gateway is probed over plain HTTP, has none."""
+    """tls: also the --ssl-* flags (nanokv.tls), for both of the API's ports."""
     srv = parser.add_argument_group("server")
     srv.add_argument("--host", default="127.0.0.1",
                      help="bind address (default loopback; exposing the server needs --api-key)")

@@ -4,11 +4,16 @@ the gateway, the cache counters in /metrics read from the cache service over gRP
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 
 import httpx
+import pytest
 
-from tests.helpers_up import nanokv_up
+from nanokv.tls import ClientTLS
+from tests.helpers_tls import CA
+from tests.helpers_up import nanokv_up, up_process
 
 
 def test_up_serves_completions_and_cache_metrics(tmp_path):
@@ -27,6 +32,33 @@ def test_up_serves_completions_and_cache_metrics(tmp_path):
     while time.monotonic() < deadline and _services_of(tmp_path):
         time.sleep(0.2)
     assert _services_of(tmp_path) == []
+
+
+def test_up_serves_https_with_mutual_tls(tmp_path):
+    """`up` takes the gateway's --ssl-* flags: HTTPS for the client that shows a certificate of the
+    CA, a refused handshake for one that shows none; a bad key file stops `up` before any service."""
+    ca = CA.create(tmp_path / "pki")
+    server, client = ca.issue("server"), ca.issue("client", server=False, client=True)
+    tls = ["--ssl-certfile", str(server.cert), "--ssl-keyfile", str(server.key), "--ssl-ca-certs", str(ca.cert)]
+    bad = nanokv_cli("up", "--port", "0", *tls[:2], "--ssl-keyfile", str(tmp_path / "missing.pem"))
+    assert bad.returncode == 2 and "ssl_keyfile" in bad.stderr, bad.stderr
+    run = tmp_path / "run"
+    run.mkdir()
+    mutual = ClientTLS(str(ca.cert), str(client.cert), str(client.key)).ssl_context()
+    with httpx.Client(verify=mutual) as https, up_process(run, *tls, client=https) as up:
+        assert up.base.startswith("https://")
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 3,
+                "temperature": 0}
+        r = https.post(f"{up.base}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["text"]
+        with httpx.Client(verify=ClientTLS(str(ca.cert), None, None).ssl_context()) as anonymous, \
+                pytest.raises(httpx.HTTPError):
+            anonymous.get(f"{up.base}/health", timeout=10)
+        assert "gateway on https://" in up.output()
+
+
+def nanokv_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nanokv.cli", *argv], capture_output=True, text=True, timeout=120)
 
 
 def _services_of(run_dir) -> list[int]:
