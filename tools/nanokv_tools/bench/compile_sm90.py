@@ -122,10 +122,10 @@ def compile_prefill(bits: int, kinds: bool = True, block_m: int = 64, warps: int
     return _compile_specialized(_prefill_kernel, const, ptrs, warps)
 
 
-def compile_hybrid(per_block: bool, block_n: int = 64, warps: int = 4, G: int = 4) -> bytes:
+def compile_hybrid(per_block: bool, block_n: int = 64, warps: int = 4, G: int = 4, bias: bool = False) -> bytes:
     """The hybrid-sparsity decode (nanokv.kernels.triton_hybrid) at Llama-3-8B shapes (G 4, D 128,
     16-token blocks, bf16 queries, 8 splits): the tile kernel (block_n-token tiles, codes as words) or,
-    per_block, the block kernel (triton_hybrid_block: 16-token tiles, codes as bytes). Code strides
+    per_block, the block kernel (triton_hybrid_block: 16-token tiles, codes as bytes; bias: its BIAS). Code strides
     are multiples of 16 and the scales' token stride 1, as the launcher specializes them."""
     from nanokv.kernels.triton_hybrid import _decode_kernel as tile_kernel
     from nanokv.kernels.triton_hybrid_block import block_decode_kernel
@@ -134,7 +134,7 @@ def compile_hybrid(per_block: bool, block_n: int = 64, warps: int = 4, G: int = 
                 lens_ptr="*i32", qk_scale="fp32", kc="*i8", vc="*i8", kp="*u8", vp="*u8",
                 **{n: "*fp16" for n in ("ks", "vs", "ka", "kz", "va", "vz")})
     if per_block:
-        const.update(BLOCK_G=next_pow2(G))
+        const.update(BLOCK_G=next_pow2(G), BIAS=bias)
     else:
         const.update(WORDS=True, BLOCK_G=max(16, next_pow2(G)), BLOCK_DH=64)
         ptrs.update(kc="*i32", kp="*i32", vp="*i32")
@@ -156,7 +156,8 @@ OTHERS = {"rope rot=False": lambda: compile_rope(False), "rope rot=True": lambda
           "hybrid tile block_n=64 warps=4": lambda: compile_hybrid(False),
           "hybrid tile block_n=64 warps=8": lambda: compile_hybrid(False, 64, 8),  # TritonBackend's tiles
           "hybrid block tile=16 warps=1": lambda: compile_hybrid(True, 16, 1),
-          "hybrid block tile=16 warps=1 G=1": lambda: compile_hybrid(True, 16, 1, 1)}
+          "hybrid block tile=16 warps=1 G=1": lambda: compile_hybrid(True, 16, 1, 1),
+          "hybrid block tile=16 warps=1 bias": lambda: compile_hybrid(True, 16, 1, 4, True)}
 
 
 def resources(cubin_path: str) -> str:

@@ -53,9 +53,10 @@ def _case(cache, g: torch.Generator, Hq: int, B: int, lens_range: tuple[int, int
     INT8, s(1-s) = 25% INT4, s = 50% dropped; nanokv.cache_service.sparsity.policies), and the plain int8
     kernel on the same lengths with no holes, every block in the pool (same tiles: paged_decode's defaults).
     hybrid_decode_s8_n{block_n}w{warps}: other tiles (the defaults are 64 tokens, 4 warps).
-    hybrid_block_s{splits}[_r96][_mix50]: hybrid_decode(per_block=True) (one branch per 16-token block;
-    _r96: 96 registers a thread at most) on the same tables; int8_swap_dense_s8: the transposed int8 kernel
-    (triton_decode_swap) at TritonConfig's int8 decode settings, the int8 TPOT's decode kernel."""
+    hybrid_block_s{splits}[_r96][_bias][_mix50]: hybrid_decode(per_block=True) (one branch per 16-token
+    block; _r96: 96 registers a thread at most; _bias: block_bias) on the same tables; int8_swap_dense_s8:
+    the transposed int8 kernel (triton_decode_swap) at TritonConfig's int8 decode settings, the int8 TPOT's
+    decode kernel."""
     from nanokv.kernels import reference, triton_decode, triton_hybrid
 
     lens = [random.Random(i).randint(*lens_range) for i in range(B)]
@@ -80,12 +81,12 @@ def _case(cache, g: torch.Generator, Hq: int, B: int, lens_range: tuple[int, int
         want50 = reference.paged_attention(q.float(), cache, m50, scale)
         runs["hybrid_decode_s8_mix50"] = (lambda: triton_hybrid.hybrid_decode(
             q, cache, m50.block_tables, m50.seq_lens, out, scale, num_splits=8), want50)
-        for s, reg in ((8, 0), (16, 0), (8, 96)):  # the block kernel (triton_hybrid_block) on both mixes
+        for s, reg, bias in ((8, 0, False), (16, 0, False), (8, 96, False), (8, 0, True)):  # the block kernel
             for mix, md, ref in (("", m, want), ("_mix50", m50, want50)):
-                runs[f"hybrid_block_s{s}{'_r96' if reg else ''}{mix}"] = (
-                    lambda md=md, s=s, reg=reg: triton_hybrid.hybrid_decode(
+                runs[f"hybrid_block_s{s}{'_r96' if reg else ''}{'_bias' if bias else ''}{mix}"] = (
+                    lambda md=md, s=s, reg=reg, bias=bias: triton_hybrid.hybrid_decode(
                         q, cache, md.block_tables, md.seq_lens, out, scale, num_splits=s, per_block=True,
-                        block_maxnreg=reg), ref)
+                        block_maxnreg=reg, block_bias=bias), ref)
         dense = _metadata(lens, qlens, pool.int(), False, device)
         plain = allocate_plain(cache)
         runs["int8_decode_dense_s8"] = (lambda: triton_decode.paged_decode(
