@@ -12,6 +12,9 @@ device from seq_len; with several splits `_reduce_kernel` merges the normalized 
 pairs of one KV head group (row r = token r // G, head r % G) so a group shares every K/V tile;
 query token t of a sequence sits at position seq_len - q_len + t and sees keys up to it, minus holes.
 A row that sees no key at all (every block of its context a hole) gets a zero output.
+hybrid_decode(per_block=True) runs triton_hybrid_block's kernel instead (same grid and merge): tiles
+inside one block, one branch per tile on its entry, so each block is read and converted only as what it
+is and holes cost no loads.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import triton.language as tl
 
 from nanokv.kernels.triton_decode import _buffer, _reduce_kernel
 from nanokv.kernels.triton_dequant import use_asm, use_words
+from nanokv.kernels.triton_hybrid_block import block_decode_kernel
 from nanokv.kernels.triton_hybrid_tile import (
     check,
     key_scores,
@@ -134,27 +138,67 @@ def _prefill_kernel(
 
 def hybrid_decode(q: torch.Tensor, cache: HybridInt8KV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   out: torch.Tensor, scale: float, num_splits: int = 1, block_n: int = 64, num_warps: int = 4,
-                  num_stages: int = 2) -> torch.Tensor:
+                  num_stages: int = 2, per_block: bool = False, block_tile: int = 16, block_warps: int = 1,
+                  block_maxnreg: int = 0, block_bias: bool = False) -> torch.Tensor:
     """q: [B, Hq, D] one token per sequence; block_tables: [B, max_blocks] int32 mixed (see the tile
     module); seq_lens: [B] int32 (context incl. this token); out: [B, Hq, D], written in place.
-    block_n: tokens per tile, a power of 2 >= 16 (tiles may span blocks or part of one)."""
+    block_n: tokens per tile, a power of 2 >= 16 (tiles may span blocks or part of one).
+    per_block: the block kernel instead (triton_hybrid_block: one branch per block on its entry, holes
+    skipped), with tiles of block_tile tokens (>= 16, dividing the block size), block_warps warps a
+    program and block_maxnreg registers a thread at most (0: no cap); block_n and num_warps unused.
+    block_bias: its codes enter the products biased, the bias folded into the zero terms (fp16 compute)."""
     B = q.shape[0]
     if B == 0:
         return out
     Hq, D, G = check(q, cache, out)
-    split = num_splits > 1
-    if split:  # the decode path's cached scratch: no allocation after warm-up (CUDA graphs)
-        buf = _buffer("hybrid_partials", q.device, B * Hq * num_splits * (D + 2), torch.float32)
-        part_o, part_ml = buf[:B * Hq * num_splits * D], buf[B * Hq * num_splits * D:]
-    else:
-        part_o = part_ml = out  # unused
+    if per_block:
+        return _block_decode(q, cache, block_tables, seq_lens, out, scale, num_splits, block_tile, block_warps,
+                             num_stages, block_maxnreg, block_bias)
+    part_o, part_ml = _partials(q, out, num_splits)
     consts = _consts(q, cache, D)
     _decode_kernel[(B, cache.num_kv_heads, num_splits)](
         q, out, part_o, part_ml, block_tables, seq_lens, scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        *tile_args(cache, consts["WORDS"]), D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=block_n, SPLIT=split,
-        num_warps=num_warps, num_stages=num_stages, **consts)
-    if split:  # (triton_decode's merge: store_decode wrote the partials in its layout)
+        *tile_args(cache, consts["WORDS"]), D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=block_n,
+        SPLIT=num_splits > 1, num_warps=num_warps, num_stages=num_stages, **consts)
+    return _merge(part_o, part_ml, out, num_splits)
+
+
+def _block_decode(q: torch.Tensor, cache: HybridInt8KV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  out: torch.Tensor, scale: float, num_splits: int, tile: int, warps: int, stages: int,
+                  maxnreg: int, bias: bool) -> torch.Tensor:
+    """hybrid_decode(per_block=True): triton_hybrid_block's kernel, codes read as bytes."""
+    B, _, D = q.shape
+    bs = cache.block_size
+    if tile < 16 or tile & (tile - 1) or bs % tile:
+        raise ValueError(f"hybrid_decode: block_tile {tile} must be a power of 2 >= 16 dividing the block size {bs}")
+    if D // 2 < 16 or (D // 2) & (D // 2 - 1):
+        raise ValueError(f"hybrid_decode: per_block needs head_dim / 2 a power of 2 >= 16, got head_dim {D}")
+    part_o, part_ml = _partials(q, out, num_splits)
+    c = _consts(q, cache, D)
+    block_decode_kernel[(B, cache.num_kv_heads, num_splits)](
+        q, out, part_o, part_ml, block_tables, seq_lens, scale * LOG2E, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *tile_args(cache, False), D=D, DH=c["DH"], G=c["G"], BS=bs, CDT=c["CDT"], ASM=c["ASM"],
+        BLOCK_G=next_pow2(c["G"]), BLOCK_N=tile, BIAS=bias and c["CDT"] == tl.float16,
+        SPLIT=num_splits > 1, num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg > 0 else {}))
+    return _merge(part_o, part_ml, out, num_splits)
+
+
+def _partials(q: torch.Tensor, out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(part_o, part_ml): the split-K scratch, the decode path's cached buffer (no allocation after
+    warm-up: CUDA graphs); `out` twice (unused) for one split."""
+    if num_splits <= 1:
+        return out, out
+    B, Hq, D = q.shape
+    buf = _buffer("hybrid_partials", q.device, B * Hq * num_splits * (D + 2), torch.float32)
+    return buf[:B * Hq * num_splits * D], buf[B * Hq * num_splits * D:]
+
+
+def _merge(part_o: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, num_splits: int) -> torch.Tensor:
+    """Several splits: triton_decode's merge (store_decode wrote the partials in its layout)."""
+    if num_splits > 1:
+        B, Hq, D = out.shape
         _reduce_kernel[(B, Hq)](part_o, part_ml, out, num_splits, out.stride(0), out.stride(1),
                                 D=D, BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(D), num_warps=4)
     return out

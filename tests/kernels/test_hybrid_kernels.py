@@ -28,15 +28,15 @@ BS, H, D = 8, 2, 32
 POOL, SLOTS = 40, 12
 
 
-def _cache(seed: int) -> HybridInt8KV:
+def _cache(seed: int, bs: int = BS) -> HybridInt8KV:
     """An int8 layer with random contents in every pool block and every store slot (the slots hold
     blocks 20.. re-quantized, as a demotion writes them)."""
     g = torch.Generator().manual_seed(seed)
-    c = allocate_layer_cache(8, POOL, H, BS, D, torch.float32, DEV, rotate=False)
+    c = allocate_layer_cache(8, POOL, H, bs, D, torch.float32, DEV, rotate=False)
     assert isinstance(c, Int8KV)
-    slots = torch.arange(POOL * BS, device=DEV)
-    kv = torch.randn(2, POOL * BS, H, D, generator=g).to(DEV)
-    kv[:, : BS * 4] *= 3.0  # unequal magnitudes per block: scales differ
+    slots = torch.arange(POOL * bs, device=DEV)
+    kv = torch.randn(2, POOL * bs, H, D, generator=g).to(DEV)
+    kv[:, : bs * 4] *= 3.0  # unequal magnitudes per block: scales differ
     reference.store_kvcache(kv[0], kv[1], c, slots)
     st = DemotedBlocks.zeros(SLOTS, c)
     st.write(c, torch.arange(20, 20 + SLOTS, device=DEV), torch.arange(SLOTS, device=DEV))
@@ -75,20 +75,30 @@ DECODES = [
 ]
 
 
+# hybrid_decode's kernels: the tile kernel, and the block kernel (triton_hybrid_block, per_block), also
+# with its codes biased (block_bias; fp16 compute only). Block tiles are one block of >= 16 tokens: those
+# cases run on 16-token blocks, lengths doubled (the same kinds per block, the same mid-block tails)
+VARIANTS = {"tile": {}, "block": dict(per_block=True), "block_bias": dict(per_block=True, block_bias=True)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("G", [1, 3])
-def test_decode_reads_pool_slots_and_holes(dtype, splits, G):
-    """fp32: byte tiles; fp16 and bf16 queries: fp16 compute, codes read as words (triton_hybrid_tile)."""
+def test_decode_reads_pool_slots_and_holes(dtype, splits, G, variant):
+    """fp32: byte tiles; fp16 and bf16 queries: fp16 compute, codes read as words (triton_hybrid_tile)
+    or as byte tiles (the block kernel)."""
     g = torch.Generator().manual_seed(1)
-    cache = _cache(0)
-    tables = [_table(-(-L // BS), kinds, g) for L, kinds in DECODES]
-    lens = [L for L, _ in DECODES]
+    bs = 2 * BS if variant != "tile" else BS
+    cache = _cache(0, bs)
+    lens = [L * bs // BS for L, _ in DECODES]
+    tables = [_table(-(-L // bs), kinds, g) for L, (_, kinds) in zip(lens, DECODES, strict=True)]
     md = _metadata(tables, lens, [1] * len(lens), 0)
     q = torch.randn(len(lens), H * G, D, generator=g).to(DEV, dtype)
     want = reference.paged_attention(q.float(), cache, md, D ** -0.5)
     got = torch.full_like(q, float("nan"))
-    triton_hybrid.hybrid_decode(q, cache, md.block_tables, md.seq_lens, got, D ** -0.5, num_splits=splits, block_n=16)
+    triton_hybrid.hybrid_decode(q, cache, md.block_tables, md.seq_lens, got, D ** -0.5, num_splits=splits, block_n=16,
+                                **VARIANTS[variant])
     tol = FP32_TOL if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     assert got[4].abs().max() == 0  # the all-holes row
@@ -99,16 +109,19 @@ def test_decode_reads_pool_slots_and_holes(dtype, splits, G):
     assert (alt[2] - want[2]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_tiles_of_several_blocks(dtype):
+def test_decode_tiles_of_several_blocks(dtype, variant):
     """32-token tiles over 8-token blocks: a tile mixes pool blocks, slots and holes (or is all one kind),
-    tails end mid-tile, and the split boundaries fall inside the mixed stretch."""
+    tails end mid-tile, and the split boundaries fall inside the mixed stretch. The block kernel: 16-token
+    tiles over 32-token blocks (two tiles a block, the entry read per tile), the same kinds."""
     g = torch.Generator().manual_seed(6)
-    cache = _cache(7)
+    bs = 4 * BS if variant != "tile" else BS
+    cache = _cache(7, bs)
     G = 2
     specs = [(100, "pshpsshhsppphp"), (64, "sssshhhp"), (72, "hhhhssssp"), (9, "sp"), (120, "phsphsphsphsphp")]
-    tables = [_table(-(-L // BS), kinds, g) for L, kinds in specs]
-    lens = [L for L, _ in specs]
+    lens = [L * bs // BS for L, _ in specs]
+    tables = [_table(-(-L // bs), kinds, g) for L, (_, kinds) in zip(lens, specs, strict=True)]
     md = _metadata(tables, lens, [1] * len(lens), 0)
     q = torch.randn(len(lens), H * G, D, generator=g).to(DEV, dtype)
     want = reference.paged_attention(q.float(), cache, md, D ** -0.5)
@@ -116,8 +129,19 @@ def test_decode_tiles_of_several_blocks(dtype):
     for splits in (1, 2):
         got = torch.full_like(q, float("nan"))
         triton_hybrid.hybrid_decode(q, cache, md.block_tables, md.seq_lens, got, D ** -0.5, num_splits=splits,
-                                    block_n=32)
+                                    block_n=32, block_tile=16, **VARIANTS[variant])
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_block_kernel_refuses_tiles_it_cannot_read():
+    """per_block tiles lie inside one block and feed the tensor cores: >= 16 tokens dividing the block size."""
+    cache = _cache(0)  # 8-token blocks
+    q = torch.zeros(1, H, D, device=DEV)
+    lens = torch.tensor([8], dtype=torch.int32, device=DEV)
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
+    for tile in (16, 12, 8):
+        with pytest.raises(ValueError, match="block_tile"):
+            triton_hybrid.hybrid_decode(q, cache, bt, lens, torch.empty_like(q), 1.0, per_block=True, block_tile=tile)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -25,6 +25,7 @@ from nanokv.kernels.triton_decode import _decode_kernel
 from nanokv.kernels.triton_decode_int4 import decode_int4_kernel, int4_tiles
 from nanokv.kernels.triton_decode_swap import decode_int8_swap_kernel
 from nanokv.kernels.triton_decode_swap4 import decode_int4_swap_kernel
+from nanokv.kernels.triton_kvtile import next_pow2
 from nanokv.kernels.triton_norm import _rms_kernel, _silu_mul_kernel
 from nanokv.kernels.triton_rope import _qk_norm_rope_kernel
 
@@ -65,13 +66,13 @@ def compile_decode(bits: int, block_n: int, warps: int, lazy_tau: int = 0, min_r
     return _compile_specialized(fn, const, ptrs, warps)
 
 
-def _compile_specialized(fn, const: dict, ptrs: dict, warps: int) -> bytes:
+def _compile_specialized(fn, const: dict, ptrs: dict, warps: int, strides: tuple[str, ...] = ()) -> bytes:
     """As the launcher specializes an attention kernel at these shapes: pointers 16-byte aligned,
-    strides multiples of 16 (stride_bt is left unspecialized by the kernels; their loops'
-    divisibility reasoning needs these), two pipeline stages."""
+    strides (stride_*, and those named) multiples of 16 (stride_bt is left unspecialized by the
+    kernels; their loops' divisibility reasoning needs these), two pipeline stages."""
     names = fn.arg_names
     sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in names}
-    div16 = [i for i, n in enumerate(names) if n not in const and (sig[n].startswith("*") or (
+    div16 = [i for i, n in enumerate(names) if n not in const and (sig[n].startswith("*") or n in strides or (
         n.startswith("stride_") and n != "stride_bt"))]
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()},
                     attrs={(i,): [["tt.divisibility", 16]] for i in div16})
@@ -121,6 +122,26 @@ def compile_prefill(bits: int, kinds: bool = True, block_m: int = 64, warps: int
     return _compile_specialized(_prefill_kernel, const, ptrs, warps)
 
 
+def compile_hybrid(per_block: bool, block_n: int = 64, warps: int = 4, G: int = 4, bias: bool = False) -> bytes:
+    """The hybrid-sparsity decode (nanokv.kernels.triton_hybrid) at Llama-3-8B shapes (G 4, D 128,
+    16-token blocks, bf16 queries, 8 splits): the tile kernel (block_n-token tiles, codes as words) or,
+    per_block, the block kernel (triton_hybrid_block: 16-token tiles, codes as bytes; bias: its BIAS). Code strides
+    are multiples of 16 and the scales' token stride 1, as the launcher specializes them."""
+    from nanokv.kernels.triton_hybrid import _decode_kernel as tile_kernel
+    from nanokv.kernels.triton_hybrid_block import block_decode_kernel
+    const = dict(D=128, DH=64, G=G, BS=16, CDT=tl.float16, ASM=True, BLOCK_N=block_n, SPLIT=True, s_s=1, a_s=1)
+    ptrs = dict(q_ptr="*bf16", out_ptr="*bf16", part_o_ptr="*fp32", part_ml_ptr="*fp32", bt_ptr="*i32",
+                lens_ptr="*i32", qk_scale="fp32", kc="*i8", vc="*i8", kp="*u8", vp="*u8",
+                **{n: "*fp16" for n in ("ks", "vs", "ka", "kz", "va", "vz")})
+    if per_block:
+        const.update(BLOCK_G=next_pow2(G), BIAS=bias)
+    else:
+        const.update(WORDS=True, BLOCK_G=max(16, next_pow2(G)), BLOCK_DH=64)
+        ptrs.update(kc="*i32", kp="*i32", vp="*i32")
+    strides = ("c_n", "c_h", "c_s", "s_n", "s_h", "p_n", "p_h", "p_s", "a_n", "a_h")
+    return _compile_specialized(block_decode_kernel if per_block else tile_kernel, const, ptrs, warps, strides)
+
+
 def compile_silu() -> bytes:
     return _compile(_silu_mul_kernel, dict(BLOCK=1024), dict(x_ptr="*bf16", o_ptr="*bf16"))
 
@@ -131,7 +152,12 @@ OTHERS = {"rope rot=False": lambda: compile_rope(False), "rope rot=True": lambda
           "silu_mul": compile_silu, "int4 fill": compile_fill, "int4 fill recip": lambda: compile_fill(True),
           "prefill bits=16": lambda: compile_prefill(16), "prefill bits=8": lambda: compile_prefill(8),
           "prefill bits=4": lambda: compile_prefill(4, True, 128, 8),  # int4's default rows / warps
-          "prefill bits=4 kinds=0": lambda: compile_prefill(4, False)}
+          "prefill bits=4 kinds=0": lambda: compile_prefill(4, False),
+          "hybrid tile block_n=64 warps=4": lambda: compile_hybrid(False),
+          "hybrid tile block_n=64 warps=8": lambda: compile_hybrid(False, 64, 8),  # TritonBackend's tiles
+          "hybrid block tile=16 warps=1": lambda: compile_hybrid(True, 16, 1),
+          "hybrid block tile=16 warps=1 G=1": lambda: compile_hybrid(True, 16, 1, 1),
+          "hybrid block tile=16 warps=1 bias": lambda: compile_hybrid(True, 16, 1, 4, True)}
 
 
 def resources(cubin_path: str) -> str:

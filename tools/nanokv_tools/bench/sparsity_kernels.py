@@ -52,7 +52,11 @@ def _case(cache, g: torch.Generator, Hq: int, B: int, lens_range: tuple[int, int
     also runs on the hybrid policy's own mix at s = 0.5 ("_mix50": of the ranked blocks (1-s)^2 = 25% stay
     INT8, s(1-s) = 25% INT4, s = 50% dropped; nanokv.cache_service.sparsity.policies), and the plain int8
     kernel on the same lengths with no holes, every block in the pool (same tiles: paged_decode's defaults).
-    hybrid_decode_s8_n{block_n}w{warps}: other tiles (the defaults are 64 tokens, 4 warps)."""
+    hybrid_decode_s8_n{block_n}w{warps}: other tiles (the defaults are 64 tokens, 4 warps).
+    hybrid_block_s{splits}[_r96][_bias][_mix50]: hybrid_decode(per_block=True) (one branch per 16-token
+    block; _r96: 96 registers a thread at most; _bias: block_bias) on the same tables; int8_swap_dense_s8:
+    the transposed int8 kernel (triton_decode_swap) at TritonConfig's int8 decode settings, the int8 TPOT's
+    decode kernel."""
     from nanokv.kernels import reference, triton_decode, triton_hybrid
 
     lens = [random.Random(i).randint(*lens_range) for i in range(B)]
@@ -74,13 +78,22 @@ def _case(cache, g: torch.Generator, Hq: int, B: int, lens_range: tuple[int, int
             runs[f"hybrid_decode_s8_n{bn}w{warps}"] = (lambda bn=bn, warps=warps: triton_hybrid.hybrid_decode(
                 q, cache, m.block_tables, m.seq_lens, out, scale, num_splits=8, block_n=bn, num_warps=warps), want)
         m50, _ = _mixed(cache, g, lens, qlens, (0.5, 0.25), False, device)
+        want50 = reference.paged_attention(q.float(), cache, m50, scale)
         runs["hybrid_decode_s8_mix50"] = (lambda: triton_hybrid.hybrid_decode(
-            q, cache, m50.block_tables, m50.seq_lens, out, scale, num_splits=8),
-            reference.paged_attention(q.float(), cache, m50, scale))
+            q, cache, m50.block_tables, m50.seq_lens, out, scale, num_splits=8), want50)
+        for s, reg, bias in ((8, 0, False), (16, 0, False), (8, 96, False), (8, 0, True)):  # the block kernel
+            for mix, md, ref in (("", m, want), ("_mix50", m50, want50)):
+                runs[f"hybrid_block_s{s}{'_r96' if reg else ''}{'_bias' if bias else ''}{mix}"] = (
+                    lambda md=md, s=s, reg=reg, bias=bias: triton_hybrid.hybrid_decode(
+                        q, cache, md.block_tables, md.seq_lens, out, scale, num_splits=s, per_block=True,
+                        block_maxnreg=reg, block_bias=bias), ref)
         dense = _metadata(lens, qlens, pool.int(), False, device)
         plain = allocate_plain(cache)
         runs["int8_decode_dense_s8"] = (lambda: triton_decode.paged_decode(
             q, plain, dense.block_tables, dense.seq_lens, torch.empty_like(q), scale, num_splits=8), None)
+        runs["int8_swap_dense_s8"] = (lambda: triton_decode.paged_decode(  # TritonConfig's int8 decode tiles
+            q, plain, dense.block_tables, dense.seq_lens, torch.empty_like(q), scale, num_splits=8, swap_block_n=16,
+            swap_maxnreg=96, swap_stages=3), None)
     rows = []
     for kname, (fn, ref) in runs.items():
         fn()
@@ -140,6 +153,6 @@ def kernel_checks(device: str, block_size: int = 16) -> list[dict[str, Any]]:
                     row["shape"] = name
                     rows.append(row)
                     err = row["max_abs_err"]
-                    print(f"[kernel] {name:10s} {row['kernel']:22s} {row['dtype']:8s} B={B} max_len={row['max_len']} "
+                    print(f"[kernel] {name:10s} {row['kernel']:26s} {row['dtype']:8s} B={B} max_len={row['max_len']} "
                           f"err={'-' if err is None else f'{err:.2e}'} ms={row['ms']} {'ok' if row['ok'] else 'FAIL'}")
     return rows
