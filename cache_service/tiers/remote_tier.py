@@ -5,7 +5,8 @@ Unlike L2 and L3 it has no local index: other replicas write to it, so what it h
 asking. When a prefix's chain ends in the replica's own tiers, the next blocks are asked for in one
 round trip (``RemoteStore.get_many``); the leading run that comes back is read into staging slots and
 loaded into L1 like a disk hit (serving.py). Writes are L2's victims (whether or not L3 takes them
-too), put by a writer thread with a TTL: a plan only copies the bytes out of their settled slot. A
+too), put by a writer thread with a TTL. With a disk tier the disk writer hands them over after writing
+the file from the victim's own slot; without one a plan copies the bytes out of their settled slot. A
 down or slow server is skipped by the store itself (remote_store.py: a miss, a counter, one warning
 per change of state), so a request never waits on it for longer than the store's timeout.
 """
