@@ -152,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes = 1 << 18
     counts = {"longctx": args.num_seqs, "long32k": args.long_num_seqs}
     result["serving"] = []
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "sparsity.json")
+
+    def save() -> None:  # after every run: a device call cut short keeps what it measured
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+
     for wl in [w for w in args.workloads.split(",") if w]:
         if wl not in counts:
             p.error(f"--workloads: {wl!r} not of {tuple(counts)}")
@@ -165,10 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['ttft_p50_s']:.2f}/{r['ttft_p99_s']:.2f} s  TPOT p50/p99 {1e3 * r['tpot_p50_s']:.1f}/"
                   f"{1e3 * r['tpot_p99_s']:.1f} ms  running<= {r['max_running']}  seq KV<= "
                   f"{r['max_seq_kv_bytes'] / 2**20:.2f} MiB  preemptions {r['preemptions']}  blocks {r['kv_blocks']}")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "sparsity.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2, default=str)
+            save()
+    save()
     print(f"wrote {path}")
     return 0 if all(r["ok"] for r in result.get("kernels", [])) else 1
 
