@@ -93,6 +93,12 @@ def attach(cfg: Any, runner: Any) -> ComputeSparsity | None:
         raise ConfigError("enforce_eager", "hybrid sparsity on attention_backend='torch' needs eager decode steps: "
                                            "set enforce_eager=True, or use attention_backend='triton'")
     sp = ComputeSparsity(params, runner)
+    if sp.probe is not None and captures:
+        sp.probe.decode_rows = False  # as in the graph steps, which do not run the probe
+    if sp.store is not None and backend == "triton" and device is not None and device.type == "cuda":
+        from nanokv.kernels.triton_demote import demote_blocks
+
+        sp.store.write_layer = demote_blocks  # one launch per layer instead of ~20 torch ops
     if sp.store is not None and getattr(runner, "graphs", None) is not None:
         # a runner that captured before this call (the compute service attaches first, so its graphs
         # are captured once): those launches read the plain int8 layers. Captured again on the hybrid

@@ -14,7 +14,10 @@ steps. Dense per-layer weights are formed for at most `query_chunk` queries at a
 
 Cost: one extra attention pass with explicit weights per layer (the reference path; a fused
 kernel would emit the block sums from its softmax). CUDA-graph decode steps do not run the hook,
-so under graphs the scores come from eager steps (prefills) only.
+so under graphs the scores come from prefill rows only, and `decode_rows=False` (set by the compute
+service whenever it captures graphs) skips the decode rows of eager steps too: a sequence's scores
+then do not depend on whether a prefill happened to share its step, and a mixed step does not pay
+one reference attention pass per decoding sequence and layer.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from nanokv.kv.cache import LayerKV
 
 
 class AttentionProbe:
-    def __init__(self, query_chunk: int = 256) -> None:
+    def __init__(self, query_chunk: int = 256, decode_rows: bool = True) -> None:
         self.query_chunk = query_chunk
+        self.decode_rows = decode_rows  # score rows of one query (decode) too
         self._acc: list[torch.Tensor | None] = []  # per step row: [n_queries, num_blocks] float32
 
     def begin(self, md) -> AttentionProbe:
@@ -42,6 +46,8 @@ class AttentionProbe:
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
         for i in range(len(lens)):
             s, e, L = qsl[i], qsl[i + 1], lens[i]
+            if e - s == 1 and not self.decode_rows:
+                continue
             mass = self._sequence_mass(cache, md.block_tables[i], q[s:e], k[s:e], L, bs)
             acc = self._acc[i]
             self._acc[i] = mass if acc is None else acc + mass

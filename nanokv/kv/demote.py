@@ -32,7 +32,7 @@ the store's tensors are allocated once, at attach, and never reallocated (a pool
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -102,6 +102,10 @@ class HybridInt8KV(Int8KV):
         return cls(**{f.name: getattr(cache, f.name) for f in fields(Int8KV)}, demoted=demoted)
 
 
+def _write_torch(cache: HybridInt8KV, block_ids: torch.Tensor, slots: torch.Tensor) -> None:
+    cache.demoted.write(cache, block_ids, slots)
+
+
 class DemotionStore:
     """M slots in every layer of one runner, and their free list (pure Python)."""
 
@@ -120,6 +124,9 @@ class DemotionStore:
         self.num_slots = num_slots
         for i, c in enumerate(int8):
             caches[i] = HybridInt8KV.of(c, DemotedBlocks.zeros(num_slots, c))
+        # one layer's copy: DemotedBlocks.write (torch), or one Triton launch on the GPU
+        # (nanokv.kernels.triton_demote.demote_blocks, set by the compute service): the same bytes
+        self.write_layer: Callable[[HybridInt8KV, torch.Tensor, torch.Tensor], None] = _write_torch
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: pop() hands out 0, 1, 2, ... first
         self._held = [False] * num_slots
 
@@ -171,4 +178,4 @@ class DemotionStore:
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=dev)
         js = torch.tensor(list(slots), dtype=torch.long, device=dev)
         for c in self.layers():
-            c.demoted.write(c, ids, js)
+            self.write_layer(c, ids, js)
