@@ -59,7 +59,8 @@ def _demote_kernel(
                     tl.max(tl.where(d_ok[None, :], x_hi, -big), axis=1))
     scale = _safe_scale(tl.div_rn(hi - lo, 15.0).to(tl.float16))
     zero = lo.to(tl.float16)
-    packed = _codes(x_lo, zero[:, None], scale[:, None], False) | (_codes(x_hi, zero[:, None], scale[:, None], False) << 4)
+    z, sc4 = zero[:, None], scale[:, None]
+    packed = _codes(x_lo, z, sc4, False) | (_codes(x_hi, z, sc4, False) << 4)
     tl.store(o_ptr + j * s_dn + h * s_dh + offs_t[:, None] * DH + offs_d[None, :], packed.to(tl.uint8), mask=m2)
     meta = j * s_mn + h * s_mh + offs_t
     tl.store(os_ptr + meta, scale)
