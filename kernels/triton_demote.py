@@ -17,6 +17,8 @@ Shapes (nanokv.kv.cache.Int8KV, nanokv.kv.demote.DemotedBlocks):
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -28,10 +30,21 @@ from nanokv.kv.demote import HybridInt8KV
 
 
 @triton.jit
+def _mul_rn(a, b, EXACT: tl.constexpr):
+    """a * b rounded on its own, as torch's separate product: on the GPU, `mul.rn` keeps ptxas from
+    contracting the product and the following subtraction into one fma (which would round once
+    where torch rounds twice); the interpreter never contracts."""
+    if EXACT:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return a * b
+
+
+@triton.jit
 def _demote_kernel(
     ids_ptr, slots_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, dk_ptr, dv_ptr, dks_ptr, dkz_ptr, dvs_ptr, dvz_ptr,
     s_kn, s_kh, s_kt, s_kd, s_vn, s_vh, s_vt, s_vd, s_sn, s_sh, s_dn, s_dh, s_mn, s_mh,
-    BS: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr,
+    BS: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr, EXACT: tl.constexpr,
 ):
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -50,8 +63,8 @@ def _demote_kernel(
         row = b * s_vn + h * s_vh + offs_t[:, None] * s_vt + offs_d[None, :] * s_vd
         hi_off = DH * s_vd
     sc = tl.load(s_ptr + b * s_sn + h * s_sh + offs_t).to(tl.float32)  # [BS] the int8 rows' scales
-    x_lo = tl.load(c_ptr + row, mask=m2, other=0).to(tl.float32) * sc[:, None]  # dims [0, D/2)
-    x_hi = tl.load(c_ptr + row + hi_off, mask=m2, other=0).to(tl.float32) * sc[:, None]  # [D/2, D)
+    x_lo = _mul_rn(tl.load(c_ptr + row, mask=m2, other=0).to(tl.float32), sc[:, None], EXACT)  # [0, D/2)
+    x_hi = _mul_rn(tl.load(c_ptr + row + hi_off, mask=m2, other=0).to(tl.float32), sc[:, None], EXACT)
     big = float("inf")
     lo = tl.minimum(tl.min(tl.where(d_ok[None, :], x_lo, big), axis=1),
                     tl.min(tl.where(d_ok[None, :], x_hi, big), axis=1))  # [BS]
@@ -85,5 +98,6 @@ def demote_blocks(cache: HybridInt8KV, block_ids: torch.Tensor, slots: torch.Ten
         st.k_scale, st.k_zero, st.v_scale, st.v_zero,
         *cache.k.stride(), *cache.v.stride(), cache.k_scale.stride(0), cache.k_scale.stride(1),
         st.k.stride(0), st.k.stride(1), st.k_scale.stride(0), st.k_scale.stride(1),
-        BS=bs, DH=D // 2, BLOCK_DH=max(16, next_pow2(D // 2)), num_warps=4 if bs <= 32 else 8,
+        BS=bs, DH=D // 2, BLOCK_DH=max(16, next_pow2(D // 2)),
+        EXACT=cache.k.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", num_warps=4 if bs <= 32 else 8,
     )

@@ -4,6 +4,7 @@ CPU: TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -36,7 +37,10 @@ def _filled_int8(num_blocks: int, H: int, bs: int, D: int, g: torch.Generator):
 
 @pytest.mark.parametrize("H,bs,D", [(2, 16, 64), (1, 32, 128)])
 def test_demote_kernel_writes_the_reference_bytes(H: int, bs: int, D: int) -> None:
-    want, got = ([_filled_int8(6, H, bs, D, torch.Generator().manual_seed(H * bs + D))] for _ in range(2))
+    got = [_filled_int8(6, H, bs, D, torch.Generator().manual_seed(H * bs + D))]
+    # the reference runs on the CPU: torch on CUDA divides by a Python scalar as a product with its
+    # reciprocal (not IEEE division), which moves an fp16 scale by one ulp in about 1% of rows
+    want = [dataclasses.replace(got[0], **{n: t.cpu().clone() for n, t in got[0].tensors().items()})]
     ref, tri = DemotionStore(want, 5), DemotionStore(got, 5)
     tri.write_layer = demote_blocks
     blocks, slots = [4, 1, 0], [2, 0, 4]
@@ -45,6 +49,6 @@ def test_demote_kernel_writes_the_reference_bytes(H: int, bs: int, D: int) -> No
     for a, b in zip(ref.layers(), tri.layers()):
         for name, x in vars(a.demoted).items():
             y = getattr(b.demoted, name)
-            assert torch.equal(x, y), f"{name}: {(x.float() - y.float()).abs().max()} max difference"
+            assert torch.equal(x, y.cpu()), f"{name}: {(x.float() - y.cpu().float()).abs().max()} max difference"
     # a slot never written stays zero, and a written one is not (the copy really happened)
     assert not bool(tri.layers()[0].demoted.k[1].any()) and bool(tri.layers()[0].demoted.k[2].any())
