@@ -40,7 +40,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sparsity-policy", default=None)
     g.add_argument("--sparsity-options", default=None,
                    help="block sparsity's knobs 'name=value,...' (sink_blocks, recent_blocks, min_ranked, score_mode, "
-                        "store_fraction)")
+                        "store_fraction, probe_window)")
     g.add_argument("--enforce-eager", action="store_true", default=None)
     g.add_argument("--batch-invariant", action="store_true", default=None)
     g.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false", default=None)

@@ -6,7 +6,7 @@ Three config keys, each read by both services and checked to agree at attach (na
   compression_sparsity  s in [0, 1): the fraction of a long sequence's full blocks that goes (0: off)
   sparsity_policy       streaming | interval | attention | hybrid (which blocks go first)
   sparsity_options      "name=value,..." of SparsityParams' knobs (sink_blocks, recent_blocks,
-                        min_ranked, score_mode, store_fraction); "" = their defaults
+                        min_ranked, score_mode, store_fraction, probe_window); "" = their defaults
 
 The budget rule and the policies: nanokv.cache_service.sparsity.policies.
 """
@@ -21,7 +21,7 @@ from nanokv.errors import ConfigError
 
 POLICIES = ("streaming", "interval", "attention", "hybrid")
 SCORE_MODES = ("max", "sum")
-KNOBS = ("sink_blocks", "recent_blocks", "min_ranked", "score_mode", "store_fraction")
+KNOBS = ("sink_blocks", "recent_blocks", "min_ranked", "score_mode", "store_fraction", "probe_window")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,11 @@ class SparsityParams:
     # s / (1 - s) for much longer ones. A full store leaves a block INT8, counted in the cache
     # service's sparsity counters. The eval (one sequence at a time) sizes it to the pool.
     store_fraction: float = 0.5
+    # attention / hybrid: the attention probe scores only the last probe_window queries of each prefill
+    # row (SnapKV's observation window), 0 = every query. Its cost per prefill row and layer is one
+    # reference attention pass over the row's queries; a window makes it that of probe_window queries.
+    # Off by default: the quality rows of docs/quality.md were measured with every query.
+    probe_window: int = 0
 
     def __post_init__(self) -> None:
         s = self.sparsity
@@ -59,7 +64,7 @@ class SparsityParams:
             raise ValueError(f"policy {self.policy!r}; allowed: {', '.join(POLICIES)}")
         if self.score_mode not in SCORE_MODES:
             raise ValueError(f"score_mode {self.score_mode!r}; allowed: {', '.join(SCORE_MODES)}")
-        for name in ("sink_blocks", "recent_blocks", "min_ranked"):
+        for name in ("sink_blocks", "recent_blocks", "min_ranked", "probe_window"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
@@ -77,7 +82,8 @@ class SparsityParams:
 
     def describe(self) -> str:
         """Every setting in one canonical line (what two services compare at attach), e.g.
-        "streaming@0.5 (sink_blocks=4, recent_blocks=32, min_ranked=8, score_mode='max', store_fraction=0.5)"."""
+        "streaming@0.5 (sink_blocks=4, recent_blocks=32, min_ranked=8, score_mode='max', store_fraction=0.5,
+        probe_window=0)"."""
         knobs = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name in KNOBS)
         return f"{self.policy}@{float(self.sparsity):g} ({knobs})"
 

@@ -32,7 +32,7 @@ class ComputeSparsity:
         if params.needs_scores:
             from nanokv.compute_service.sparsity.probe import AttentionProbe
 
-            self.probe = AttentionProbe()
+            self.probe = AttentionProbe(window=params.probe_window)
             runner.attn_probe = self.probe
         self.store: DemotionStore | None = None
         if params.demotes:

@@ -29,8 +29,9 @@ from nanokv.kv.cache import LayerKV
 
 
 class AttentionProbe:
-    def __init__(self, query_chunk: int = 256, decode_rows: bool = True) -> None:
+    def __init__(self, query_chunk: int = 256, decode_rows: bool = True, window: int = 0) -> None:
         self.query_chunk = query_chunk
+        self.window = window  # score only a row's last `window` queries (0: all; SparsityParams.probe_window)
         self.decode_rows = decode_rows  # score rows of one query (decode) too
         self._acc: list[torch.Tensor | None] = []  # per step row: [n_queries, num_blocks] float32
 
@@ -48,16 +49,18 @@ class AttentionProbe:
             s, e, L = qsl[i], qsl[i + 1], lens[i]
             if e - s == 1 and not self.decode_rows:
                 continue
-            mass = self._sequence_mass(cache, md.block_tables[i], q[s:e], k[s:e], L, bs)
+            first = max(s, e - self.window) if self.window else s  # the queries scored: [first, e)
+            mass = self._sequence_mass(cache, md.block_tables[i], q[first:e], k[s:e], L, bs)
             acc = self._acc[i]
             self._acc[i] = mass if acc is None else acc + mass
 
     def _sequence_mass(self, cache: LayerKV, table: torch.Tensor, q: torch.Tensor, k_new: torch.Tensor,
                        L: int, bs: int) -> torch.Tensor:
-        """One sequence, one layer -> [n, nb] mass of each block for each of its n queries."""
+        """One sequence, one layer -> [n, nb] mass of each block for each of its n queries, the last n of
+        its len(k_new) new tokens (positions L - n .. L - 1)."""
         n, Hq, D = q.shape
         H = k_new.shape[1]
-        start = L - n
+        start = L - k_new.shape[0]  # cached positions [0, start), this step's keys [start, L)
         nb = -(-L // bs)
         nb_ctx = -(-start // bs)
         ids = table[:nb_ctx]
@@ -74,7 +77,7 @@ class AttentionProbe:
         pos = torch.arange(L, device=q.device)
         for a in range(0, n, self.query_chunk):
             b = min(n, a + self.query_chunk)
-            qpos = torch.arange(start + a, start + b, device=q.device)
+            qpos = torch.arange(L - n + a, L - n + b, device=q.device)
             ok = pos.unsqueeze(0) <= qpos.unsqueeze(1)  # [m, L] causal
             ok[:, :start] &= valid_ctx.unsqueeze(0)  # holes give no keys
             # the Llama scale 1/sqrt(D): the probe ranks blocks, it need not match a custom scale

@@ -6,6 +6,7 @@ torch path; the attention probe measures exactly the softmax mass attention puts
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,12 +15,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
 
 from nanokv.compute_service.sparsity.probe import AttentionProbe  # noqa: E402
-from nanokv.errors import NanoKVError  # noqa: E402
+from nanokv.errors import ConfigError, NanoKVError  # noqa: E402
 from nanokv.kernels import reference  # noqa: E402
 from nanokv.kv import demote, quant  # noqa: E402
 from nanokv.kv.blockquant import quantize_filled  # noqa: E402
 from nanokv.kv.cache import Int4KV, LayerKV, allocate_layer_cache, bytes_per_block  # noqa: E402
 from nanokv.kv.metadata import AttentionMetadata  # noqa: E402
+from nanokv.sparsity import params_of  # noqa: E402
 
 BS, H, G, D = 8, 2, 2, 32
 
@@ -210,3 +212,26 @@ def test_probe_without_decode_rows_scores_prefill_rows_alone():
             assert b is None
         else:
             assert b is not None and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_probe_window_scores_the_last_queries_of_a_row():
+    """probe_window=w: a row's mass is what the full probe gives its last w queries (the positions and
+    the causal mask stay those of the whole row); decode rows are unchanged."""
+    cache, md, q, stored = _batch(16, SPECS, HOLES, num_prefills=2, seed=3)
+    k_new = torch.cat([stored[i][0][md.seq_lens_cpu[i] - (md.query_start_loc_cpu[i + 1] - md.query_start_loc_cpu[i]):
+                                    md.seq_lens_cpu[i]] for i in range(len(SPECS))])
+    w = 4
+    full = AttentionProbe(query_chunk=3).begin(md)
+    part = AttentionProbe(query_chunk=3, window=w).begin(md)
+    for p in (full, part):
+        p.record(0, cache, md, q, k_new)
+    rows_full, rows_part = full._acc, part._acc
+    for i in range(len(SPECS)):
+        a, b = rows_full[i], rows_part[i]
+        assert a is not None and b is not None
+        assert b.shape[0] == min(w, a.shape[0])
+        torch.testing.assert_close(b, a[-b.shape[0]:], atol=1e-6, rtol=1e-6)
+    assert any(r.shape[0] > w for r in rows_full if r is not None)  # some row really was cut
+    with pytest.raises(ConfigError):
+        params_of(SimpleNamespace(compression_sparsity=0.5, sparsity_policy="attention",
+                                  sparsity_options="probe_window=-1"))

@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every input and output length")
     p.add_argument("--kv-gib", type=float, default=4.0, help="KV bytes of every configuration")
     p.add_argument("--sample-every", type=int, default=8, help="steps between live-KV samples")
+    p.add_argument("--sparsity-options", default="", help="sparsity_options of every sparse run, e.g. probe_window=32")
     args = p.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     bad = [c for c in configs if c not in CONFIGS]
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not args.skip_kernels and not args.tiny:
         result["kernels"] = kernel_checks("cuda")
     base: dict[str, Any] = {"model": "random:tiny-llama" if args.tiny else "random:qwen3-0.6b", "block_size": 16,
-                            "device": args.device, "max_model_len": 40960, "sparsity_options": ""}
+                            "device": args.device, "max_model_len": 40960,
+                            "sparsity_options": args.sparsity_options}
     kv_bytes = int(args.kv_gib * 2**30)
     if args.tiny:  # lengths / 20, a few sequences, a 256 KiB pool: every configuration in seconds
         base.update(max_model_len=2048, attention_backend="torch", enforce_eager=True,
