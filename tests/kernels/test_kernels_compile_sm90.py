@@ -28,7 +28,8 @@ def test_decode_kernels_compile_for_sm90(tmp_path) -> None:
     assert len(lines) == len(r.stdout.splitlines()), r.stdout  # every variant built, none FAILed
     for kind in ("bits=16", "bits=8", "bits=4", "min_rows=-1", "rope rot=False", "rope rot=True",
                  "norm add=False", "norm add=True", "silu_mul", "rope rot=True tokens=4", "prefill bits=4",
-                 "prefill bits=16", "int4 fill", "int4 fill recip", "hybrid tile", "hybrid block"):  # each kernel
+                 "prefill bits=16", "int4 fill", "int4 fill recip", "hybrid tile", "hybrid block",
+                 "demote"):  # each kernel
         assert any(kind in ln for ln in lines), (kind, r.stdout)
     assert all(int(ln.split(": ")[1].split()[0]) > 10_000 for ln in lines)  # real cubins
 

@@ -111,6 +111,16 @@ def compile_fill(recip: bool = False) -> bytes:
                          vc_ptr="*u8", ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16"))
 
 
+def compile_demote() -> bytes:
+    """Hybrid's INT8 -> INT4 demotion copy (triton_demote) at Qwen3-0.6B's head dim, 16-token blocks,
+    with the GPU's unfused product (EXACT)."""
+    from nanokv.kernels.triton_demote import _demote_kernel
+    return _compile(_demote_kernel, dict(BS=16, DH=64, BLOCK_DH=64, EXACT=True),
+                    dict(ids_ptr="*i64", slots_ptr="*i64", kc_ptr="*i8", vc_ptr="*i8", ks_ptr="*fp16",
+                         vs_ptr="*fp16", dk_ptr="*u8", dv_ptr="*u8", dks_ptr="*fp16", dkz_ptr="*fp16",
+                         dvs_ptr="*fp16", dvz_ptr="*fp16"))
+
+
 def compile_prefill(bits: int, kinds: bool = True, block_m: int = 64, warps: int = 4) -> bytes:
     """The paged prefill kernel at Qwen3-0.6B shapes (G 2, D 128; int4 at 32-token blocks, bf16 at 16)."""
     from nanokv.kernels.triton_prefill import _prefill_kernel
@@ -150,6 +160,7 @@ OTHERS = {"rope rot=False": lambda: compile_rope(False), "rope rot=True": lambda
           "rope rot=True tokens=4": lambda: compile_rope(True, 4),
           "norm add=False": lambda: compile_norm(False), "norm add=True": lambda: compile_norm(True),
           "silu_mul": compile_silu, "int4 fill": compile_fill, "int4 fill recip": lambda: compile_fill(True),
+          "int8->int4 demote": compile_demote,
           "prefill bits=16": lambda: compile_prefill(16), "prefill bits=8": lambda: compile_prefill(8),
           "prefill bits=4": lambda: compile_prefill(4, True, 128, 8),  # int4's default rows / warps
           "prefill bits=4 kinds=0": lambda: compile_prefill(4, False),

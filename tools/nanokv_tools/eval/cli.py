@@ -56,6 +56,8 @@ def parser() -> argparse.ArgumentParser:
                    help="blocks the policy ranks that are kept whatever the budget (default 8)")
     p.add_argument("--sparsity-score", default=None,
                    help="attention/hybrid: per-block attention mass accumulates by max (default) or sum")
+    p.add_argument("--sparsity-probe-window", type=int, default=None,
+                   help="attention/hybrid: score only each row's last W queries (default 0 = all)")
     p.add_argument("--passkey-lengths", default="512,1024,2048",
                    help="comma list of prompt lengths ('' = skip)")
     p.add_argument("--passkey-trials", type=int, default=10, help="prompts per length")
@@ -113,7 +115,8 @@ def sparsity_variants(args: argparse.Namespace) -> list[SparsityParams]:
         if not 0.0 <= v < 1.0:
             raise NanoKVError("compression_sparsity", f"got {v}; must be in [0, 1)")
     knobs = {k: v for k, v in (("sink_blocks", args.sparsity_sinks), ("recent_blocks", args.sparsity_recent),
-                                ("min_ranked", args.sparsity_min_ranked), ("score_mode", args.sparsity_score))
+                                ("min_ranked", args.sparsity_min_ranked), ("score_mode", args.sparsity_score),
+                                ("probe_window", args.sparsity_probe_window))
              if v is not None}
     try:
         return [SparsityParams(v, pol, **knobs) for pol in policies for v in values if v > 0.0]

@@ -91,7 +91,7 @@ def build(settings: list[Setting], model: str | None, num_blocks: int, block_siz
         if s.sparsity is not None and s.sparsity.needs_scores:
             from nanokv.compute_service.sparsity.probe import AttentionProbe
 
-            r.attn_probe = AttentionProbe()
+            r.attn_probe = AttentionProbe(window=s.sparsity.probe_window)
         if s.sparsity is not None and s.sparsity.demotes:
             from nanokv.kv.demote import DemotionStore
 
