@@ -47,6 +47,7 @@ def engine_kw(config: str, sparsity: float, kv_bytes: int, base: dict[str, Any])
     from nanokv.compute_service.model.config import ModelConfig
     from nanokv.kv.cache import bytes_per_block
     from nanokv.kv.demote import slot_bytes
+    from nanokv.sparsity import SparsityParams, parse_options
 
     mc = ModelConfig.preset(base["model"].removeprefix("random:"))
     H, D, L, bs = mc.num_key_value_heads, mc.head_dim, mc.num_hidden_layers, base["block_size"]
@@ -54,7 +55,9 @@ def engine_kw(config: str, sparsity: float, kv_bytes: int, base: dict[str, Any])
     kw = dict(base, enable_compression=True, quantization_bitwidth=8)
     if config != "int8":
         kw.update(compression_sparsity=sparsity, sparsity_policy=config)
-    store = 0.5 * L * slot_bytes(H, bs, D) if config == "hybrid" else 0.0  # store_fraction 0.5 slots a block
+    # the store holds store_fraction slots per pool block (SparsityParams; --sparsity-options may set it)
+    frac = parse_options(base["sparsity_options"]).get("store_fraction", SparsityParams(0.5).store_fraction)
+    store = frac * L * slot_bytes(H, bs, D) if config == "hybrid" else 0.0
     kw["num_gpu_blocks"] = int(kv_bytes // (block + store))
     return kw
 
