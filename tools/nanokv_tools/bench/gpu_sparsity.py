@@ -56,7 +56,7 @@ def engine_kw(config: str, sparsity: float, kv_bytes: int, base: dict[str, Any])
     if config != "int8":
         kw.update(compression_sparsity=sparsity, sparsity_policy=config)
     # the store holds store_fraction slots per pool block (SparsityParams; --sparsity-options may set it)
-    frac = parse_options(base["sparsity_options"]).get("store_fraction", SparsityParams(0.5).store_fraction)
+    frac = parse_options(base.get("sparsity_options", "")).get("store_fraction", SparsityParams(0.5).store_fraction)
     store = frac * L * slot_bytes(H, bs, D) if config == "hybrid" else 0.0
     kw["num_gpu_blocks"] = int(kv_bytes // (block + store))
     return kw
