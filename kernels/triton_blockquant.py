@@ -55,6 +55,22 @@ def _codes(x, lo, scale, RECIP: tl.constexpr):
 
 
 @triton.jit
+def row_int4(x_lo, x_hi, d_ok, RECIP: tl.constexpr):
+    """Rows [BS, BLOCK_DH] x 2 (dims [0, D/2) and [D/2, D), fp32; d_ok masks the padding dims) ->
+    packed codes [BS, BLOCK_DH] int32 (low nibble d, high nibble d + D/2), fp16 scale and zero [BS]:
+    one asymmetric range per row, as kv.quant.quantize_int4."""
+    big = float("inf")
+    lo = tl.minimum(tl.min(tl.where(d_ok[None, :], x_lo, big), axis=1),
+                    tl.min(tl.where(d_ok[None, :], x_hi, big), axis=1))  # [BS]
+    hi = tl.maximum(tl.max(tl.where(d_ok[None, :], x_lo, -big), axis=1),
+                    tl.max(tl.where(d_ok[None, :], x_hi, -big), axis=1))
+    scale = _safe_scale(tl.div_rn(hi - lo, 15.0).to(tl.float16))
+    zero = lo.to(tl.float16)
+    z, sc = zero[:, None], scale[:, None]
+    return _codes(x_lo, z, sc, RECIP) | (_codes(x_hi, z, sc, RECIP) << 4), scale, zero
+
+
+@triton.jit
 def _fill_quant_kernel(
     slot_ptr, stage_ptr, kst_ptr, vst_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
     stride_stn, stride_sth, stride_cn, stride_ch, stride_kn, stride_kh, stride_vn, stride_vh,
@@ -95,15 +111,7 @@ def _fill_quant_kernel(
         else:  # values: one scale/zero per token over its D dims
             v_lo = tl.load(vst_ptr + src, mask=m2, other=0.0).to(tl.float32)
             v_hi = tl.load(vst_ptr + src + DH, mask=m2, other=0.0).to(tl.float32)
-            big = float("inf")
-            lo_v = tl.minimum(tl.min(tl.where(d_ok[None, :], v_lo, big), axis=1),
-                              tl.min(tl.where(d_ok[None, :], v_hi, big), axis=1))  # [BS]
-            hi_v = tl.maximum(tl.max(tl.where(d_ok[None, :], v_lo, -big), axis=1),
-                              tl.max(tl.where(d_ok[None, :], v_hi, -big), axis=1))
-            sc_v = _safe_scale(tl.div_rn(hi_v - lo_v, 15.0).to(tl.float16))
-            z_v = lo_v.to(tl.float16)
-            packed = (_codes(v_lo, z_v[:, None], sc_v[:, None], RECIP)
-                      | (_codes(v_hi, z_v[:, None], sc_v[:, None], RECIP) << 4))
+            packed, sc_v, z_v = row_int4(v_lo, v_hi, d_ok, RECIP)
             vrow = blk * stride_kn + h * stride_kh + offs_t[:, None] * stride_vt + offs_d[None, :] * stride_vd
             tl.store(vc_ptr + vrow, packed.to(tl.uint8), mask=m2)
             vmeta = blk * stride_vn + h * stride_vh + offs_t  # [BS] into [N, H, bs]

@@ -23,9 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanokv.kernels.triton_blockquant import _codes
+from nanokv.kernels.triton_blockquant import row_int4
 from nanokv.kernels.triton_kvtile import next_pow2
-from nanokv.kernels.triton_store import _safe_scale
 from nanokv.kv.demote import HybridInt8KV
 
 
@@ -65,15 +64,7 @@ def _demote_kernel(
     sc = tl.load(s_ptr + b * s_sn + h * s_sh + offs_t).to(tl.float32)  # [BS] the int8 rows' scales
     x_lo = _mul_rn(tl.load(c_ptr + row, mask=m2, other=0).to(tl.float32), sc[:, None], EXACT)  # [0, D/2)
     x_hi = _mul_rn(tl.load(c_ptr + row + hi_off, mask=m2, other=0).to(tl.float32), sc[:, None], EXACT)
-    big = float("inf")
-    lo = tl.minimum(tl.min(tl.where(d_ok[None, :], x_lo, big), axis=1),
-                    tl.min(tl.where(d_ok[None, :], x_hi, big), axis=1))  # [BS]
-    hi = tl.maximum(tl.max(tl.where(d_ok[None, :], x_lo, -big), axis=1),
-                    tl.max(tl.where(d_ok[None, :], x_hi, -big), axis=1))
-    scale = _safe_scale(tl.div_rn(hi - lo, 15.0).to(tl.float16))
-    zero = lo.to(tl.float16)
-    z, sc4 = zero[:, None], scale[:, None]
-    packed = _codes(x_lo, z, sc4, False) | (_codes(x_hi, z, sc4, False) << 4)
+    packed, scale, zero = row_int4(x_lo, x_hi, d_ok, False)
     tl.store(o_ptr + j * s_dn + h * s_dh + offs_t[:, None] * DH + offs_d[None, :], packed.to(tl.uint8), mask=m2)
     meta = j * s_mn + h * s_mh + offs_t
     tl.store(os_ptr + meta, scale)
