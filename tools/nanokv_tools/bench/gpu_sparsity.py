@@ -13,7 +13,8 @@
    for int8, int8 + streaming@s, attention@s, hybrid@s (s = --sparsity), every one in the same KV bytes
    (--kv-gib: the int8 pool, and for hybrid the pool plus its INT4 demotion store). Reported: output
    tok/s, TTFT and TPOT p50/p99, the most sequences running at once, the largest live KV bytes of one
-   sequence (sampled every --sample-every steps), preemptions. --scale multiplies every length.
+   sequence (sampled every --sample-every steps), preemptions. --scale multiplies every length;
+   --max-num-seqs caps the batch of every run (TPOT at equal batch).
 Prints a line per run and writes sparsity.json under --out. --device cpu --tiny: a seconds-long smoke of
 the same code (tiny random model, the torch backend; no kernel section).
 """
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-gib", type=float, default=4.0, help="KV bytes of every configuration")
     p.add_argument("--sample-every", type=int, default=8, help="steps between live-KV samples")
     p.add_argument("--sparsity-options", default="", help="sparsity_options of every sparse run, e.g. probe_window=32")
+    p.add_argument("--max-num-seqs", type=int, default=0,
+                   help="cap on sequences running at once in every run (0: the engine's default); equal caps "
+                        "compare TPOT at equal batch")
     args = p.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     bad = [c for c in configs if c not in CONFIGS]
@@ -149,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     base: dict[str, Any] = {"model": "random:tiny-llama" if args.tiny else "random:qwen3-0.6b", "block_size": 16,
                             "device": args.device, "max_model_len": 40960,
                             "sparsity_options": args.sparsity_options}
+    if args.max_num_seqs:
+        base["max_num_seqs"] = args.max_num_seqs
     kv_bytes = int(args.kv_gib * 2**30)
     if args.tiny:  # lengths / 20, a few sequences, a 256 KiB pool: every configuration in seconds
         base.update(max_model_len=2048, attention_backend="torch", enforce_eager=True,

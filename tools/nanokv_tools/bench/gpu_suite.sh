@@ -2,7 +2,12 @@
 # One device call that checks and times everything the GPU benchmarks measure.
 #   bash tools/nanokv_tools/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf] [pool] [ncu]
 #                                  [pairs] [rotab] [breakdown] [variants] [hostprof] [swap4] [int4next]
-#                                  [ipc] [split] [splitlong] [splitadapt] [repoolprobe]
+#                                  [ipc] [split] [splitlong] [splitadapt] [repoolprobe] [sparsity] [spstore] [router] [tiers]
+# sparsity: block sparsity while serving (gpu_sparsity, SPOPT sparsity_options, default probe_window=32): 128
+# longctx sequences for int8 / attention / hybrid; the same at an equal batch cap (EQUAL, default 24); hybrid with
+# long32k (LONGN sequences, default 8) for int8 and hybrid; spstore: hybrid with store_fraction=1.0;
+# router: two replicas behind the router at RATES (default 8,12), kv against round-robin;
+# tiers: the hierarchy at TIER_RATES (default 4,5): L1, L1+L2, L1+L2(int8), L1+L2+L3 in one process, L1+L2 split
 # ipc: the CUDA IPC tests and GPU parity through the three services (fp32 == CPU reference, bf16 split ==
 # bf16 in-process); split: the nanovllm workload through the services and in-process, side by side;
 # (REPEAT=n: n pairs, each in its own process);
@@ -128,6 +133,26 @@ for ph in $phases; do
         --quantization-bitwidth 8 --out "$OUT/longctx_split_int8.json"
       run longctx_split_int4 $BENCH --workload longctx --transport split --enable-compression \
         --quantization-bitwidth 4 --out "$OUT/longctx_split_int4.json" ;;
+    sparsity)
+      SP="python3 -m nanokv_tools.bench.gpu_sparsity --skip-kernels --sparsity-options ${SPOPT:-probe_window=32}"
+      run sp_window timeout 200 $SP --workloads longctx --num-seqs 128 --configs int8,attention,hybrid \
+        --out "$OUT/sp_window"
+      run sp_equal timeout 150 $SP --workloads longctx --num-seqs 128 --max-num-seqs ${EQUAL:-24} --configs int8,hybrid \
+        --out "$OUT/sp_equal"
+      run sp_long timeout 230 $SP --workloads long32k --long-num-seqs ${LONGN:-8} --configs int8,hybrid \
+        --out "$OUT/sp_long" ;;
+    spstore)
+      run sp_store timeout 100 python3 -m nanokv_tools.bench.gpu_sparsity --skip-kernels --workloads longctx \
+        --num-seqs 128 --configs hybrid --sparsity-options "${SPOPT:-probe_window=32},store_fraction=1.0" \
+        --out "$OUT/sp_store" ;;
+    router)
+      run router timeout 330 python3 -m nanokv_tools.bench.gpu_router --out "$OUT/router.json" --num-prompts 96 \
+        --rate ${RATES:-8,12} ;;
+    tiers)
+      run tiers timeout 560 python3 -m nanokv_tools.bench.gpu_tiers --out "$OUT/tiers.json" --skip-bandwidth \
+        --l1-blocks 2048 --l2-gib 32 --l3-gib 32 --system-len 6144 --user-len 256 --output-len 64 --num-prompts 64 \
+        --turns 4 --systems 16 --rate ${TIER_RATES:-4,5} --max-num-seqs 8 \
+        --configs "${TIER_CONFIGS:-L1,L1+L2,L1+L2(int8),L1+L2+L3}" --up-configs "${TIER_UP:-L1+L2}" ;;
     hostprof) run hostprof_8 python3 -m nanokv_tools.bench.host_profile --bits 8 --out "$OUT/hostprof_8.json" ;;
     breakdown)
       for b in 8 16; do
