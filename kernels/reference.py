@@ -18,8 +18,19 @@ from nanokv.kv.cache import FullKV, Int8KV, LayerKV
 from nanokv.kv.demote import HybridInt8KV
 from nanokv.kv.metadata import AttentionMetadata
 
+SMALL_STORE = 4  # tokens: up to this many, a CPU step stores each by plain views (decode steps)
+
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
+    if k.shape[0] <= SMALL_STORE and type(cache) is FullKV and k.device.type == "cpu":
+        # a decode step: two view copies per token instead of ~10 ops of advanced indexing (~100 us a
+        # layer, a tenth of a one-stream decode step on the CPU); the same values land in the same slots
+        bs = cache.block_size
+        for t, s in enumerate(slot_mapping.tolist()):
+            if s >= 0:
+                cache.k[s // bs, :, s % bs].copy_(k[t])
+                cache.v[s // bs, :, s % bs].copy_(v[t])
+        return
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]

@@ -155,7 +155,7 @@ def test_compute_with_other_sparsity_settings_is_refused_at_attach(services, tmp
     assert out.returncode == 2, out.stderr[-2000:]
     assert ("compression_sparsity: the cache service has block sparsity off, the compute service block sparsity "
             "streaming@0.5 (sink_blocks=4, recent_blocks=4, min_ranked=8, score_mode='max', store_fraction=0.5, "
-            "probe_window=0)"
+            "probe_window=32)"
             ) in out.stderr
 
 

@@ -57,7 +57,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sparsity-score", default=None,
                    help="attention/hybrid: per-block attention mass accumulates by max (default) or sum")
     p.add_argument("--sparsity-probe-window", type=int, default=None,
-                   help="attention/hybrid: score only each row's last W queries (default 0 = all)")
+                   help="attention/hybrid: score only each row's last W queries (0 = all; default: "
+                        "sparsity_options' default, 32)")
     p.add_argument("--passkey-lengths", default="512,1024,2048",
                    help="comma list of prompt lengths ('' = skip)")
     p.add_argument("--passkey-trials", type=int, default=10, help="prompts per length")
