@@ -14,7 +14,8 @@
    (--kv-gib: the int8 pool, and for hybrid the pool plus its INT4 demotion store). Reported: output
    tok/s, TTFT and TPOT p50/p99, the most sequences running at once, the largest live KV bytes of one
    sequence (sampled every --sample-every steps), preemptions. --scale multiplies every length;
-   --max-num-seqs caps the batch of every run (TPOT at equal batch).
+   --max-num-seqs caps the batch of every run (TPOT at equal batch); --profile-steps A:B prints where steps
+   A..B-1 of every run spend device and host time.
 Prints a line per run and writes sparsity.json under --out. --device cpu --tiny: a seconds-long smoke of
 the same code (tiny random model, the torch backend; no kernel section).
 """
@@ -63,7 +64,8 @@ def engine_kw(config: str, sparsity: float, kv_bytes: int, base: dict[str, Any])
     return kw
 
 
-def serve_run(kw: dict[str, Any], prompts: list[list[int]], outs: list[int], sample_every: int) -> dict[str, Any]:
+def serve_run(kw: dict[str, Any], prompts: list[list[int]], outs: list[int], sample_every: int,
+              profile_steps: tuple[int, int] | None = None) -> dict[str, Any]:
     from nanokv.compute_service.model.config import ModelConfig
     from nanokv.compute_service.sparsity.accounting import KVBytes
     from nanokv.gateway.llm import LLM
@@ -79,9 +81,19 @@ def serve_run(kw: dict[str, Any], prompts: list[list[int]], outs: list[int], sam
     seen = {"steps": 0, "max_running": 0, "max_seq_kv_bytes": 0}
     inner, sched, cm = eng.step, eng.scheduler, eng.cache_manager
 
+    prof = None  # torch.profiler over steps [a, b) of the run (--profile-steps): where a config's time goes
+
     def step(*a, **k):
+        nonlocal prof
+        if profile_steps is not None and seen["steps"] == profile_steps[0]:
+            acts = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            prof = torch.profiler.profile(activities=acts)
+            prof.start()
         res = inner(*a, **k)
         seen["steps"] += 1
+        if prof is not None and profile_steps is not None and seen["steps"] == profile_steps[1]:
+            prof.stop()
         running = sched.running
         seen["max_running"] = max(seen["max_running"], len(running))
         if seen["steps"] % sample_every == 0:
@@ -110,6 +122,12 @@ def serve_run(kw: dict[str, Any], prompts: list[list[int]], outs: list[int], sam
     def pct(xs: list[float], p: float) -> float:
         return xs[min(len(xs) - 1, int(p * len(xs)))]
 
+    if prof is not None:
+        if profile_steps is not None and seen["steps"] < profile_steps[1]:
+            prof.stop()
+        by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=by, row_limit=25), flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
     sp = eng.sparsity  # (the in-process cache service's decisions and counters; None for int8)
     out = {"seconds": dt, "output_tokens_per_s": sum(outs) / dt, "ttft_p50_s": pct(ttft, 0.5),
            "ttft_p99_s": pct(ttft, 0.99), "tpot_p50_s": pct(tpot, 0.5), "tpot_p99_s": pct(tpot, 0.99),
@@ -138,11 +156,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-gib", type=float, default=4.0, help="KV bytes of every configuration")
     p.add_argument("--sample-every", type=int, default=8, help="steps between live-KV samples")
     p.add_argument("--sparsity-options", default="", help="sparsity_options of every sparse run, e.g. probe_window=32")
+    p.add_argument("--profile-steps", default="", help="A:B: torch.profiler over steps A..B-1 of every run, "
+                   "its top device kernels and host ops printed (timings of a profiled run are not benchmark figures)")
     p.add_argument("--max-num-seqs", type=int, default=0,
                    help="cap on sequences running at once in every run (0: the engine's default); equal caps "
                         "compare TPOT at equal batch")
     args = p.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
+    profile = None
+    if args.profile_steps:
+        try:
+            a, b = (int(x) for x in args.profile_steps.split(":"))
+        except ValueError:
+            p.error(f"--profile-steps: got {args.profile_steps!r}; want A:B, e.g. 400:460")
+        if not 0 <= a < b:
+            p.error(f"--profile-steps: got {args.profile_steps!r}; want 0 <= A < B")
+        profile = (a, b)
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
         p.error(f"--configs: {bad} not of {CONFIGS}")
@@ -176,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts, outs = workload(wl, counts[wl], args.scale, 1000 if args.tiny else 10000)
         for cfg in configs:
             kw = engine_kw(cfg, args.sparsity, kv_bytes, base)
-            r = serve_run(kw, prompts, outs, args.sample_every)
+            r = serve_run(kw, prompts, outs, args.sample_every, profile)
             r.update(workload=wl, config=cfg if cfg == "int8" else f"{cfg}@{args.sparsity}", num_seqs=len(prompts))
             result["serving"].append(r)
             print(f"[{wl}] {r['config']:15s} {r['output_tokens_per_s']:9,.0f} tok/s  TTFT p50/p99 "

@@ -2,10 +2,11 @@
 # One device call that checks and times everything the GPU benchmarks measure.
 #   bash tools/nanokv_tools/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf] [pool] [ncu]
 #                                  [pairs] [rotab] [breakdown] [variants] [hostprof] [swap4] [int4next]
-#                                  [ipc] [split] [splitlong] [splitadapt] [repoolprobe] [sparsity] [spstore] [router] [tiers]
+#                                  [ipc] [split] [splitlong] [splitadapt] [repoolprobe] [sparsity] [spprofile] [spstore] [router] [tiers]
 # sparsity: block sparsity while serving (gpu_sparsity, SPOPT sparsity_options, default probe_window=32): 128
 # longctx sequences for int8 / attention / hybrid; the same at an equal batch cap (EQUAL, default 24); hybrid with
 # long32k (LONGN sequences, default 8) for int8 and hybrid; spstore: hybrid with store_fraction=1.0;
+# spprofile: int8 and hybrid at the equal batch under torch.profiler (steps PSTEPS, default 600:700);
 # router: two replicas behind the router at RATES (default 8,12), kv against round-robin;
 # tiers: the hierarchy at TIER_RATES (default 4,5): L1, L1+L2, L1+L2(int8), L1+L2+L3 in one process, L1+L2 split
 # ipc: the CUDA IPC tests and GPU parity through the three services (fp32 == CPU reference, bf16 split ==
@@ -141,6 +142,10 @@ for ph in $phases; do
         --out "$OUT/sp_equal"
       run sp_long timeout 230 $SP --workloads long32k --long-num-seqs ${LONGN:-8} --configs int8,hybrid \
         --out "$OUT/sp_long" ;;
+    spprofile)  # where hybrid's time goes at an equal batch: torch.profiler over 100 steps of each run
+      run sp_profile timeout 300 python3 -m nanokv_tools.bench.gpu_sparsity --skip-kernels --workloads longctx \
+        --num-seqs 128 --max-num-seqs ${EQUAL:-24} --configs int8,hybrid --profile-steps ${PSTEPS:-600:700} \
+        --out "$OUT/sp_profile" ;;
     spstore)
       run sp_store timeout 100 python3 -m nanokv_tools.bench.gpu_sparsity --skip-kernels --workloads longctx \
         --num-seqs 128 --configs hybrid --sparsity-options "${SPOPT:-probe_window=32},store_fraction=1.0" \
