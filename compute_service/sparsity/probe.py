@@ -47,7 +47,7 @@ class AttentionProbe:
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
         for i in range(len(lens)):
             s, e, L = qsl[i], qsl[i + 1], lens[i]
-            if e - s == 1 and not self.decode_rows:
+            if i >= md.num_prefills and not self.decode_rows:  # a decode row (a prefill's one-token chunk is not)
                 continue
             first = max(s, e - self.window) if self.window else s  # the queries scored: [first, e)
             mass = self._sequence_mass(cache, md.block_tables[i], q[first:e], k[s:e], L, bs)

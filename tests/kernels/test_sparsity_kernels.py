@@ -194,21 +194,24 @@ def test_probe_measures_the_attention_mass_per_block():
         assert all(float(sm[h]) == 0.0 for h in holes)
 
 
-def test_probe_without_decode_rows_scores_prefill_rows_alone():
+@pytest.mark.parametrize("specs", [SPECS, [(40, 9), (63, 1), (30, 1)]], ids=["chunks", "one-token-prefill"])
+def test_probe_without_decode_rows_scores_prefill_rows_alone(specs):
     """Under CUDA graphs (decode_rows=False) a decode row gets no score from an eager step, as from a
-    graph step; the prefill rows' scores are the ones a full probe gives."""
-    cache, md, q, stored = _batch(16, SPECS, HOLES, num_prefills=2, seed=3)
+    graph step; the prefill rows' scores are the ones a full probe gives, also for a prefill whose
+    chunk is one token (the second case: rows 0-1 are prefills, row 1's chunk is its last token)."""
+    holes = HOLES[:1] + HOLES[2:] if len(specs) == 3 else HOLES
+    cache, md, q, stored = _batch(16, specs, holes, num_prefills=2, seed=3)
     k_new = torch.cat([stored[i][0][md.seq_lens_cpu[i] - (md.query_start_loc_cpu[i + 1] - md.query_start_loc_cpu[i]):
-                                    md.seq_lens_cpu[i]] for i in range(len(SPECS))])
+                                    md.seq_lens_cpu[i]] for i in range(len(specs))])
     full = AttentionProbe(query_chunk=4).begin(md)
     part = AttentionProbe(query_chunk=4, decode_rows=False).begin(md)
     for p in (full, part):
         p.record(0, cache, md, q, k_new)
-    qlens = [md.query_start_loc_cpu[i + 1] - md.query_start_loc_cpu[i] for i in range(len(SPECS))]
-    assert 1 in qlens and any(n > 1 for n in qlens)  # the batch has both kinds of rows
-    for n, a, b in zip(qlens, full.take(), part.take()):
+    qlens = [md.query_start_loc_cpu[i + 1] - md.query_start_loc_cpu[i] for i in range(len(specs))]
+    assert qlens[-1] == 1  # the batch has both kinds of rows
+    for i, (a, b) in enumerate(zip(full.take(), part.take())):
         assert a is not None
-        if n == 1:
+        if i >= md.num_prefills:
             assert b is None
         else:
             assert b is not None and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
