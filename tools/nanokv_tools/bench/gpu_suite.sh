@@ -2,12 +2,13 @@
 # One device call that checks and times everything the GPU benchmarks measure.
 #   bash tools/nanokv_tools/bench/gpu_suite.sh [profile] [parity] [kernels] [nanovllm] [longctx] [quant] [hf] [pool] [ncu]
 #                                  [pairs] [rotab] [breakdown] [variants] [hostprof] [swap4] [int4next]
-#                                  [ipc] [split] [splitlong] [splitadapt] [repoolprobe] [sparsity] [spprofile] [spstore] [router] [tiers]
+#                                  [ipc] [split] [splitlong] [splitadapt] [repoolprobe] [sparsity] [spprofile] [spstore] [router] [tiers] [tierbw]
 # sparsity: block sparsity while serving (gpu_sparsity, SPOPT sparsity_options, default probe_window=32): 128
 # longctx sequences for int8 / attention / hybrid; the same at an equal batch cap (EQUAL, default 24); hybrid with
 # long32k (LONGN sequences, default 8) for int8 and hybrid; spstore: hybrid with store_fraction=1.0;
 # spprofile: int8 and hybrid at the equal batch under torch.profiler (steps PSTEPS, default 600:700);
 # router: two replicas behind the router at RATES (default 8,12), kv against round-robin;
+# tierbw: the host tier's load / write-back time per tier format (pool, int8, int4), Llama-3-8B layout;
 # tiers: the hierarchy at TIER_RATES (default 4,5): L1, L1+L2, L1+L2(int8), L1+L2+L3 in one process, L1+L2 split
 # ipc: the CUDA IPC tests and GPU parity through the three services (fp32 == CPU reference, bf16 split ==
 # bf16 in-process); split: the nanovllm workload through the services and in-process, side by side;
@@ -153,6 +154,9 @@ for ph in $phases; do
     router)
       run router timeout 330 python3 -m nanokv_tools.bench.gpu_router --out "$OUT/router.json" --num-prompts 96 \
         --rate ${RATES:-8,12} ;;
+    tierbw)  # the host tier's loads and write-backs per format: bytes (pool) and re-quantized (int8, int4)
+      run tierbw timeout 300 python3 -m nanokv_tools.bench.gpu_tiers --out "$OUT/tierbw.json" --configs '' \
+        --bandwidth-formats pool,int8,int4 ;;
     tiers)
       run tiers timeout 560 python3 -m nanokv_tools.bench.gpu_tiers --out "$OUT/tiers.json" --skip-bandwidth \
         --l1-blocks 2048 --l2-gib 32 --l3-gib 32 --system-len 6144 --user-len 256 --output-len 64 --num-prompts 64 \

@@ -25,49 +25,77 @@ import time
 from typing import Any
 
 
-def bandwidth(model: str, blocks: int, block_size: int = 16) -> dict[str, float]:
+def bandwidth(model: str, blocks: int, block_size: int = 16, tier_format: str = "pool",
+              device: str = "cuda") -> dict[str, Any]:
+    """Loads and write-backs of `blocks` scattered blocks between a bf16 pool and a host tier in
+    `tier_format` (pool: bytes copied, checked exactly; int8 / int4: re-quantized on the way, timed only),
+    and one pinned host-to-device copy of the tier's bytes (CUDA only)."""
     import torch
 
     from nanokv.compute_service.model.config import ModelConfig
     from nanokv.compute_service.runner.tier_copies import HostTier, run_copies
     from nanokv.kv.segment import carve_layer_caches, pool_nbytes
+    from nanokv.kv.tier_transcode import tier_layer_bits
     from nanokv.messages import COPY_LOAD, COPY_SAVE, PoolHandle, PoolLayout
 
     mc = ModelConfig.preset(model.removeprefix("random:"))
-    dev = torch.device("cuda")
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
     layout = PoolLayout(blocks, block_size, mc.num_key_value_heads, mc.head_dim, [16] * mc.num_hidden_layers,
-                        "bfloat16", 0, "cuda")
+                        "bfloat16", 0, device)
     l1 = carve_layer_caches(layout, torch.zeros(pool_nbytes(layout), dtype=torch.uint8, device=dev))
-    host = dict(layout.__dict__, device="cpu")
+    host = dict(layout.__dict__, device="cpu", layer_bits=tier_layer_bits(layout.layer_bits, tier_format))
     hbuf = torch.randint(0, 256, (pool_nbytes(PoolLayout(**host)),), dtype=torch.uint8)
+    same = tier_format == "pool"
     handle = PoolHandle("local", 0, 1, buffer=None, host_tier=PoolHandle("local", hbuf.numel(), 1, buffer=hbuf),
                         host_tier_blocks=blocks)
     l2 = HostTier(handle, layout, dev)
+    if not same:  # random bytes are not valid scales: finite ones, so the decode does real arithmetic
+        for h in l2.caches:
+            for f in h.block_fields:
+                t = getattr(h, f)
+                if t.is_floating_point():
+                    t.copy_(torch.rand(t.shape, dtype=torch.float32).to(t.dtype))
     copies = [(COPY_LOAD, b, (b * 7) % blocks) for b in range(blocks)]  # scattered slots, like a real hit
     saves = [(COPY_SAVE, (b * 5) % blocks, b) for b in range(blocks)]
     nbytes = hbuf.numel()
     reps = 5
 
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     def timed(batch: list[tuple[int, int, int]]) -> float:
         run_copies(batch, l1, l2, blocks)
         l2.flush()
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(reps):
             run_copies(batch, l1, l2, blocks)
         l2.flush()
-        torch.cuda.synchronize()
+        sync()
         return (time.perf_counter() - t0) / reps
 
     tier_s = timed(copies)
-    # the loads put slot (b*7)%n into block b: check every tensor's bytes before timing the saves
+    exact: bool | None = None  # (re-quantized blocks are not bytes to compare)
     src = torch.tensor([(b * 7) % blocks for b in range(blocks)])
-    exact = all(torch.equal(getattr(d, f).view(torch.uint8).cpu(), getattr(h, f)[src].view(torch.uint8))
-                for d, h in zip(l1, l2.caches) for f in d.block_fields)
+    if same:  # the loads put slot (b*7)%n into block b: check every tensor's bytes before timing the saves
+        exact = all(torch.equal(getattr(d, f).view(torch.uint8).cpu(), getattr(h, f)[src].view(torch.uint8))
+                    for d, h in zip(l1, l2.caches) for f in d.block_fields)
     save_s = timed(saves)
     back = torch.tensor([(b * 5) % blocks for b in range(blocks)])
-    exact = exact and all(torch.equal(getattr(h, f).view(torch.uint8), getattr(d, f)[back].view(torch.uint8).cpu())
-                          for d, h in zip(l1, l2.caches) for f in d.block_fields)
+    if same:
+        exact = exact and all(torch.equal(getattr(h, f).view(torch.uint8),
+                                          getattr(d, f)[back].view(torch.uint8).cpu())
+                              for d, h in zip(l1, l2.caches) for f in d.block_fields)
+    device_access = l2.device_access
+    out: dict[str, Any] = {"tier_format": tier_format, "blocks": blocks, "bytes": nbytes,
+                           "onload_GBps": nbytes / tier_s / 1e9, "writeback_GBps": nbytes / save_s / 1e9,
+                           "onload_ms": 1e3 * tier_s, "writeback_ms": 1e3 * save_s, "bytes_exact": exact,
+                           "in_place_kernel": device_access}
+    if not cuda:
+        l2.close()
+        return out
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     dst.copy_(pinned, non_blocking=True)
@@ -77,11 +105,8 @@ def bandwidth(model: str, blocks: int, block_size: int = 16) -> dict[str, float]
         dst.copy_(pinned, non_blocking=True)
     torch.cuda.synchronize()
     pinned_s = (time.perf_counter() - t0) / reps
-    device_access = l2.device_access
     l2.close()
-    out = {"blocks": blocks, "bytes": nbytes, "onload_GBps": nbytes / tier_s / 1e9,
-           "writeback_GBps": nbytes / save_s / 1e9, "pinned_h2d_GBps": nbytes / pinned_s / 1e9,
-           "bytes_exact": exact, "in_place_kernel": device_access}
+    out["pinned_h2d_GBps"] = nbytes / pinned_s / 1e9
     out["onload_vs_pinned"] = out["onload_GBps"] / out["pinned_h2d_GBps"]
     return out
 
@@ -172,13 +197,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--up-configs", default="", help="served by the three services (nanokv up)")
     p.add_argument("--token-range", default="1000:120000", help="LO:HI token ids (within the vocabulary)")
     p.add_argument("--skip-bandwidth", action="store_true")
+    p.add_argument("--bandwidth-formats", default="pool",
+                   help="host tier formats of the bandwidth section, comma-separated (pool, int8, int4): int8 and "
+                        "int4 time the re-quantizing loads and write-backs")
     args = p.parse_args(argv)
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
     result: dict[str, Any] = {"args": vars(args)}
     if not args.skip_bandwidth:
-        result["bandwidth"] = bandwidth(args.model, args.bandwidth_blocks)
-        print("bandwidth", json.dumps(result["bandwidth"]), flush=True)
+        rows = [bandwidth(args.model, args.bandwidth_blocks, tier_format=f)
+                for f in args.bandwidth_formats.split(",") if f]
+        result["bandwidth"] = rows[0] if len(rows) == 1 else rows
+        for row in rows:
+            print("bandwidth", json.dumps(row), flush=True)
     gib = 1 << 30
     with tempfile.TemporaryDirectory(prefix="nanokv-l3-") as d:
         fill = {"l2": int(args.l2_gib * gib), "l3_l2": int(args.l2_gib * gib / 2), "l3": int(args.l3_gib * gib),
