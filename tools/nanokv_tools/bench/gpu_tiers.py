@@ -204,9 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
     result: dict[str, Any] = {"args": vars(args)}
+    from nanokv.kv.tier_transcode import TIER_FORMAT_BITS  # (torch: imported where it is used, as in bandwidth)
+
+    formats = [f for f in args.bandwidth_formats.split(",") if f]
+    bad = [f for f in formats if f not in TIER_FORMAT_BITS]
+    if bad:
+        p.error(f"--bandwidth-formats: {bad}; allowed: {', '.join(TIER_FORMAT_BITS)}")
     if not args.skip_bandwidth:
-        rows = [bandwidth(args.model, args.bandwidth_blocks, tier_format=f)
-                for f in args.bandwidth_formats.split(",") if f]
+        rows = [bandwidth(args.model, args.bandwidth_blocks, tier_format=f) for f in formats]
         result["bandwidth"] = rows[0] if len(rows) == 1 else rows
         for row in rows:
             print("bandwidth", json.dumps(row), flush=True)
